@@ -1,0 +1,363 @@
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+const BS: usize = 4;
+
+fn manager(num_blocks: usize) -> KVCacheManager {
+    KVCacheManager::new(num_blocks, BS, true, "test-model").unwrap()
+}
+
+fn id(n: u64) -> RequestId {
+    RequestId(n)
+}
+
+fn ids(blocks: &[BlockId]) -> Vec<u32> {
+    blocks.iter().map(|b| b.0).collect()
+}
+
+/// Adds a request, looks up its prefix and allocates its whole prompt. Returns the hit.
+fn admit(m: &mut KVCacheManager, request: u64, prompt: &[u32], salt: Option<&str>) -> usize {
+    m.add_request(id(request), prompt, salt).unwrap();
+    let hit = m.get_computed_blocks(id(request)).unwrap();
+    m.allocate_slots(id(request), prompt.len() - hit).unwrap().expect("enough blocks");
+    m.pool().check_invariants().unwrap();
+    hit
+}
+
+#[test]
+fn block_counts_and_slack_match_the_worked_examples() {
+    let mut m = KVCacheManager::new(64, 16, false, "").unwrap();
+    for (n, (len, blocks, unused)) in [(35, 3, 13), (17, 2, 15), (64, 4, 0), (33, 3, 15)]
+        .into_iter()
+        .enumerate()
+    {
+        admit(&mut m, n as u64, &vec![1; len], None);
+        let table = m.block_table(id(n as u64)).unwrap();
+        assert_eq!(table.len(), blocks);
+        assert_eq!(table.len() * 16 - len, unused);
+    }
+}
+
+#[test]
+fn identical_prefixes_share_blocks_without_new_allocation() {
+    let mut m = manager(16);
+    let prompt: Vec<u32> = (0..10).collect();
+    assert_eq!(admit(&mut m, 1, &prompt, None), 0);
+    let used_before = m.stats().num_used_blocks;
+    assert_eq!(admit(&mut m, 2, &prompt, None), 8);
+    let (a, b) = (m.block_table(id(1)).unwrap(), m.block_table(id(2)).unwrap());
+    assert_eq!(a[..2], b[..2]);
+    assert_ne!(a[2], b[2], "the partial last block is never shared");
+    assert_eq!(m.pool().ref_count(a[0]), 2);
+    assert_eq!(m.stats().num_used_blocks, used_before + 1);
+    assert_eq!(m.stats().prefix_cache_hits, 8);
+    assert_eq!(m.stats().prefix_cache_queries, 20);
+}
+
+#[test]
+fn hit_never_covers_the_last_prompt_token() {
+    let mut m = manager(16);
+    let prompt: Vec<u32> = (0..8).collect();
+    admit(&mut m, 1, &prompt, None);
+    // Both blocks are cached, but the second holds the last token: only one is reused.
+    assert_eq!(admit(&mut m, 2, &prompt, None), 4);
+    assert_eq!(m.num_computed_tokens(id(2)).unwrap(), 8);
+}
+
+#[test]
+fn different_cache_salt_never_shares() {
+    let mut m = manager(32);
+    let prompt: Vec<u32> = (0..13).collect();
+    admit(&mut m, 1, &prompt, Some("alice"));
+    assert_eq!(admit(&mut m, 2, &prompt, Some("bob")), 0);
+    assert_eq!(admit(&mut m, 3, &prompt, None), 0);
+    assert_eq!(admit(&mut m, 4, &prompt, Some("alice")), 12);
+}
+
+#[test]
+fn one_token_difference_in_block_k_shares_only_blocks_before_k() {
+    let mut m = manager(32);
+    let prompt: Vec<u32> = (0..17).collect();
+    admit(&mut m, 1, &prompt, None);
+    for k in 0..4 {
+        let mut other = prompt.clone();
+        other[k * BS + 2] = 999;
+        assert_eq!(admit(&mut m, 10 + k as u64, &other, None), k * BS, "difference in block {k}");
+        let shared = m.block_table(id(10 + k as u64)).unwrap();
+        assert_eq!(shared[..k], m.block_table(id(1)).unwrap()[..k]);
+    }
+}
+
+#[test]
+fn forced_hash_collision_is_rejected_by_the_token_check() {
+    let mut m = manager(32);
+    m.force_hash_collisions_for_testing(0);
+    let first: Vec<u32> = (0..9).collect();
+    admit(&mut m, 1, &first, None);
+    // Every block of every request now has the same key. Only exact matches may hit.
+    let mut second = first.clone();
+    second[0] = 77;
+    assert_eq!(admit(&mut m, 2, &second, None), 0);
+    assert_eq!(admit(&mut m, 3, &first, Some("salted")), 0);
+    assert_eq!(admit(&mut m, 4, &first, None), 4, "the one cached key still hits exactly");
+    // Same tokens in block 1 but a different block 0: block 1 must not be reused.
+    let mut shifted = first.clone();
+    shifted[1] = 55;
+    assert_eq!(admit(&mut m, 5, &shifted, None), 0);
+}
+
+#[test]
+fn narrow_keys_collide_often_but_never_hand_out_wrong_blocks() {
+    let mut m = manager(64);
+    m.force_hash_collisions_for_testing(3);
+    let mut rng = SmallRng::seed_from_u64(7);
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    for request in 0..200u64 {
+        let prompt: Vec<u32> = (0..rng.gen_range(1..20)).map(|_| rng.gen_range(0..2)).collect();
+        let hit = admit(&mut m, request, &prompt, None);
+        // Whatever was reused must have been computed for exactly these leading tokens.
+        let table = m.block_table(id(request)).unwrap().to_vec();
+        for (other, other_prompt) in prompts.iter().enumerate() {
+            if !m.contains(id(other as u64)) {
+                continue;
+            }
+            let other_table = m.block_table(id(other as u64)).unwrap();
+            for k in 0..hit / BS {
+                if other_table.get(k) == Some(&table[k]) {
+                    assert_eq!(other_prompt[..(k + 1) * BS], prompt[..(k + 1) * BS]);
+                }
+            }
+        }
+        prompts.push(prompt);
+        if request >= 3 {
+            m.free(id(request - 3)).unwrap();
+        }
+        m.pool().check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn eviction_is_lru_with_chain_tails_first() {
+    let mut m = manager(4);
+    let prompt: Vec<u32> = (0..12).collect();
+    admit(&mut m, 1, &prompt, None);
+    let table = ids(m.block_table(id(1)).unwrap());
+    m.free(id(1)).unwrap();
+    let free_order: Vec<u32> = m.pool().free_blocks().map(|b| b.0).collect();
+    // The never-used block first, then the chain tail to head.
+    assert_eq!(free_order, vec![3, table[2], table[1], table[0]]);
+    assert_eq!(m.stats().num_cached_free_blocks, 3);
+
+    // Allocating two blocks evicts the unused block then the tail: the head survives.
+    m.add_request(id(2), &[100, 101, 102, 103, 104], None).unwrap();
+    m.get_computed_blocks(id(2)).unwrap();
+    m.allocate_slots(id(2), 5).unwrap().unwrap();
+    assert_eq!(m.stats().num_evictions, 1);
+    m.free(id(2)).unwrap();
+    assert_eq!(admit(&mut m, 3, &prompt, None), 8);
+    assert_eq!(ids(&m.block_table(id(3)).unwrap()[..2]), table[..2]);
+}
+
+#[test]
+fn allocation_without_enough_blocks_returns_none_and_changes_nothing() {
+    let mut m = manager(3);
+    let prompt: Vec<u32> = (0..8).collect();
+    admit(&mut m, 1, &prompt, None);
+    m.add_request(id(2), &(50..62).collect::<Vec<u32>>(), None).unwrap();
+    m.get_computed_blocks(id(2)).unwrap();
+    let before = m.stats();
+    assert_eq!(m.allocate_slots(id(2), 12).unwrap(), None);
+    assert_eq!(m.stats(), before);
+    assert!(m.block_table(id(2)).unwrap().is_empty());
+    assert_eq!(m.allocate_slots(id(2), 4).unwrap().map(|c| c.len()), Some(0));
+    m.pool().check_invariants().unwrap();
+}
+
+#[test]
+fn a_hit_on_free_cached_blocks_counts_them_as_taken() {
+    // Three blocks: a cached chain of two free blocks plus one spare. A request that hits
+    // both cached blocks and needs two more must be refused, not evict its own hit.
+    let mut m = manager(3);
+    let prompt: Vec<u32> = (0..8).collect();
+    admit(&mut m, 1, &prompt, None);
+    m.free(id(1)).unwrap();
+    let mut longer = prompt.clone();
+    longer.extend(20..29);
+    m.add_request(id(2), &longer, None).unwrap();
+    assert_eq!(m.get_computed_blocks(id(2)).unwrap(), 8);
+    assert_eq!(m.allocate_slots(id(2), 9).unwrap(), None);
+    assert_eq!(m.allocate_slots(id(2), 4).unwrap(), Some(vec![]));
+    assert_eq!(m.stats().num_evictions, 0);
+    m.pool().check_invariants().unwrap();
+}
+
+#[test]
+fn decode_appends_fill_blocks_that_are_then_cached() {
+    let mut m = manager(8);
+    admit(&mut m, 1, &[1, 2, 3], None);
+    for token in [4, 5, 6] {
+        m.append_token_ids(id(1), &[token]).unwrap();
+        m.allocate_slots(id(1), 1).unwrap().unwrap();
+    }
+    assert_eq!(m.num_computed_tokens(id(1)).unwrap(), 6);
+    assert_eq!(m.block_table(id(1)).unwrap().len(), 2);
+    assert!(m.pool().is_cached(m.block_table(id(1)).unwrap()[0]));
+    assert!(!m.pool().is_cached(m.block_table(id(1)).unwrap()[1]));
+    // A new request with the generated text as prompt reuses the filled block.
+    assert_eq!(admit(&mut m, 2, &[1, 2, 3, 4, 5, 6], None), 4);
+}
+
+#[test]
+fn allocating_unknown_tokens_is_an_error() {
+    let mut m = manager(8);
+    m.add_request(id(1), &[1, 2, 3], None).unwrap();
+    assert!(matches!(m.allocate_slots(id(1), 4), Err(Error::InvalidArgument(_))));
+    m.pool().check_invariants().unwrap();
+}
+
+#[test]
+fn fork_shares_every_block_and_copies_the_partial_one_on_first_write() {
+    let mut m = manager(8);
+    admit(&mut m, 1, &[1, 2, 3, 4, 5, 6], None);
+    m.fork(id(1), id(2)).unwrap();
+    m.fork(id(1), id(3)).unwrap();
+    let parent_table = ids(m.block_table(id(1)).unwrap());
+    assert_eq!(ids(m.block_table(id(2)).unwrap()), parent_table);
+    assert_eq!(m.pool().ref_count(BlockId(parent_table[1])), 3);
+    assert_eq!(m.stats().num_used_blocks, 2);
+
+    // The first child to write gets a private copy of the partial block.
+    m.append_token_ids(id(2), &[7]).unwrap();
+    let copies = m.allocate_slots(id(2), 1).unwrap().unwrap();
+    let child_table = ids(m.block_table(id(2)).unwrap());
+    assert_eq!(copies, vec![BlockCopy { src: BlockId(parent_table[1]), dst: BlockId(child_table[1]) }]);
+    assert_eq!(child_table[0], parent_table[0]);
+    assert_eq!(m.pool().ref_count(BlockId(parent_table[1])), 2);
+
+    m.append_token_ids(id(3), &[8]).unwrap();
+    assert_eq!(m.allocate_slots(id(3), 1).unwrap().unwrap().len(), 1);
+    // The parent is now the last holder: it writes in place.
+    m.append_token_ids(id(1), &[9]).unwrap();
+    assert_eq!(m.allocate_slots(id(1), 1).unwrap(), Some(vec![]));
+    assert_eq!(ids(m.block_table(id(1)).unwrap()), parent_table);
+    for request in 1..=3 {
+        m.free(id(request)).unwrap();
+    }
+    assert_eq!(m.num_free_blocks(), 8);
+    m.pool().check_invariants().unwrap();
+}
+
+#[test]
+fn misuse_is_an_error_not_a_panic() {
+    let mut m = manager(4);
+    assert!(matches!(KVCacheManager::new(0, 4, true, ""), Err(Error::InvalidArgument(_))));
+    assert!(matches!(KVCacheManager::new(4, 0, true, ""), Err(Error::InvalidArgument(_))));
+    admit(&mut m, 1, &[1, 2], None);
+    assert!(matches!(m.add_request(id(1), &[1], None), Err(Error::DuplicateRequest(_))));
+    assert!(matches!(m.add_request(id(2), &[], None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(m.fork(id(9), id(10)), Err(Error::UnknownRequest(_))));
+    assert!(matches!(m.fork(id(1), id(1)), Err(Error::DuplicateRequest(_))));
+    assert!(matches!(m.get_computed_blocks(id(1)), Err(Error::InvalidArgument(_))));
+    m.free(id(1)).unwrap();
+    assert!(matches!(m.free(id(1)), Err(Error::UnknownRequest(_))));
+    assert!(matches!(m.allocate_slots(id(1), 1), Err(Error::UnknownRequest(_))));
+    assert_eq!(m.num_free_blocks(), 4);
+}
+
+#[test]
+fn stale_prefix_hit_is_refused() {
+    let mut m = manager(3);
+    let prompt: Vec<u32> = (0..9).collect();
+    admit(&mut m, 1, &prompt, None);
+    m.free(id(1)).unwrap();
+    m.add_request(id(2), &prompt, None).unwrap();
+    assert_eq!(m.get_computed_blocks(id(2)).unwrap(), 8);
+    // Another request evicts the whole chain between lookup and allocation.
+    admit(&mut m, 3, &(40..52).collect::<Vec<u32>>(), None);
+    assert!(matches!(m.allocate_slots(id(2), 1), Err(Error::StalePrefixHit(_))));
+    m.pool().check_invariants().unwrap();
+}
+
+/// 100,000 random operations with a two-token vocabulary, so prefixes collide constantly,
+/// and tight memory, so allocation fails and eviction runs often.
+#[test]
+fn randomized_operations_keep_every_invariant_and_free_every_block() {
+    let mut rng = SmallRng::seed_from_u64(20261129);
+    let num_blocks = 48;
+    let mut m = manager(num_blocks);
+    let mut live: Vec<u64> = Vec::new();
+    let mut next_id = 0u64;
+    let mut allocations_refused = 0;
+    for _ in 0..100_000 {
+        match rng.gen_range(0..100) {
+            // Admit a new request (lookup + first chunk).
+            0..=24 => {
+                let len = rng.gen_range(1..24);
+                let prompt: Vec<u32> = (0..len).map(|_| rng.gen_range(0..2)).collect();
+                let salt = if rng.gen_bool(0.1) { Some("s") } else { None };
+                let request = next_id;
+                next_id += 1;
+                m.add_request(id(request), &prompt, salt).unwrap();
+                let hit = m.get_computed_blocks(id(request)).unwrap();
+                assert!(hit < len && hit % BS == 0);
+                let chunk = rng.gen_range(1..=len - hit);
+                match m.allocate_slots(id(request), chunk).unwrap() {
+                    Some(copies) => assert!(copies.is_empty()),
+                    None => allocations_refused += 1,
+                }
+                live.push(request);
+            }
+            // Compute more of a request: the rest of its prompt, or a new decode token.
+            25..=64 if !live.is_empty() => {
+                let request = id(live[rng.gen_range(0..live.len())]);
+                let known = m.token_ids(request).unwrap().len();
+                let computed = m.num_computed_tokens(request).unwrap();
+                if computed == known {
+                    m.append_token_ids(request, &[rng.gen_range(0..2)]).unwrap();
+                }
+                let remaining = m.token_ids(request).unwrap().len() - computed;
+                if m.block_table(request).unwrap().is_empty() {
+                    m.get_computed_blocks(request).unwrap();
+                }
+                let pending = m.pending_hit_blocks(request).unwrap().len() * BS;
+                if remaining > pending {
+                    let n = rng.gen_range(1..=remaining - pending);
+                    if let Some(copies) = m.allocate_slots(request, n).unwrap() {
+                        for copy in copies {
+                            assert_eq!(m.pool().ref_count(copy.dst), 1);
+                        }
+                    }
+                }
+            }
+            // Fork.
+            65..=74 if !live.is_empty() => {
+                let parent = live[rng.gen_range(0..live.len())];
+                if !m.block_table(id(parent)).unwrap().is_empty() {
+                    m.fork(id(parent), id(next_id)).unwrap();
+                    live.push(next_id);
+                    next_id += 1;
+                }
+            }
+            // Free.
+            75..=99 if !live.is_empty() => {
+                let request = live.swap_remove(rng.gen_range(0..live.len()));
+                m.free(id(request)).unwrap();
+                assert!(matches!(m.free(id(request)), Err(Error::UnknownRequest(_))));
+            }
+            _ => {}
+        }
+        m.pool().check_invariants().unwrap();
+        let held: usize = live.iter().map(|r| m.block_table(id(*r)).unwrap().len()).sum();
+        assert!(m.stats().num_used_blocks <= held, "a block is used by no request");
+    }
+    assert!(allocations_refused > 0, "memory was never tight");
+    assert!(m.stats().prefix_cache_hits > 0 && m.stats().num_evictions > 0);
+    for request in live {
+        m.free(id(request)).unwrap();
+    }
+    assert_eq!(m.num_free_blocks(), num_blocks);
+    assert_eq!(m.stats().num_used_blocks, 0);
+    m.pool().check_invariants().unwrap();
+}
