@@ -20,6 +20,8 @@ pub enum Error {
     /// A prefix hit found by `get_computed_blocks` was evicted before `allocate_slots`
     /// claimed it (some other allocation ran in between).
     StalePrefixHit(String),
+    /// `check_invariants` found the pool inconsistent (a bug in the core).
+    InvariantViolation(String),
 }
 
 /// Shorthand used across the crate.
@@ -36,6 +38,7 @@ impl fmt::Display for Error {
             Error::RefCountUnderflow(block) => {
                 write!(f, "block {} freed more times than it was allocated", block.0)
             }
+            Error::InvariantViolation(what) => write!(f, "block pool invariant violated: {what}"),
             Error::StalePrefixHit(id) => write!(
                 f,
                 "the prefix hit of request {id:?} was evicted before allocate_slots; \

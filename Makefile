@@ -1,0 +1,58 @@
+# pagedrs: `make test` and `make serve` do all set-up on a fresh machine; a second run reuses
+# the virtual environment and the build and starts within seconds.
+
+VENV ?= .venv
+PYTHON_FOR_VENV ?= python3
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+MATURIN := $(VENV)/bin/maturin
+DEPS_STAMP := $(VENV)/.pagedrs-deps
+EXTENSION := python/pagedrs/_core.abi3.so
+RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) rust/Cargo.toml $(wildcard rust/src/*.rs)
+
+.PHONY: setup build test test-rust test-python bench bench-rust bench-python serve wheel clean
+
+setup: $(EXTENSION)
+
+$(PY):
+	$(PYTHON_FOR_VENV) -m venv $(VENV)
+
+# Reinstalls when the pins change (the stamp is older than the files that list them).
+$(DEPS_STAMP): requirements-dev.txt pyproject.toml | $(PY)
+	$(PIP) install --quiet -r requirements-dev.txt
+	touch $@
+
+$(EXTENSION): $(RUST_SOURCES) $(DEPS_STAMP)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(MATURIN) develop --release --quiet
+	touch $@
+
+build: $(EXTENSION)
+
+test: test-rust test-python
+
+test-rust:
+	cargo test --locked --quiet
+
+test-python: $(EXTENSION)
+	$(PY) -m pytest -q
+
+bench: bench-rust bench-python
+
+bench-rust:
+	cargo bench --locked --bench kv_cache
+
+bench-python: $(EXTENSION)
+	$(PY) -m pytest -q benches --benchmark-only --benchmark-columns=median,iqr,ops
+
+# An abi3 wheel (CPython >= 3.10) in dist/, e.g. to carry to the GPU machine.
+wheel: $(DEPS_STAMP)
+	$(MATURIN) build --release --out dist
+
+serve: $(EXTENSION)
+	@echo "pagedrs serve is not built yet: the OpenAI-compatible server lands with the" >&2
+	@echo "server issue. For now: make test, and 'import pagedrs' (see README.md)." >&2
+	@exit 2
+
+clean:
+	cargo clean
+	rm -rf $(VENV) $(EXTENSION) dist .pytest_cache .benchmarks

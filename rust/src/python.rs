@@ -1,0 +1,317 @@
+//! The PyO3 binding: a thin layer over the plain-Rust core. Python arguments are converted
+//! and validated here first; every `Error` becomes one of the exception classes declared in
+//! `pagedrs/errors.py`. Nothing here panics across the boundary.
+
+use std::collections::HashMap;
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+use crate::error::Error;
+use crate::kv_cache_manager::{KVCacheManager, KVCacheStats, RequestId};
+
+/// Raises `Error` as the matching `pagedrs.errors` class.
+fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
+    let class_name = match err {
+        Error::InvalidArgument(_) => "InvalidArgumentError",
+        Error::UnknownRequest(_) => "UnknownRequestError",
+        Error::DuplicateRequest(_) => "DuplicateRequestError",
+        Error::RefCountUnderflow(_) | Error::StalePrefixHit(_) | Error::InvariantViolation(_) => {
+            "InternalError"
+        }
+    };
+    let message = err.to_string();
+    match py.import("pagedrs.errors").and_then(|module| module.getattr(class_name)) {
+        Ok(class) => PyErr::from_type(class.cast_into().expect("exception class"), message),
+        Err(_) => PyRuntimeError::new_err(message),
+    }
+}
+
+/// Replaces the core's numeric request id in an error by the caller's string id.
+fn name_request(err: Error, request_id: &str) -> Error {
+    match err {
+        Error::UnknownRequest(_) => Error::UnknownRequest(request_id.to_owned()),
+        Error::DuplicateRequest(_) => Error::DuplicateRequest(request_id.to_owned()),
+        Error::StalePrefixHit(_) => Error::StalePrefixHit(request_id.to_owned()),
+        other => other,
+    }
+}
+
+/// Converts a Python int to a count, refusing negatives with a ValueError-family error.
+fn to_count(value: i64, what: &str) -> Result<usize, Error> {
+    usize::try_from(value)
+        .map_err(|_| Error::InvalidArgument(format!("{what} must be >= 0, got {value}")))
+}
+
+/// Converts token ids, refusing values outside `0..2**32`.
+fn to_token_ids(values: Vec<i64>) -> Result<Vec<u32>, Error> {
+    values
+        .into_iter()
+        .map(|value| {
+            u32::try_from(value).map_err(|_| {
+                Error::InvalidArgument(format!("token ids must be in [0, 2**32), got {value}"))
+            })
+        })
+        .collect()
+}
+
+/// Snapshot of the KV cache counters.
+#[pyclass(name = "KVCacheStats", module = "pagedrs._core", frozen, get_all)]
+#[derive(Clone)]
+struct PyKVCacheStats {
+    /// Total blocks.
+    num_blocks: usize,
+    /// Blocks referenced by a request.
+    num_used_blocks: usize,
+    /// Free blocks still holding a cached prefix.
+    num_cached_free_blocks: usize,
+    /// Blocks referenced by no request.
+    num_free_blocks: usize,
+    /// Prompt tokens looked up in the prefix cache.
+    prefix_cache_queries: u64,
+    /// Prompt tokens found cached.
+    prefix_cache_hits: u64,
+    /// Cached blocks evicted for reuse.
+    num_evictions: u64,
+}
+
+impl From<KVCacheStats> for PyKVCacheStats {
+    fn from(stats: KVCacheStats) -> Self {
+        PyKVCacheStats {
+            num_blocks: stats.num_blocks,
+            num_used_blocks: stats.num_used_blocks,
+            num_cached_free_blocks: stats.num_cached_free_blocks,
+            num_free_blocks: stats.num_free_blocks,
+            prefix_cache_queries: stats.prefix_cache_queries,
+            prefix_cache_hits: stats.prefix_cache_hits,
+            num_evictions: stats.num_evictions,
+        }
+    }
+}
+
+#[pymethods]
+impl PyKVCacheStats {
+    fn __repr__(&self) -> String {
+        format!(
+            "KVCacheStats(num_blocks={}, num_used_blocks={}, num_cached_free_blocks={}, \
+             num_free_blocks={}, prefix_cache_queries={}, prefix_cache_hits={}, num_evictions={})",
+            self.num_blocks,
+            self.num_used_blocks,
+            self.num_cached_free_blocks,
+            self.num_free_blocks,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.num_evictions
+        )
+    }
+}
+
+/// Python face of `KVCacheManager`, keyed by string request ids.
+#[pyclass(name = "KVCacheManager", module = "pagedrs._core")]
+struct PyKVCacheManager {
+    /// The core.
+    inner: KVCacheManager,
+    /// Python request id to the core's handle.
+    request_id_to_handle: HashMap<String, RequestId>,
+    /// Next handle to hand out.
+    next_handle: u64,
+}
+
+impl PyKVCacheManager {
+    fn handle(&self, request_id: &str) -> Result<RequestId, Error> {
+        self.request_id_to_handle
+            .get(request_id)
+            .copied()
+            .ok_or_else(|| Error::UnknownRequest(request_id.to_owned()))
+    }
+
+    fn new_handle(&mut self, request_id: &str) -> Result<RequestId, Error> {
+        if self.request_id_to_handle.contains_key(request_id) {
+            return Err(Error::DuplicateRequest(request_id.to_owned()));
+        }
+        let handle = RequestId(self.next_handle);
+        self.next_handle += 1;
+        Ok(handle)
+    }
+}
+
+#[pymethods]
+impl PyKVCacheManager {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size, enable_prefix_caching = true, namespace = ""))]
+    fn new(
+        py: Python<'_>,
+        num_blocks: i64,
+        block_size: i64,
+        enable_prefix_caching: bool,
+        namespace: &str,
+    ) -> PyResult<Self> {
+        let build = || -> Result<KVCacheManager, Error> {
+            let num_blocks = to_count(num_blocks, "num_blocks")?;
+            let block_size = to_count(block_size, "block_size")?;
+            KVCacheManager::new(num_blocks, block_size, enable_prefix_caching, namespace)
+        };
+        Ok(PyKVCacheManager {
+            inner: build().map_err(|err| to_py_err(py, err))?,
+            request_id_to_handle: HashMap::new(),
+            next_handle: 0,
+        })
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+
+    #[getter]
+    fn num_free_blocks(&self) -> usize {
+        self.inner.num_free_blocks()
+    }
+
+    #[getter]
+    fn enable_prefix_caching(&self) -> bool {
+        self.inner.enable_prefix_caching()
+    }
+
+    #[getter]
+    fn num_requests(&self) -> usize {
+        self.inner.num_requests()
+    }
+
+    fn usage(&self) -> f64 {
+        self.inner.usage()
+    }
+
+    fn stats(&self) -> PyKVCacheStats {
+        self.inner.stats().into()
+    }
+
+    fn __contains__(&self, request_id: &str) -> bool {
+        self.request_id_to_handle.contains_key(request_id)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "KVCacheManager(num_blocks={}, block_size={}, enable_prefix_caching={}, \
+             num_free_blocks={}, num_requests={})",
+            self.inner.num_blocks(),
+            self.inner.block_size(),
+            if self.inner.enable_prefix_caching() { "True" } else { "False" },
+            self.inner.num_free_blocks(),
+            self.inner.num_requests()
+        )
+    }
+
+    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None))]
+    fn add_request(
+        &mut self,
+        py: Python<'_>,
+        request_id: &str,
+        prompt_token_ids: Vec<i64>,
+        cache_salt: Option<&str>,
+    ) -> PyResult<()> {
+        let result = (|| {
+            let token_ids = to_token_ids(prompt_token_ids)?;
+            let handle = self.new_handle(request_id)?;
+            self.inner.add_request(handle, &token_ids, cache_salt)?;
+            self.request_id_to_handle.insert(request_id.to_owned(), handle);
+            Ok(())
+        })();
+        result.map_err(|err| to_py_err(py, name_request(err, request_id)))
+    }
+
+    fn append_token_ids(
+        &mut self,
+        py: Python<'_>,
+        request_id: &str,
+        token_ids: Vec<i64>,
+    ) -> PyResult<()> {
+        let result = (|| {
+            let token_ids = to_token_ids(token_ids)?;
+            self.inner.append_token_ids(self.handle(request_id)?, &token_ids)
+        })();
+        result.map_err(|err| to_py_err(py, name_request(err, request_id)))
+    }
+
+    fn get_computed_blocks(&mut self, py: Python<'_>, request_id: &str) -> PyResult<(Vec<u32>, usize)> {
+        let result = (|| {
+            let handle = self.handle(request_id)?;
+            let num_tokens = self.inner.get_computed_blocks(handle)?;
+            let blocks = self.inner.pending_hit_blocks(handle)?;
+            Ok((blocks.into_iter().map(|block| block.0).collect(), num_tokens))
+        })();
+        result.map_err(|err| to_py_err(py, name_request(err, request_id)))
+    }
+
+    fn allocate_slots(
+        &mut self,
+        py: Python<'_>,
+        request_id: &str,
+        num_new_tokens: i64,
+    ) -> PyResult<Option<Vec<(u32, u32)>>> {
+        let result = (|| {
+            let num_new_tokens = to_count(num_new_tokens, "num_new_tokens")?;
+            let copies = self.inner.allocate_slots(self.handle(request_id)?, num_new_tokens)?;
+            Ok(copies.map(|copies| copies.into_iter().map(|c| (c.src.0, c.dst.0)).collect()))
+        })();
+        result.map_err(|err| to_py_err(py, name_request(err, request_id)))
+    }
+
+    fn free(&mut self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        let result = (|| {
+            self.inner.free(self.handle(request_id)?)?;
+            self.request_id_to_handle.remove(request_id);
+            Ok(())
+        })();
+        result.map_err(|err| to_py_err(py, name_request(err, request_id)))
+    }
+
+    fn fork(&mut self, py: Python<'_>, parent_id: &str, child_id: &str) -> PyResult<()> {
+        let parent = self.handle(parent_id).map_err(|err| to_py_err(py, err))?;
+        let result = (|| {
+            let child = self.new_handle(child_id)?;
+            self.inner.fork(parent, child)?;
+            self.request_id_to_handle.insert(child_id.to_owned(), child);
+            Ok(())
+        })();
+        result.map_err(|err| to_py_err(py, name_request(err, child_id)))
+    }
+
+    fn block_table(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
+        let result = (|| Ok(self.inner.block_table(self.handle(request_id)?)?.to_vec()))();
+        result
+            .map(|blocks| blocks.into_iter().map(|block| block.0).collect())
+            .map_err(|err| to_py_err(py, name_request(err, request_id)))
+    }
+
+    fn num_computed_tokens(&self, py: Python<'_>, request_id: &str) -> PyResult<usize> {
+        let result = (|| self.inner.num_computed_tokens(self.handle(request_id)?))();
+        result.map_err(|err| to_py_err(py, name_request(err, request_id)))
+    }
+
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner
+            .pool()
+            .check_invariants()
+            .map_err(|violation| to_py_err(py, Error::InvariantViolation(violation)))
+    }
+
+    /// Test hook: keep only `bits` bits of every block key, forcing collisions.
+    fn _force_hash_collisions(&mut self, bits: u32) {
+        self.inner.force_hash_collisions_for_testing(bits);
+    }
+}
+
+/// The compiled core of pagedrs. Private: import from `pagedrs`.
+#[pymodule]
+fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<PyKVCacheManager>()?;
+    module.add_class::<PyKVCacheStats>()?;
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
