@@ -290,7 +290,9 @@ impl BlockPool {
                 }
             }
         }
-        if self.free_queue.iter().count() != self.free_queue.len() || num_free != self.free_queue.len() {
+        if self.free_queue.iter().count() != self.free_queue.len()
+            || num_free != self.free_queue.len()
+        {
             return Err(format!(
                 "free queue length {} disagrees with {num_free} blocks at ref count 0",
                 self.free_queue.len()

@@ -177,12 +177,14 @@ impl KVCacheManager {
         if prompt_token_ids.is_empty() {
             return Err(Error::InvalidArgument("the prompt must have at least one token".into()));
         }
+        // Room for the prompt plus a block of decode tokens, so early steps don't reallocate.
+        let num_blocks_hint = prompt_token_ids.len() / self.pool.block_size() + 2;
         let request = RequestBlocks {
             token_ids: prompt_token_ids.to_vec(),
             cache_salt: cache_salt.map(Arc::from),
             root_hash: self.hasher.root(cache_salt),
-            block_hashes: Vec::new(),
-            block_table: Vec::new(),
+            block_hashes: Vec::with_capacity(num_blocks_hint),
+            block_table: Vec::with_capacity(num_blocks_hint),
             num_computed_tokens: 0,
             num_cached_blocks: 0,
             pending_hit: Vec::new(),
@@ -219,6 +221,7 @@ impl KVCacheManager {
         let num_tokens = request.token_ids.len();
         let max_hit_blocks = (num_tokens - 1) / block_size;
         ensure_block_hashes(&mut self.hasher, request, block_size, max_hit_blocks);
+        request.pending_hit.reserve(max_hit_blocks);
         let mut parent = None;
         for (index, &hash) in request.block_hashes[..max_hit_blocks].iter().enumerate() {
             let tokens = &request.token_ids[index * block_size..(index + 1) * block_size];
@@ -277,11 +280,8 @@ impl KVCacheManager {
         let needs_copy = num_new_tokens > 0
             && first_new_token % block_size != 0
             && self.pool.ref_count(request.block_table[write_block]) > 1;
-        let num_hit_blocks_now_free = request
-            .pending_hit
-            .iter()
-            .filter(|block| self.pool.ref_count(block.id) == 0)
-            .count();
+        let num_hit_blocks_now_free =
+            request.pending_hit.iter().filter(|block| self.pool.ref_count(block.id) == 0).count();
         let num_available = self.pool.num_free_blocks() - num_hit_blocks_now_free;
         if num_new_blocks + usize::from(needs_copy) > num_available {
             return Ok(None);
@@ -381,6 +381,7 @@ fn ensure_block_hashes(
     block_size: usize,
     num_blocks: usize,
 ) {
+    request.block_hashes.reserve(num_blocks.saturating_sub(request.block_hashes.len()));
     while request.block_hashes.len() < num_blocks {
         let index = request.block_hashes.len();
         let parent = request.block_hashes.last().copied().unwrap_or(request.root_hash);

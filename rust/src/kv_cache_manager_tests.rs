@@ -29,9 +29,8 @@ fn admit(m: &mut KVCacheManager, request: u64, prompt: &[u32], salt: Option<&str
 #[test]
 fn block_counts_and_slack_match_the_worked_examples() {
     let mut m = KVCacheManager::new(64, 16, false, "").unwrap();
-    for (n, (len, blocks, unused)) in [(35, 3, 13), (17, 2, 15), (64, 4, 0), (33, 3, 15)]
-        .into_iter()
-        .enumerate()
+    for (n, (len, blocks, unused)) in
+        [(35, 3, 13), (17, 2, 15), (64, 4, 0), (33, 3, 15)].into_iter().enumerate()
     {
         admit(&mut m, n as u64, &vec![1; len], None);
         let table = m.block_table(id(n as u64)).unwrap();
@@ -232,7 +231,10 @@ fn fork_shares_every_block_and_copies_the_partial_one_on_first_write() {
     m.append_token_ids(id(2), &[7]).unwrap();
     let copies = m.allocate_slots(id(2), 1).unwrap().unwrap();
     let child_table = ids(m.block_table(id(2)).unwrap());
-    assert_eq!(copies, vec![BlockCopy { src: BlockId(parent_table[1]), dst: BlockId(child_table[1]) }]);
+    assert_eq!(
+        copies,
+        vec![BlockCopy { src: BlockId(parent_table[1]), dst: BlockId(child_table[1]) }]
+    );
     assert_eq!(child_table[0], parent_table[0]);
     assert_eq!(m.pool().ref_count(BlockId(parent_table[1])), 2);
 

@@ -64,10 +64,8 @@ impl BlockHasher {
     /// The key of a full block whose parent key is `parent` and whose tokens are `token_ids`.
     pub fn block(&mut self, parent: BlockHash, token_ids: &[u32]) -> BlockHash {
         self.scratch.clear();
-        self.scratch.extend_from_slice(&parent.0.to_le_bytes());
-        for token in token_ids {
-            self.scratch.extend_from_slice(&token.to_le_bytes());
-        }
+        self.scratch.extend_from_slice(&parent.0.to_ne_bytes());
+        self.scratch.extend_from_slice(token_bytes(token_ids));
         BlockHash(xxh3_128(&self.scratch) & self.keep_bits)
     }
 
@@ -76,6 +74,19 @@ impl BlockHasher {
     pub fn force_collisions_for_testing(&mut self, bits: u32) {
         self.keep_bits = if bits >= 128 { u128::MAX } else { (1u128 << bits) - 1 };
         self.namespace_root = BlockHash(self.namespace_root.0 & self.keep_bits);
+    }
+}
+
+/// The tokens' bytes in native order, without copying. Keys never leave the process, so
+/// native byte order is as good as a fixed one, and one `memcpy` beats a per-token loop.
+fn token_bytes(token_ids: &[u32]) -> &[u8] {
+    // SAFETY: u8 has alignment 1 and every bit pattern is a valid u8; the length covers
+    // exactly the slice's initialized memory.
+    unsafe {
+        std::slice::from_raw_parts(
+            token_ids.as_ptr().cast::<u8>(),
+            std::mem::size_of_val(token_ids),
+        )
     }
 }
 

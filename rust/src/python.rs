@@ -238,7 +238,11 @@ impl PyKVCacheManager {
         result.map_err(|err| to_py_err(py, name_request(err, request_id)))
     }
 
-    fn get_computed_blocks(&mut self, py: Python<'_>, request_id: &str) -> PyResult<(Vec<u32>, usize)> {
+    fn get_computed_blocks(
+        &mut self,
+        py: Python<'_>,
+        request_id: &str,
+    ) -> PyResult<(Vec<u32>, usize)> {
         let result = (|| {
             let handle = self.handle(request_id)?;
             let num_tokens = self.inner.get_computed_blocks(handle)?;

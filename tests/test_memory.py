@@ -1,0 +1,78 @@
+"""Memory arithmetic: the design notes' worked examples, from the real allocator."""
+
+import json
+
+import pytest
+
+from pagedrs.memory import (
+    block_slack,
+    dtype_bytes,
+    kv_bytes_per_token,
+    kv_cache_capacity,
+    parse_bytes,
+)
+
+SMOLLM2_135M = {
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+}
+
+
+def test_blocks_and_unused_slots_of_35_17_64_tokens():
+    slack = block_slack([35, 17, 64], block_size=16)
+    assert slack.blocks == (3, 2, 4)
+    assert slack.unused_slots == (13, 15, 0)
+
+
+def test_allocated_slots_and_total_slack_of_17_33_64_tokens():
+    slack = block_slack([17, 33, 64], block_size=16)
+    assert slack.allocated_slots == (32, 48, 64)
+    assert slack.total_slack == 30
+    assert slack.total_blocks == 9
+
+
+def test_block_size_one_has_no_slack():
+    assert block_slack([5, 7], block_size=1).total_slack == 0
+
+
+def test_kv_bytes_per_token_of_smollm2():
+    # 2 (K, V) * 30 layers * 3 KV heads * 64 head dim * 2 bytes.
+    assert kv_bytes_per_token(SMOLLM2_135M, "bfloat16") == 23040
+    assert kv_bytes_per_token(SMOLLM2_135M, "float32") == 46080
+
+
+def test_config_can_be_a_checkpoint_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**SMOLLM2_135M, "head_dim": 128}))
+    assert kv_bytes_per_token(tmp_path, "fp16") == 2 * 30 * 3 * 128 * 2
+
+
+def test_blocks_that_fit_in_a_budget():
+    capacity = kv_cache_capacity(SMOLLM2_135M, "1GiB", dtype="bfloat16", block_size=16)
+    assert capacity.bytes_per_block == 23040 * 16
+    assert capacity.num_blocks == 2**30 // (23040 * 16)
+    assert capacity.num_tokens == capacity.num_blocks * 16
+
+
+def test_sizes_and_dtypes_parse():
+    assert parse_bytes("4GiB") == 4 * 2**30
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes(1024) == 1024
+    assert dtype_bytes("torch.bfloat16") == 2
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: block_slack([0, 3]),
+        lambda: block_slack([3], block_size=0),
+        lambda: parse_bytes("lots"),
+        lambda: parse_bytes(-1),
+        lambda: dtype_bytes("int3"),
+        lambda: kv_bytes_per_token({"num_hidden_layers": 2}),
+    ],
+)
+def test_bad_input_raises_value_error(call):
+    with pytest.raises(ValueError):
+        call()
