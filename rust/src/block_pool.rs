@@ -9,6 +9,7 @@
 //! A freed cached block keeps its key and stays findable until `allocate` pops it from the
 //! front of the free queue for reuse: that is an eviction.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -246,10 +247,13 @@ impl BlockPool {
     ) -> bool {
         debug_assert_eq!(token_ids.len(), self.block_size);
         debug_assert!(self.blocks[block.index()].ref_count > 0, "only in-use blocks are cached");
-        if self.blocks[block.index()].cache.is_some() || self.hash_to_block.contains_key(&hash) {
+        if self.blocks[block.index()].cache.is_some() {
             return false;
         }
-        self.hash_to_block.insert(hash, block);
+        match self.hash_to_block.entry(hash) {
+            Entry::Occupied(_) => return false,
+            Entry::Vacant(slot) => slot.insert(block),
+        };
         let start = block.index() * self.block_size;
         self.block_token_ids[start..start + self.block_size].copy_from_slice(token_ids);
         let salt = if parent.is_none() { salt.cloned() } else { None };
