@@ -54,6 +54,9 @@ struct RequestBlocks {
     num_cached_blocks: usize,
     /// The prefix found by `get_computed_blocks`, claimed by the first `allocate_slots`.
     pending_hit: Vec<BlockRef>,
+    /// Tokens looked up by `get_computed_blocks`, counted as a prefix-cache query once the
+    /// next `allocate_slots` succeeds (so a request retried every step counts once).
+    pending_query_tokens: Option<usize>,
 }
 
 /// Running counts for metrics.
@@ -188,6 +191,7 @@ impl KVCacheManager {
             num_computed_tokens: 0,
             num_cached_blocks: 0,
             pending_hit: Vec::new(),
+            pending_query_tokens: None,
         };
         self.requests.insert(id, request);
         Ok(())
@@ -215,6 +219,7 @@ impl KVCacheManager {
             )));
         }
         request.pending_hit.clear();
+        request.pending_query_tokens = None;
         if !self.enable_prefix_caching {
             return Ok(0);
         }
@@ -233,10 +238,8 @@ impl KVCacheManager {
             request.pending_hit.push(block_ref);
             parent = Some(block_ref);
         }
-        let num_hit_tokens = request.pending_hit.len() * block_size;
-        self.prefix_cache_queries += num_tokens as u64;
-        self.prefix_cache_hits += num_hit_tokens as u64;
-        Ok(num_hit_tokens)
+        request.pending_query_tokens = Some(num_tokens);
+        Ok(request.pending_hit.len() * block_size)
     }
 
     /// The blocks of the prefix hit found by the last `get_computed_blocks`.
@@ -289,6 +292,10 @@ impl KVCacheManager {
 
         // NOTE: hits are claimed before anything is popped, so the allocations below can't
         // evict the very blocks this request is about to reuse.
+        if let Some(num_query_tokens) = request.pending_query_tokens.take() {
+            self.prefix_cache_queries += num_query_tokens as u64;
+            self.prefix_cache_hits += num_hit_tokens as u64;
+        }
         if !request.pending_hit.is_empty() {
             for block in std::mem::take(&mut request.pending_hit) {
                 self.pool.touch(block.id);
@@ -328,6 +335,24 @@ impl KVCacheManager {
         Ok(())
     }
 
+    /// Releases every block of a request, tail first, but keeps its tokens, so it can be
+    /// allocated again from scratch (preemption by recompute; its prefix is often still
+    /// cached when it resumes).
+    pub fn reset(&mut self, id: RequestId) -> Result<()> {
+        let Some(request) = self.requests.get_mut(&id) else {
+            return Err(Error::UnknownRequest(id.0.to_string()));
+        };
+        for &block in request.block_table.iter().rev() {
+            self.pool.release(block)?;
+        }
+        request.block_table.clear();
+        request.pending_hit.clear();
+        request.pending_query_tokens = None;
+        request.num_computed_tokens = 0;
+        request.num_cached_blocks = 0;
+        Ok(())
+    }
+
     /// Makes `child` a copy of `parent` that shares all its blocks by reference count; the
     /// shared partial last block is copied when either side first writes into it.
     pub fn fork(&mut self, parent: RequestId, child: RequestId) -> Result<()> {
@@ -336,6 +361,7 @@ impl KVCacheManager {
         }
         let mut copy = self.request(parent)?.clone();
         copy.pending_hit.clear();
+        copy.pending_query_tokens = None;
         for &block in &copy.block_table {
             self.pool.touch(block);
         }
@@ -351,6 +377,12 @@ impl KVCacheManager {
     /// Tokens of the request whose KV is in (or being written to) the cache.
     pub fn num_computed_tokens(&self, id: RequestId) -> Result<usize> {
         Ok(self.request(id)?.num_computed_tokens)
+    }
+
+    /// The request's known tokens and its block table, with one lookup.
+    pub fn tokens_and_blocks(&self, id: RequestId) -> Result<(&[u32], &[BlockId])> {
+        let request = self.request(id)?;
+        Ok((&request.token_ids, &request.block_table))
     }
 
     /// All tokens known for the request.

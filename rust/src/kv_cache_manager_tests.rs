@@ -363,3 +363,20 @@ fn randomized_operations_keep_every_invariant_and_free_every_block() {
     assert_eq!(m.stats().num_used_blocks, 0);
     m.pool().check_invariants().unwrap();
 }
+
+#[test]
+fn reset_frees_blocks_but_keeps_tokens_and_reuses_the_cached_prefix() {
+    let mut m = manager(8);
+    admit(&mut m, 1, &[1, 2, 3, 4, 5, 6, 7, 8, 9], None);
+    m.append_token_ids(id(1), &[10]).unwrap();
+    m.allocate_slots(id(1), 1).unwrap().unwrap();
+    m.reset(id(1)).unwrap();
+    assert_eq!(m.num_free_blocks(), 8);
+    assert_eq!(m.num_computed_tokens(id(1)).unwrap(), 0);
+    assert_eq!(m.token_ids(id(1)).unwrap().len(), 10);
+    assert_eq!(m.get_computed_blocks(id(1)).unwrap(), 8);
+    m.allocate_slots(id(1), 2).unwrap().unwrap();
+    assert_eq!(m.num_computed_tokens(id(1)).unwrap(), 10);
+    m.free(id(1)).unwrap();
+    m.pool().check_invariants().unwrap();
+}

@@ -1,0 +1,167 @@
+//! `SchedulerOutput`: one step's batch as flat arrays the runner hands to torch without a
+//! Python loop.
+//!
+//! For a step with requests A (a 3-token prefill chunk starting at position 0) and B (one
+//! decode token at position 9), block size 4:
+//!
+//! ```text
+//!   input_token_ids   [a0 a1 a2 | b9]          positions   [0 1 2 | 9]
+//!   query_start_loc   [0, 3, 4]                context_lens [3, 10]
+//!   slot_mapping      [A0*4+0, A0*4+1, A0*4+2 | B2*4+1]   (Ak = k-th block of A)
+//!   block_tables      [[A0, 0, 0], [B0, B1, B2]]  (padded with 0 past each row's blocks)
+//!   logits_indices    [2, 3]   rows whose hidden state is sampled (a request that caught
+//!                              up with its tokens; a prompt with n > 1 appears n times)
+//! ```
+
+use crate::block_pool::BlockId;
+use crate::kv_cache_manager::{BlockCopy, RequestId};
+use crate::request::FinishReason;
+
+/// What happened to one sequence in `update_from_output` (or to a request the scheduler
+/// had to end on its own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestUpdate {
+    /// The caller's request (see `Scheduler::external_id`).
+    pub group: u64,
+    /// Which of its `n` choices.
+    pub choice_index: usize,
+    /// The token sampled for it this step, if any.
+    pub new_token_id: Option<u32>,
+    /// Set when the sequence ended; its blocks are already free.
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// One step's batch.
+#[derive(Debug, Clone, Default)]
+pub struct SchedulerOutput {
+    /// Scheduled sequences, in batch order.
+    pub request_ids: Vec<RequestId>,
+    /// The caller's request of each scheduled sequence.
+    pub groups: Vec<u64>,
+    /// Choice index of each scheduled sequence.
+    pub choice_indices: Vec<u32>,
+    /// Tokens each scheduled sequence computes this step.
+    pub num_scheduled_tokens: Vec<i32>,
+    /// Token ids to embed, all sequences concatenated. `[num_batched_tokens]`
+    pub input_token_ids: Vec<i64>,
+    /// Position of each input token in its sequence. `[num_batched_tokens]`
+    pub positions: Vec<i64>,
+    /// Cache slot (`block * block_size + offset`) each new key/value is written to.
+    /// `[num_batched_tokens]`
+    pub slot_mapping: Vec<i64>,
+    /// Where each sequence's tokens start in the inputs, plus the total. `[num_seqs + 1]`
+    pub query_start_loc: Vec<i32>,
+    /// Tokens each sequence attends to (computed before this step + this step's).
+    /// `[num_seqs]`
+    pub context_lens: Vec<i32>,
+    /// Block tables, row-major `[num_seqs, block_table_width]`, zero-padded.
+    pub block_tables: Vec<i32>,
+    /// Columns of `block_tables`: the most blocks any scheduled sequence needs.
+    pub block_table_width: usize,
+    /// Input rows whose logits are sampled. `[num_logits]`
+    pub logits_indices: Vec<i64>,
+    /// For each logits row, the index of its sequence in `request_ids`. `[num_logits]`
+    pub logits_request_indices: Vec<i32>,
+    /// Copy-on-write block copies to do before the forward pass.
+    pub block_copies: Vec<BlockCopy>,
+    /// Tokens of prompts (or recomputed sequences) in this batch.
+    pub num_prefill_tokens: usize,
+    /// Tokens of sequences decoding one new token.
+    pub num_decode_tokens: usize,
+    /// Sequences preempted while building this batch.
+    pub preempted: Vec<RequestId>,
+    /// Block-table rows as pushed, unpadded, until `finish`.
+    staged_tables: Vec<i32>,
+    /// Length of each staged row.
+    staged_table_lens: Vec<usize>,
+}
+
+impl SchedulerOutput {
+    /// Total tokens in the batch.
+    pub fn num_batched_tokens(&self) -> usize {
+        self.input_token_ids.len()
+    }
+
+    /// Whether nothing was scheduled.
+    pub fn is_empty(&self) -> bool {
+        self.request_ids.is_empty()
+    }
+}
+
+/// One scheduled sequence, before the arrays are built.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ScheduledSeq {
+    /// The sequence.
+    pub id: RequestId,
+    /// Its caller's request.
+    pub group: u64,
+    /// Its choice index.
+    pub choice_index: usize,
+    /// First position computed this step.
+    pub start: usize,
+    /// Tokens computed this step.
+    pub num_tokens: usize,
+    /// Logits rows to sample from its last token (0 for an unfinished prefill chunk).
+    pub num_samples: usize,
+    /// Whether these tokens are a decode (one generated token) rather than a prefill.
+    pub is_decode: bool,
+}
+
+impl SchedulerOutput {
+    /// Appends one scheduled sequence whose known tokens are `token_ids` and blocks
+    /// `block_table`.
+    pub(crate) fn push(
+        &mut self,
+        seq: &ScheduledSeq,
+        token_ids: &[u32],
+        block_table: &[BlockId],
+        block_size: usize,
+    ) {
+        let row = self.request_ids.len();
+        let end = seq.start + seq.num_tokens;
+        self.request_ids.push(seq.id);
+        self.groups.push(seq.group);
+        self.choice_indices.push(seq.choice_index as u32);
+        self.num_scheduled_tokens.push(seq.num_tokens as i32);
+        if self.query_start_loc.is_empty() {
+            self.query_start_loc.push(0);
+        }
+        let first_row = self.input_token_ids.len();
+        self.input_token_ids.extend(token_ids[seq.start..end].iter().map(|&t| i64::from(t)));
+        self.positions.extend((seq.start..end).map(|p| p as i64));
+        self.slot_mapping.extend((seq.start..end).map(|position| {
+            let block = block_table[position / block_size].0 as usize;
+            (block * block_size + position % block_size) as i64
+        }));
+        self.query_start_loc.push(self.input_token_ids.len() as i32);
+        self.context_lens.push(end as i32);
+        let num_blocks = end.div_ceil(block_size);
+        self.staged_tables.extend(block_table[..num_blocks].iter().map(|block| block.0 as i32));
+        self.staged_table_lens.push(num_blocks);
+        let last_row = (first_row + seq.num_tokens - 1) as i64;
+        for _ in 0..seq.num_samples {
+            self.logits_indices.push(last_row);
+            self.logits_request_indices.push(row as i32);
+        }
+        if seq.is_decode {
+            self.num_decode_tokens += seq.num_tokens;
+        } else {
+            self.num_prefill_tokens += seq.num_tokens;
+        }
+    }
+
+    /// Lays out the zero-padded 2-D block tables once every sequence is in.
+    pub(crate) fn finish(&mut self) {
+        let width = self.staged_table_lens.iter().copied().max().unwrap_or(0);
+        self.block_table_width = width;
+        self.block_tables = vec![0; width * self.request_ids.len()];
+        let mut staged = self.staged_tables.as_slice();
+        for (row, &len) in self.staged_table_lens.iter().enumerate() {
+            let (blocks, rest) = staged.split_at(len);
+            self.block_tables[row * width..row * width + len].copy_from_slice(blocks);
+            staged = rest;
+        }
+        self.staged_tables = Vec::new();
+        self.staged_table_lens = Vec::new();
+    }
+}

@@ -1,0 +1,41 @@
+//! Counters the scheduler keeps for metrics; Python pulls a snapshot.
+
+/// A snapshot of the scheduler's state and counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SchedulerStats {
+    /// Sequences holding blocks and scheduled every step.
+    pub num_running: usize,
+    /// Sequences queued (never run, or preempted).
+    pub num_waiting: usize,
+    /// Of the waiting, those that were preempted.
+    pub num_preempted_waiting: usize,
+    /// Preemptions since start.
+    pub num_preemptions_total: u64,
+    /// Prompt tokens looked up in the prefix cache since start.
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found cached.
+    pub prefix_cache_hits: u64,
+    /// KV blocks referenced by a sequence.
+    pub num_used_blocks: usize,
+    /// Free KV blocks still holding a cached prefix.
+    pub num_cached_free_blocks: usize,
+    /// All KV blocks.
+    pub num_blocks: usize,
+    /// Cached blocks evicted since start.
+    pub num_evictions: u64,
+    /// Prefill tokens in the last scheduled step.
+    pub step_num_prefill_tokens: usize,
+    /// Decode tokens in the last scheduled step.
+    pub step_num_decode_tokens: usize,
+    /// Prompt tokens computed since start (prefix hits excluded, recomputation included).
+    pub num_prefill_tokens_total: u64,
+    /// Tokens sampled since start.
+    pub num_generated_tokens_total: u64,
+}
+
+impl SchedulerStats {
+    /// Fraction of blocks referenced by sequences (cached-free blocks count as free).
+    pub fn kv_cache_usage(&self) -> f64 {
+        self.num_used_blocks as f64 / self.num_blocks as f64
+    }
+}

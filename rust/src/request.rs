@@ -1,0 +1,205 @@
+//! A request as the scheduler sees it: its stop conditions, its ordering key and its state.
+//! Its tokens and blocks live in the `KVCacheManager`, under the same `RequestId`.
+
+use std::cmp::Ordering;
+
+use crate::kv_cache_manager::RequestId;
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop token (or, from Python, a stop string).
+    Stop,
+    /// `max_tokens` or the model's `max_model_len` reached.
+    Length,
+    /// Aborted by the caller (e.g. the client disconnected).
+    Abort,
+    /// The request outgrew the whole KV cache: even alone it cannot get the blocks it
+    /// needs, so retrying would loop forever.
+    Capacity,
+}
+
+impl FinishReason {
+    /// The name Python sees (`"stop"`, `"length"`, `"abort"`, `"capacity"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+            FinishReason::Capacity => "capacity",
+        }
+    }
+
+    /// Parses a name from `as_str`.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "stop" => Some(FinishReason::Stop),
+            "length" => Some(FinishReason::Length),
+            "abort" => Some(FinishReason::Abort),
+            "capacity" => Some(FinishReason::Capacity),
+            _ => None,
+        }
+    }
+}
+
+/// Where a request is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStatus {
+    /// Queued, never run.
+    Waiting,
+    /// Holding blocks and scheduled each step.
+    Running,
+    /// Was running, lost its blocks to a higher-priority request; queued to recompute.
+    Preempted,
+}
+
+/// When to stop generating; checked by the core after every sampled token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StopConditions {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Fewest tokens to generate before EOS or a stop token may end the request.
+    pub min_tokens: usize,
+    /// The model's end-of-sequence token, if any.
+    pub eos_token_id: Option<u32>,
+    /// More tokens that end the request (kept in the output).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past EOS.
+    pub ignore_eos: bool,
+}
+
+impl Default for StopConditions {
+    fn default() -> Self {
+        StopConditions {
+            max_tokens: 16,
+            min_tokens: 0,
+            eos_token_id: None,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+impl StopConditions {
+    /// Whether generation ends after `token` became the `num_output_tokens`-th output
+    /// token of a request that now holds `num_tokens` tokens.
+    pub fn check(
+        &self,
+        token: u32,
+        num_output_tokens: usize,
+        num_tokens: usize,
+        max_model_len: usize,
+    ) -> Option<FinishReason> {
+        if num_output_tokens >= self.min_tokens {
+            let is_eos = !self.ignore_eos && self.eos_token_id == Some(token);
+            if is_eos || self.stop_token_ids.contains(&token) {
+                return Some(FinishReason::Stop);
+            }
+        }
+        if num_output_tokens >= self.max_tokens || num_tokens >= max_model_len {
+            return Some(FinishReason::Length);
+        }
+        None
+    }
+}
+
+/// Order of admission and (reversed) of preemption: lower priority value first, then
+/// earlier arrival, then earlier `add_request`.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueKey {
+    /// The request's priority (always 0 under FCFS).
+    pub priority: i64,
+    /// Caller-given arrival time.
+    pub arrival_time: f64,
+    /// Position in `add_request` order; breaks every tie.
+    pub sequence: u64,
+}
+
+impl PartialEq for QueueKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for QueueKey {}
+
+impl PartialOrd for QueueKey {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for QueueKey {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.priority
+            .cmp(&other.priority)
+            .then(self.arrival_time.total_cmp(&other.arrival_time))
+            .then(self.sequence.cmp(&other.sequence))
+    }
+}
+
+/// One sequence the scheduler runs. A request with `n > 1` is one `Request` until its
+/// prompt is computed, then `n` (the parent is choice 0, forks are choices 1..n).
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Handle shared with the `KVCacheManager`.
+    pub id: RequestId,
+    /// Index of the caller's request this sequence belongs to (see `Scheduler::groups`).
+    pub group: u64,
+    /// Which of the group's `n` choices this is.
+    pub choice_index: usize,
+    /// Choices still to be forked off when the prompt is done (`n - 1`, then 0).
+    pub num_pending_forks: usize,
+    /// Where it sorts in the queues.
+    pub key: QueueKey,
+    /// Waiting, running or preempted.
+    pub status: RequestStatus,
+    /// Prompt length in tokens.
+    pub num_prompt_tokens: usize,
+    /// Prompt plus generated tokens.
+    pub num_tokens: usize,
+    /// Tokens whose KV is computed (mirrors the manager, read on every step).
+    pub num_computed_tokens: usize,
+    /// When to stop.
+    pub stop: StopConditions,
+    /// Times this request was preempted.
+    pub num_preemptions: u32,
+}
+
+impl Request {
+    /// Tokens generated so far.
+    pub fn num_output_tokens(&self) -> usize {
+        self.num_tokens - self.num_prompt_tokens
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eos_stops_only_after_min_tokens_and_not_when_ignored() {
+        let stop = StopConditions { eos_token_id: Some(2), min_tokens: 3, ..Default::default() };
+        assert_eq!(stop.check(2, 2, 10, 100), None);
+        assert_eq!(stop.check(2, 3, 10, 100), Some(FinishReason::Stop));
+        let ignoring = StopConditions { ignore_eos: true, ..stop };
+        assert_eq!(ignoring.check(2, 3, 10, 100), None);
+    }
+
+    #[test]
+    fn length_ends_at_max_tokens_or_max_model_len() {
+        let stop = StopConditions { max_tokens: 4, stop_token_ids: vec![9], ..Default::default() };
+        assert_eq!(stop.check(1, 4, 10, 100), Some(FinishReason::Length));
+        assert_eq!(stop.check(1, 1, 100, 100), Some(FinishReason::Length));
+        assert_eq!(stop.check(9, 4, 10, 100), Some(FinishReason::Stop));
+    }
+
+    #[test]
+    fn queue_key_orders_by_priority_then_arrival_then_sequence() {
+        let key = |priority, arrival_time, sequence| QueueKey { priority, arrival_time, sequence };
+        let mut keys = vec![key(1, 0.0, 0), key(0, 2.0, 1), key(0, 1.0, 3), key(0, 1.0, 2)];
+        keys.sort();
+        let order: Vec<u64> = keys.iter().map(|k| k.sequence).collect();
+        assert_eq!(order, vec![2, 3, 1, 0]);
+    }
+}

@@ -1,0 +1,381 @@
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+fn config(num_blocks: usize, max_num_batched_tokens: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        num_blocks,
+        block_size: 4,
+        max_num_batched_tokens,
+        max_num_seqs: 8,
+        max_model_len: 1024,
+        ..Default::default()
+    }
+}
+
+fn params(max_tokens: usize) -> RequestParams {
+    RequestParams {
+        stop: StopConditions { max_tokens, ..Default::default() },
+        n: 1,
+        ..Default::default()
+    }
+}
+
+fn prompt(len: usize, first: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| first + i).collect()
+}
+
+/// One step with a fake model that samples `token` for every logits row.
+fn step(s: &mut Scheduler, token: u32) -> (SchedulerOutput, Vec<RequestUpdate>) {
+    let out = s.schedule().unwrap();
+    let sampled = vec![token; out.logits_indices.len()];
+    let updates = s.update_from_output(&sampled).unwrap();
+    s.kv_cache().pool().check_invariants().unwrap();
+    (out, updates)
+}
+
+fn scheduled_tokens(out: &SchedulerOutput) -> Vec<i32> {
+    out.num_scheduled_tokens.clone()
+}
+
+fn run_to_completion(s: &mut Scheduler) -> usize {
+    let mut steps = 0;
+    while s.has_unfinished_requests() {
+        step(s, 7);
+        steps += 1;
+        assert!(steps < 10_000, "no progress");
+    }
+    steps
+}
+
+#[test]
+fn budget_is_respected_exactly_and_prompts_are_chunked() {
+    let mut s = Scheduler::new(config(64, 10)).unwrap();
+    s.add_request("a", &prompt(7, 0), params(2)).unwrap();
+    s.add_request("b", &prompt(7, 100), params(2)).unwrap();
+    let (out, updates) = step(&mut s, 1);
+    // a takes 7, b gets the 3 left over as a partial chunk: exactly the budget.
+    assert_eq!(scheduled_tokens(&out), vec![7, 3]);
+    assert_eq!(out.num_batched_tokens(), 10);
+    assert_eq!(out.logits_indices, vec![6], "only a caught up");
+    assert_eq!(updates.len(), 1);
+    let (out, _) = step(&mut s, 1);
+    // a decodes (1 token), b finishes its prompt (4 tokens).
+    assert_eq!(scheduled_tokens(&out), vec![1, 4]);
+    assert_eq!(out.positions, vec![7, 3, 4, 5, 6]);
+    assert_eq!(out.logits_indices, vec![0, 4]);
+}
+
+#[test]
+fn output_arrays_describe_the_batch() {
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    s.add_request("a", &prompt(6, 10), params(3)).unwrap();
+    let (out, _) = step(&mut s, 99);
+    assert_eq!(out.input_token_ids, vec![10, 11, 12, 13, 14, 15]);
+    assert_eq!(out.query_start_loc, vec![0, 6]);
+    assert_eq!(out.context_lens, vec![6]);
+    let table = s.kv_cache().block_table(out.request_ids[0]).unwrap().to_vec();
+    let slot = |p: usize| (table[p / 4].0 as usize * 4 + p % 4) as i64;
+    assert_eq!(out.slot_mapping, (0..6).map(slot).collect::<Vec<_>>());
+    assert_eq!(out.block_table_width, 2);
+    assert_eq!(out.block_tables, vec![table[0].0 as i32, table[1].0 as i32]);
+    let (out, _) = step(&mut s, 98);
+    assert_eq!(out.input_token_ids, vec![99]);
+    assert_eq!(out.positions, vec![6]);
+    assert_eq!(out.slot_mapping, vec![slot(6)]);
+    assert_eq!(out.context_lens, vec![7]);
+    assert_eq!((out.num_prefill_tokens, out.num_decode_tokens), (0, 1));
+}
+
+#[test]
+fn decodes_are_never_starved_by_a_long_prefill() {
+    let mut s = Scheduler::new(config(256, 16)).unwrap();
+    for i in 0..4 {
+        s.add_request(&format!("short{i}"), &prompt(2, 10 * i), params(50)).unwrap();
+    }
+    step(&mut s, 1);
+    assert_eq!(s.num_running(), 4);
+    s.add_request("long", &prompt(400, 1000), params(5)).unwrap();
+    for _ in 0..10 {
+        let (out, _) = step(&mut s, 1);
+        assert_eq!(out.num_decode_tokens, 4, "every decode runs every step");
+        assert!(out.num_batched_tokens() <= 16);
+    }
+    // The long prompt advances with whatever the decodes leave.
+    let long = s.requests.values().find(|r| r.num_prompt_tokens == 400).unwrap();
+    assert!(long.num_computed_tokens >= 100);
+}
+
+#[test]
+fn long_prefill_threshold_caps_a_chunk_and_partial_prefills_are_limited() {
+    let mut cfg = config(256, 64);
+    cfg.long_prefill_token_threshold = Some(8);
+    cfg.max_num_partial_prefills = 1;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request("a", &prompt(40, 0), params(1)).unwrap();
+    s.add_request("b", &prompt(40, 100), params(1)).unwrap();
+    let (out, _) = step(&mut s, 1);
+    // a takes 8 (the cap); b would also be partial, over the limit of 1: not admitted.
+    assert_eq!(scheduled_tokens(&out), vec![8]);
+    assert_eq!(s.num_waiting(), 1);
+}
+
+#[test]
+fn priority_policy_admits_lower_values_first() {
+    let mut cfg = config(64, 8);
+    cfg.policy = SchedulingPolicy::Priority;
+    let mut s = Scheduler::new(cfg).unwrap();
+    let with_priority = |priority| RequestParams { priority, ..params(1) };
+    s.add_request("low", &prompt(8, 0), with_priority(5)).unwrap();
+    s.add_request("high", &prompt(8, 100), with_priority(-1)).unwrap();
+    s.add_request("mid", &prompt(8, 200), with_priority(0)).unwrap();
+    let mut order = Vec::new();
+    while s.has_unfinished_requests() {
+        let out = s.schedule().unwrap();
+        order.extend(out.groups.iter().map(|&g| s.external_id(g).unwrap().to_string()));
+        s.update_from_output(&vec![1; out.logits_indices.len()]).unwrap();
+    }
+    assert_eq!(order, vec!["high", "mid", "low"]);
+}
+
+#[test]
+fn fcfs_ignores_priority_and_keeps_arrival_order() {
+    let mut s = Scheduler::new(config(64, 8)).unwrap();
+    s.add_request("first", &prompt(8, 0), RequestParams { priority: 9, ..params(1) }).unwrap();
+    s.add_request("second", &prompt(8, 50), RequestParams { priority: -9, ..params(1) }).unwrap();
+    let (out, _) = step(&mut s, 1);
+    assert_eq!(s.external_id(out.groups[0]).map(|id| id.to_string()), None, "finished");
+    assert_eq!(s.num_waiting(), 1);
+    assert_eq!(
+        s.external_id(s.requests.values().next().unwrap().group).unwrap().as_ref(),
+        "second"
+    );
+}
+
+#[test]
+fn preemption_frees_blocks_resumes_with_the_same_tokens_and_is_counted() {
+    // 6 blocks of 4 tokens: two requests of 8 prompt tokens fit, but not once both grow.
+    let mut s = Scheduler::new(config(6, 64)).unwrap();
+    s.add_request("old", &prompt(8, 0), params(12)).unwrap();
+    s.add_request("new", &prompt(8, 100), params(12)).unwrap();
+    let mut preempted = Vec::new();
+    let mut texts: std::collections::HashMap<(u64, usize), Vec<u32>> = Default::default();
+    let mut token = 0;
+    while s.has_unfinished_requests() {
+        token += 1;
+        let (out, updates) = step(&mut s, token);
+        preempted.extend(out.preempted.iter().copied());
+        for update in updates {
+            texts
+                .entry((update.group, update.choice_index))
+                .or_default()
+                .extend(update.new_token_id);
+        }
+        assert!(s.kv_cache().stats().num_used_blocks <= 6);
+    }
+    assert!(!preempted.is_empty());
+    assert_eq!(s.stats().num_preemptions_total as usize, preempted.len());
+    // The later arrival was the victim, and both still got all their tokens, each in order.
+    assert!(preempted.iter().all(|&id| id == RequestId(1)));
+    for tokens in texts.values() {
+        assert_eq!(tokens.len(), 12);
+        assert!(tokens.windows(2).all(|w| w[0] < w[1]), "resumed where it left off");
+    }
+    assert_eq!(s.kv_cache().num_free_blocks(), 6);
+}
+
+#[test]
+fn abort_in_every_state_frees_everything() {
+    let mut s = Scheduler::new(config(5, 8)).unwrap();
+    s.add_request("running", &prompt(6, 0), params(50)).unwrap();
+    s.add_request("partial", &prompt(9, 100), params(50)).unwrap();
+    s.add_request("waiting", &prompt(4, 200), params(50)).unwrap();
+    step(&mut s, 1);
+    assert_eq!(s.num_running(), 2);
+    // Abort between schedule and update too: its sampled row is dropped.
+    let out = s.schedule().unwrap();
+    s.abort_request("running").unwrap();
+    let updates = s.update_from_output(&vec![1; out.logits_indices.len()]).unwrap();
+    assert!(updates
+        .iter()
+        .all(|u| s.external_id(u.group).map(|id| id.as_ref()) != Some("running")));
+    s.abort_request("partial").unwrap();
+    s.abort_request("waiting").unwrap();
+    assert!(!s.has_unfinished_requests());
+    assert_eq!(s.kv_cache().num_free_blocks(), 5);
+    assert!(matches!(s.abort_request("waiting"), Err(Error::UnknownRequest(_))));
+    s.kv_cache().pool().check_invariants().unwrap();
+}
+
+#[test]
+fn a_request_that_can_never_fit_ends_with_capacity() {
+    // Prompt of 30 tokens needs 8 blocks of 4; the cache has 4.
+    let mut s = Scheduler::new(config(4, 64)).unwrap();
+    s.add_request("huge", &prompt(30, 0), params(4)).unwrap();
+    s.add_request("small", &prompt(3, 100), params(2)).unwrap();
+    let (_, updates) = step(&mut s, 1);
+    assert_eq!(updates[0].finish_reason, Some(FinishReason::Capacity));
+    // One that fits its prompt but outgrows the cache while decoding ends the same way.
+    let mut s = Scheduler::new(config(2, 64)).unwrap();
+    s.add_request("grows", &prompt(6, 0), params(20)).unwrap();
+    let mut reasons = Vec::new();
+    for _ in 0..10 {
+        let (_, updates) = step(&mut s, 1);
+        reasons.extend(updates.iter().filter_map(|u| u.finish_reason));
+    }
+    assert_eq!(reasons, vec![FinishReason::Capacity]);
+    assert!(!s.has_unfinished_requests());
+    assert_eq!(s.kv_cache().num_free_blocks(), 2);
+}
+
+#[test]
+fn prefix_hits_skip_compute() {
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    s.add_request("a", &prompt(18, 0), params(1)).unwrap();
+    run_to_completion(&mut s);
+    s.add_request("b", &prompt(18, 0), params(1)).unwrap();
+    let (out, _) = step(&mut s, 1);
+    assert_eq!(scheduled_tokens(&out), vec![2], "16 of 18 prompt tokens were cached");
+    assert_eq!(out.positions, vec![16, 17]);
+    assert_eq!(out.context_lens, vec![18]);
+    assert_eq!(s.stats().prefix_cache_hits, 16);
+}
+
+#[test]
+fn n_choices_prefill_once_then_fork_and_decode_independently() {
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    s.add_request("multi", &prompt(6, 0), RequestParams { n: 3, ..params(4) }).unwrap();
+    let (out, updates) = step(&mut s, 5);
+    assert_eq!(scheduled_tokens(&out), vec![6], "the prompt is computed once");
+    assert_eq!(out.logits_indices, vec![5, 5, 5]);
+    let mut choices: Vec<usize> = updates.iter().map(|u| u.choice_index).collect();
+    choices.sort();
+    assert_eq!(choices, vec![0, 1, 2]);
+    assert_eq!(s.num_running(), 3);
+    // The three share the full block; each gets its own copy of the partial one.
+    let (out, _) = step(&mut s, 6);
+    assert_eq!(scheduled_tokens(&out), vec![1, 1, 1]);
+    assert_eq!(out.block_copies.len(), 2, "the last writer keeps the original");
+    let first_blocks: Vec<i32> = (0..3).map(|row| out.block_tables[row * 2]).collect();
+    assert!(first_blocks.iter().all(|&b| b == first_blocks[0]));
+    run_to_completion(&mut s);
+    assert_eq!(s.kv_cache().num_free_blocks(), 64);
+}
+
+#[test]
+fn stop_conditions_end_requests_and_free_their_blocks() {
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    let eos = RequestParams {
+        stop: StopConditions { max_tokens: 10, eos_token_id: Some(2), ..Default::default() },
+        n: 1,
+        ..Default::default()
+    };
+    s.add_request("eos", &prompt(3, 0), eos).unwrap();
+    s.add_request("len", &prompt(3, 10), params(1)).unwrap();
+    let (_, updates) = step(&mut s, 2);
+    let reasons: Vec<_> = updates.iter().map(|u| u.finish_reason).collect();
+    assert_eq!(reasons, vec![Some(FinishReason::Stop), Some(FinishReason::Length)]);
+    assert!(!s.has_unfinished_requests());
+    assert_eq!(s.kv_cache().num_free_blocks(), 64);
+    s.add_request("eos", &prompt(3, 0), params(1)).unwrap(); // ids are reusable
+}
+
+#[test]
+fn finish_request_ends_one_choice_for_a_python_side_stop() {
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    s.add_request("r", &prompt(3, 0), params(10)).unwrap();
+    step(&mut s, 1);
+    s.finish_request("r", 0, FinishReason::Stop).unwrap();
+    let (out, updates) = step(&mut s, 1);
+    assert!(out.is_empty());
+    assert_eq!(updates[0].finish_reason, Some(FinishReason::Stop));
+    assert!(!s.has_unfinished_requests());
+}
+
+#[test]
+fn bad_requests_and_configs_are_errors() {
+    let mut cfg = config(8, 4);
+    cfg.max_num_seqs = 8;
+    assert!(matches!(Scheduler::new(cfg), Err(Error::InvalidArgument(_))));
+    let mut s = Scheduler::new(config(8, 8)).unwrap();
+    assert!(matches!(
+        s.add_request("a", &prompt(2000, 0), params(1)),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(s.add_request("a", &[], params(1)), Err(Error::InvalidArgument(_))));
+    assert!(matches!(s.add_request("a", &[1], params(0)), Err(Error::InvalidArgument(_))));
+    assert!(matches!(s.add_request("a", &[1], RequestParams { n: 0, ..params(1) }), Err(_)));
+    s.add_request("a", &[1], params(1)).unwrap();
+    assert!(matches!(s.add_request("a", &[1], params(1)), Err(Error::DuplicateRequest(_))));
+    s.schedule().unwrap();
+    assert!(matches!(s.update_from_output(&[1, 2]), Err(Error::InvalidArgument(_))));
+    assert!(s.update_from_output(&[1]).is_ok());
+}
+
+/// Thousands of requests with random lengths, n, priorities and aborts on a tight cache.
+#[test]
+fn randomized_simulation_keeps_invariants_and_ends_with_every_block_free() {
+    let mut rng = SmallRng::seed_from_u64(99);
+    let cfg = SchedulerConfig {
+        num_blocks: 40,
+        block_size: 4,
+        max_num_batched_tokens: 32,
+        max_num_seqs: 12,
+        max_model_len: 96,
+        policy: SchedulingPolicy::Priority,
+        long_prefill_token_threshold: Some(12),
+        max_num_partial_prefills: 2,
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let mut live: Vec<String> = Vec::new();
+    let mut next = 0;
+    let mut finished = 0;
+    while next < 3000 || s.has_unfinished_requests() {
+        if next < 3000 && rng.gen_bool(0.4) {
+            let id = format!("r{next}");
+            let len = rng.gen_range(1..60);
+            let tokens: Vec<u32> = (0..len).map(|_| rng.gen_range(0..3)).collect();
+            let p = RequestParams {
+                stop: StopConditions {
+                    max_tokens: rng.gen_range(1..30),
+                    eos_token_id: Some(0),
+                    min_tokens: 1,
+                    ..Default::default()
+                },
+                n: rng.gen_range(1..=3),
+                priority: rng.gen_range(-2..3),
+                cache_salt: rng.gen_bool(0.2).then(|| "salt".to_owned()),
+                arrival_time: None,
+            };
+            s.add_request(&id, &tokens, p).unwrap();
+            live.push(id);
+            next += 1;
+        }
+        if !live.is_empty() && rng.gen_bool(0.05) {
+            let id = live.swap_remove(rng.gen_range(0..live.len()));
+            let _ = s.abort_request(&id); // may have finished already
+        }
+        let out = s.schedule().unwrap();
+        assert!(out.num_batched_tokens() <= 32);
+        assert!(out.request_ids.len() <= 12);
+        assert_eq!(
+            out.query_start_loc.last().copied().unwrap_or(0) as usize,
+            out.num_batched_tokens()
+        );
+        let sampled: Vec<u32> =
+            (0..out.logits_indices.len()).map(|_| rng.gen_range(0..5)).collect();
+        for update in s.update_from_output(&sampled).unwrap() {
+            finished += usize::from(update.finish_reason.is_some());
+        }
+        s.kv_cache().pool().check_invariants().unwrap();
+        assert!(s.num_running() <= 12);
+    }
+    assert!(finished > 1000);
+    assert!(s.stats().num_preemptions_total > 0, "memory was never tight");
+    assert!(s.stats().prefix_cache_hits > 0);
+    assert_eq!(s.kv_cache().num_free_blocks(), 40);
+    assert_eq!(s.kv_cache().num_requests(), 0);
+    assert!(s.groups.is_empty() && s.external_id_to_group.is_empty());
+}
