@@ -1,6 +1,12 @@
 """pagedrs: an LLM serving engine with a paged KV cache and a Rust scheduling core."""
 
-from pagedrs._core import KVCacheManager, KVCacheStats
+from pagedrs._core import (
+    KVCacheManager,
+    KVCacheStats,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from pagedrs._core import __version__ as _core_version
 from pagedrs.errors import (
     DuplicateRequestError,
@@ -19,6 +25,9 @@ __all__ = [
     "KVCacheManager",
     "KVCacheStats",
     "PagedrsError",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
     "UnknownRequestError",
     "__version__",
 ]

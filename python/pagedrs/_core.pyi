@@ -83,3 +83,143 @@ class KVCacheManager:
         """Raises ``InternalError`` if the block pool is inconsistent."""
     def _force_hash_collisions(self, bits: int) -> None:
         """Test hook: keep only ``bits`` bits of each block key, forcing collisions."""
+
+import numpy as np
+import numpy.typing as npt
+
+class SchedulerOutput:
+    """One step's batch. Arrays are fresh numpy arrays (``torch.from_numpy`` shares them)."""
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Request id of each scheduled sequence, in batch order."""
+    @property
+    def choice_indices(self) -> npt.NDArray[np.int32]:
+        """Choice index (0..n-1) of each scheduled sequence. ``[num_seqs]``"""
+    @property
+    def num_scheduled_tokens(self) -> npt.NDArray[np.int32]:
+        """Tokens each sequence computes this step. ``[num_seqs]``"""
+    @property
+    def input_token_ids(self) -> npt.NDArray[np.int64]:
+        """Token ids of all sequences, concatenated. ``[num_batched_tokens]``"""
+    @property
+    def positions(self) -> npt.NDArray[np.int64]:
+        """Position of each input token in its sequence. ``[num_batched_tokens]``"""
+    @property
+    def slot_mapping(self) -> npt.NDArray[np.int64]:
+        """KV cache slot (``block * block_size + offset``) of each new key/value."""
+    @property
+    def query_start_loc(self) -> npt.NDArray[np.int32]:
+        """Start of each sequence's tokens in the inputs, plus the total. ``[num_seqs + 1]``"""
+    @property
+    def context_lens(self) -> npt.NDArray[np.int32]:
+        """Tokens each sequence attends to, this step's included. ``[num_seqs]``"""
+    @property
+    def block_tables(self) -> npt.NDArray[np.int32]:
+        """Block tables, zero-padded past each row's blocks. ``[num_seqs, max_blocks]``"""
+    @property
+    def logits_indices(self) -> npt.NDArray[np.int64]:
+        """Input rows to sample from; a prompt with ``n > 1`` appears ``n`` times."""
+    @property
+    def logits_request_indices(self) -> npt.NDArray[np.int32]:
+        """For each logits row, its sequence's row in ``request_ids``."""
+    @property
+    def block_copies(self) -> npt.NDArray[np.int64]:
+        """Copy-on-write ``(src, dst)`` block copies to do before the forward pass. ``[k, 2]``"""
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def num_batched_tokens(self) -> int: ...
+    @property
+    def num_prefill_tokens(self) -> int: ...
+    @property
+    def num_decode_tokens(self) -> int: ...
+    @property
+    def preempted(self) -> list[tuple[str, int]]:
+        """``(request_id, choice_index)`` of sequences preempted while building this batch."""
+    def __len__(self) -> int: ...
+
+class SchedulerStats:
+    """A snapshot of the scheduler's counters."""
+
+    num_running: int
+    num_waiting: int
+    num_preempted_waiting: int
+    num_preemptions_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_used_blocks: int
+    num_cached_free_blocks: int
+    num_blocks: int
+    num_evictions: int
+    kv_cache_usage: float
+    step_num_prefill_tokens: int
+    step_num_decode_tokens: int
+    num_prefill_tokens_total: int
+    num_generated_tokens_total: int
+
+RequestUpdate = tuple[str, int, int | None, str | None]
+"""``(request_id, choice_index, new_token_id, finish_reason)``; ``finish_reason`` is one of
+``"stop"``, ``"length"``, ``"abort"``, ``"capacity"`` or ``None``."""
+
+class Scheduler:
+    """The per-step scheduler: continuous batching, chunked prefill, preemption.
+
+    Each step: ``out = schedule()``, run the model on ``out``'s arrays, sample one token per
+    ``out.logits_indices`` row, then ``update_from_output(tokens)`` (always, even for an
+    empty batch). Raises ``InvalidArgumentError`` (a ``ValueError``) for a bad setting.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int = 8192,
+        policy: str = "fcfs",
+        enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: int | None = None,
+        max_num_partial_prefills: int = 1,
+        namespace: str = "",
+    ) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int = 16,
+        min_tokens: int = 0,
+        eos_token_id: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        n: int = 1,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues a request. ``DuplicateRequestError`` for a live id; ``InvalidArgumentError``
+        for an empty prompt, one longer than ``max_model_len``, ``max_tokens < 1``,
+        ``min_tokens > max_tokens`` or ``n`` outside ``[1, max_num_seqs]``."""
+    def abort_request(self, request_id: str) -> None:
+        """Ends the request and all its choices now, freeing every block."""
+    def finish_request(self, request_id: str, reason: str = "stop", index: int = 0) -> None:
+        """Ends one choice (e.g. a stop string matched); reported by the next update."""
+    def schedule(self) -> SchedulerOutput: ...
+    def update_from_output(
+        self, sampled_token_ids: npt.NDArray[np.integer] | list[int]
+    ) -> list[RequestUpdate]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    def stats(self) -> SchedulerStats: ...
+    def check_invariants(self) -> None: ...

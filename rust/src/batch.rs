@@ -12,6 +12,11 @@
 //!   logits_indices    [2, 3]   rows whose hidden state is sampled (a request that caught
 //!                              up with its tokens; a prompt with n > 1 appears n times)
 //! ```
+//!
+//! NOTE (the runner's contract): do `block_copies` first; then, in every layer, write all
+//! of the batch's new keys/values before any attention of that layer reads the cache. A
+//! sequence's prefix hit may point at blocks that another sequence of the same batch is
+//! computing in this very step (prefixes are cached when allocated, as in vLLM).
 
 use crate::block_pool::BlockId;
 use crate::kv_cache_manager::{BlockCopy, RequestId};

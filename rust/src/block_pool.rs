@@ -50,11 +50,9 @@ struct CacheEntry {
     salt: Option<Arc<str>>,
 }
 
-/// Per-block state.
+/// Per-block state read less often than the ref count.
 #[derive(Debug, Clone, Default)]
 struct BlockState {
-    /// Number of block-table entries pointing at this block.
-    ref_count: u32,
     /// Bumped each time the block is handed out by `allocate`, which invalidates every
     /// `BlockRef` taken before.
     generation: u32,
@@ -74,6 +72,9 @@ pub struct PoolCounters {
 pub struct BlockPool {
     /// Token slots per block.
     block_size: usize,
+    /// Number of block-table entries pointing at each block, indexed by block id. Kept
+    /// apart from `blocks` so the per-step copy-on-write check touches 4 bytes, not a line.
+    ref_counts: Vec<u32>,
     /// State of each block, indexed by block id.
     blocks: Vec<BlockState>,
     /// Blocks with ref count 0, front evicted first.
@@ -107,6 +108,7 @@ impl BlockPool {
         }
         Ok(BlockPool {
             block_size,
+            ref_counts: vec![0; num_blocks],
             blocks: vec![BlockState::default(); num_blocks],
             free_queue: FreeBlockQueue::with_all_blocks(num_blocks),
             hash_to_block: HashMap::default(),
@@ -153,7 +155,7 @@ impl BlockPool {
 
     /// The block's ref count.
     pub fn ref_count(&self, block: BlockId) -> u32 {
-        self.blocks[block.index()].ref_count
+        self.ref_counts[block.index()]
     }
 
     /// Whether the block is in the prefix cache.
@@ -182,33 +184,33 @@ impl BlockPool {
             self.counters.num_evictions += 1;
         }
         state.generation = state.generation.wrapping_add(1);
-        state.ref_count = 1;
+        self.ref_counts[block.index()] = 1;
         Some(block)
     }
 
     /// Adds a reference to `block`, taking it out of the free queue if it was free (a
     /// prefix hit on a cached-free block).
     pub fn touch(&mut self, block: BlockId) {
-        let state = &mut self.blocks[block.index()];
-        if state.ref_count == 0 {
+        let ref_count = &mut self.ref_counts[block.index()];
+        if *ref_count == 0 {
             self.free_queue.remove(block);
-            if state.cache.is_some() {
+            if self.blocks[block.index()].cache.is_some() {
                 self.num_cached_free -= 1;
             }
         }
-        state.ref_count += 1;
+        *ref_count += 1;
     }
 
     /// Drops a reference. At zero the block joins the back of the free queue, keeping its
     /// cached prefix (if any) until it is evicted.
     pub fn release(&mut self, block: BlockId) -> Result<()> {
-        let state = &mut self.blocks[block.index()];
-        if state.ref_count == 0 {
+        let ref_count = &mut self.ref_counts[block.index()];
+        if *ref_count == 0 {
             return Err(Error::RefCountUnderflow(block));
         }
-        state.ref_count -= 1;
-        if state.ref_count == 0 {
-            if state.cache.is_some() {
+        *ref_count -= 1;
+        if *ref_count == 0 {
+            if self.blocks[block.index()].cache.is_some() {
                 self.num_cached_free += 1;
             }
             self.free_queue.push_back(block);
@@ -246,7 +248,7 @@ impl BlockPool {
         token_ids: &[u32],
     ) -> bool {
         debug_assert_eq!(token_ids.len(), self.block_size);
-        debug_assert!(self.blocks[block.index()].ref_count > 0, "only in-use blocks are cached");
+        debug_assert!(self.ref_counts[block.index()] > 0, "only in-use blocks are cached");
         if self.blocks[block.index()].cache.is_some() {
             return false;
         }
@@ -276,19 +278,18 @@ impl BlockPool {
         let mut num_free = 0;
         let mut num_cached = 0;
         let mut num_cached_free = 0;
-        for (index, state) in self.blocks.iter().enumerate() {
+        for (index, (state, &ref_count)) in self.blocks.iter().zip(&self.ref_counts).enumerate() {
             let block = BlockId(index as u32);
             let in_queue = self.free_queue.contains(block);
-            if in_queue != (state.ref_count == 0) {
+            if in_queue != (ref_count == 0) {
                 return Err(format!(
-                    "block {index}: ref count {} but in free queue = {in_queue}",
-                    state.ref_count
+                    "block {index}: ref count {ref_count} but in free queue = {in_queue}"
                 ));
             }
             num_free += usize::from(in_queue);
             if let Some(entry) = &state.cache {
                 num_cached += 1;
-                num_cached_free += usize::from(state.ref_count == 0);
+                num_cached_free += usize::from(ref_count == 0);
                 if self.hash_to_block.get(&entry.hash) != Some(&block) {
                     return Err(format!("cached block {index} is not in the map under its key"));
                 }

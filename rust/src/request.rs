@@ -197,7 +197,7 @@ mod tests {
     #[test]
     fn queue_key_orders_by_priority_then_arrival_then_sequence() {
         let key = |priority, arrival_time, sequence| QueueKey { priority, arrival_time, sequence };
-        let mut keys = vec![key(1, 0.0, 0), key(0, 2.0, 1), key(0, 1.0, 3), key(0, 1.0, 2)];
+        let mut keys = [key(1, 0.0, 0), key(0, 2.0, 1), key(0, 1.0, 3), key(0, 1.0, 2)];
         keys.sort();
         let order: Vec<u64> = keys.iter().map(|k| k.sequence).collect();
         assert_eq!(order, vec![2, 3, 1, 0]);

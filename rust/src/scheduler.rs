@@ -314,6 +314,11 @@ impl Scheduler {
         self.groups.get(&group).map(|g| &g.external_id)
     }
 
+    /// The caller's request handle and choice index of a live sequence.
+    pub fn sequence_of(&self, id: RequestId) -> Option<(u64, usize)> {
+        self.requests.get(&id).map(|request| (request.group, request.choice_index))
+    }
+
     /// Whether any request is waiting or running.
     pub fn has_unfinished_requests(&self) -> bool {
         !self.requests.is_empty() || !self.pending_updates.is_empty()
@@ -383,7 +388,7 @@ impl Scheduler {
             let request = &self.requests[&id];
             let start = request.num_computed_tokens;
             let remaining = request.num_tokens - start;
-            let is_decode = self.is_decode(&id);
+            let is_decode = remaining == 1;
             if is_decode {
                 num_decodes_behind -= 1;
             }
@@ -636,7 +641,7 @@ impl Scheduler {
             new_token_id: Some(token),
             finish_reason,
         };
-        if let Some(reason) = finish_reason {
+        if finish_reason.is_some() {
             self.release(id)?;
         }
         Ok(update)

@@ -305,7 +305,10 @@ fn bad_requests_and_configs_are_errors() {
     ));
     assert!(matches!(s.add_request("a", &[], params(1)), Err(Error::InvalidArgument(_))));
     assert!(matches!(s.add_request("a", &[1], params(0)), Err(Error::InvalidArgument(_))));
-    assert!(matches!(s.add_request("a", &[1], RequestParams { n: 0, ..params(1) }), Err(_)));
+    assert!(matches!(
+        s.add_request("a", &[1], RequestParams { n: 0, ..params(1) }),
+        Err(Error::InvalidArgument(_))
+    ));
     s.add_request("a", &[1], params(1)).unwrap();
     assert!(matches!(s.add_request("a", &[1], params(1)), Err(Error::DuplicateRequest(_))));
     s.schedule().unwrap();

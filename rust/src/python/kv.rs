@@ -1,64 +1,17 @@
-//! The PyO3 binding: a thin layer over the plain-Rust core. Python arguments are converted
-//! and validated here first; every `Error` becomes one of the exception classes declared in
-//! `pagedrs/errors.py`. Nothing here panics across the boundary.
+//! `pagedrs.KVCacheManager`: the block tables, keyed by Python string ids.
 
 use std::collections::HashMap;
 
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
+use super::{name_request, to_count, to_py_err, to_token_ids};
 use crate::error::Error;
 use crate::kv_cache_manager::{KVCacheManager, KVCacheStats, RequestId};
-
-/// Raises `Error` as the matching `pagedrs.errors` class.
-fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
-    let class_name = match err {
-        Error::InvalidArgument(_) => "InvalidArgumentError",
-        Error::UnknownRequest(_) => "UnknownRequestError",
-        Error::DuplicateRequest(_) => "DuplicateRequestError",
-        Error::RefCountUnderflow(_) | Error::StalePrefixHit(_) | Error::InvariantViolation(_) => {
-            "InternalError"
-        }
-    };
-    let message = err.to_string();
-    match py.import("pagedrs.errors").and_then(|module| module.getattr(class_name)) {
-        Ok(class) => PyErr::from_type(class.cast_into().expect("exception class"), message),
-        Err(_) => PyRuntimeError::new_err(message),
-    }
-}
-
-/// Replaces the core's numeric request id in an error by the caller's string id.
-fn name_request(err: Error, request_id: &str) -> Error {
-    match err {
-        Error::UnknownRequest(_) => Error::UnknownRequest(request_id.to_owned()),
-        Error::DuplicateRequest(_) => Error::DuplicateRequest(request_id.to_owned()),
-        Error::StalePrefixHit(_) => Error::StalePrefixHit(request_id.to_owned()),
-        other => other,
-    }
-}
-
-/// Converts a Python int to a count, refusing negatives with a ValueError-family error.
-fn to_count(value: i64, what: &str) -> Result<usize, Error> {
-    usize::try_from(value)
-        .map_err(|_| Error::InvalidArgument(format!("{what} must be >= 0, got {value}")))
-}
-
-/// Converts token ids, refusing values outside `0..2**32`.
-fn to_token_ids(values: Vec<i64>) -> Result<Vec<u32>, Error> {
-    values
-        .into_iter()
-        .map(|value| {
-            u32::try_from(value).map_err(|_| {
-                Error::InvalidArgument(format!("token ids must be in [0, 2**32), got {value}"))
-            })
-        })
-        .collect()
-}
 
 /// Snapshot of the KV cache counters.
 #[pyclass(name = "KVCacheStats", module = "pagedrs._core", frozen, get_all)]
 #[derive(Clone)]
-struct PyKVCacheStats {
+pub(super) struct PyKVCacheStats {
     /// Total blocks.
     num_blocks: usize,
     /// Blocks referenced by a request.
@@ -108,7 +61,7 @@ impl PyKVCacheStats {
 
 /// Python face of `KVCacheManager`, keyed by string request ids.
 #[pyclass(name = "KVCacheManager", module = "pagedrs._core")]
-struct PyKVCacheManager {
+pub(super) struct PyKVCacheManager {
     /// The core.
     inner: KVCacheManager,
     /// Python request id to the core's handle.
@@ -309,13 +262,4 @@ impl PyKVCacheManager {
     fn _force_hash_collisions(&mut self, bits: u32) {
         self.inner.force_hash_collisions_for_testing(bits);
     }
-}
-
-/// The compiled core of pagedrs. Private: import from `pagedrs`.
-#[pymodule]
-fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
-    module.add_class::<PyKVCacheManager>()?;
-    module.add_class::<PyKVCacheStats>()?;
-    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    Ok(())
 }

@@ -1,0 +1,73 @@
+//! The PyO3 binding: a thin layer over the plain-Rust core. Python arguments are converted
+//! and validated here first; every `Error` becomes one of the exception classes declared in
+//! `pagedrs/errors.py`. Nothing here panics across the boundary.
+
+mod kv;
+mod scheduler;
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+use crate::error::Error;
+
+/// Raises `Error` as the matching `pagedrs.errors` class.
+pub(super) fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
+    let class_name = match err {
+        Error::InvalidArgument(_) => "InvalidArgumentError",
+        Error::UnknownRequest(_) => "UnknownRequestError",
+        Error::DuplicateRequest(_) => "DuplicateRequestError",
+        Error::RefCountUnderflow(_) | Error::StalePrefixHit(_) | Error::InvariantViolation(_) => {
+            "InternalError"
+        }
+    };
+    let message = err.to_string();
+    let class = py
+        .import("pagedrs.errors")
+        .and_then(|module| module.getattr(class_name))
+        .and_then(|class| class.cast_into::<PyType>().map_err(PyErr::from));
+    match class {
+        Ok(class) => PyErr::from_type(class, message),
+        Err(_) => PyRuntimeError::new_err(message),
+    }
+}
+
+/// Replaces the core's numeric request id in an error by the caller's string id.
+pub(super) fn name_request(err: Error, request_id: &str) -> Error {
+    match err {
+        Error::UnknownRequest(_) => Error::UnknownRequest(request_id.to_owned()),
+        Error::DuplicateRequest(_) => Error::DuplicateRequest(request_id.to_owned()),
+        Error::StalePrefixHit(_) => Error::StalePrefixHit(request_id.to_owned()),
+        other => other,
+    }
+}
+
+/// Converts a Python int to a count, refusing negatives with a ValueError-family error.
+pub(super) fn to_count(value: i64, what: &str) -> Result<usize, Error> {
+    usize::try_from(value)
+        .map_err(|_| Error::InvalidArgument(format!("{what} must be >= 0, got {value}")))
+}
+
+/// Converts token ids, refusing values outside `0..2**32`.
+pub(super) fn to_token_ids(values: Vec<i64>) -> Result<Vec<u32>, Error> {
+    values
+        .into_iter()
+        .map(|value| {
+            u32::try_from(value).map_err(|_| {
+                Error::InvalidArgument(format!("token ids must be in [0, 2**32), got {value}"))
+            })
+        })
+        .collect()
+}
+
+/// The compiled core of pagedrs. Private: import from `pagedrs`.
+#[pymodule]
+fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<kv::PyKVCacheManager>()?;
+    module.add_class::<kv::PyKVCacheStats>()?;
+    module.add_class::<scheduler::PyScheduler>()?;
+    module.add_class::<scheduler::PySchedulerOutput>()?;
+    module.add_class::<scheduler::PySchedulerStats>()?;
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

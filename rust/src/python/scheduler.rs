@@ -1,0 +1,430 @@
+//! `pagedrs.Scheduler`: the per-step scheduler, with its batch as numpy arrays.
+
+use std::collections::HashMap;
+
+use ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyString, PyTuple};
+
+use super::{name_request, to_count, to_py_err, to_token_ids};
+use crate::batch::RequestUpdate;
+use crate::error::Error;
+use crate::metrics::SchedulerStats;
+use crate::request::{FinishReason, StopConditions};
+use crate::scheduler::{RequestParams, Scheduler, SchedulerConfig, SchedulingPolicy};
+
+/// One step's batch. Every array is a fresh numpy array handed over without a copy.
+#[pyclass(name = "SchedulerOutput", module = "pagedrs._core", frozen, get_all)]
+pub(super) struct PySchedulerOutput {
+    /// Request id of each scheduled sequence, in batch order. `list[str]`
+    request_ids: Py<PyList>,
+    /// Choice index (0..n) of each scheduled sequence. `int32 [num_seqs]`
+    choice_indices: Py<PyArray1<i32>>,
+    /// Tokens each sequence computes this step. `int32 [num_seqs]`
+    num_scheduled_tokens: Py<PyArray1<i32>>,
+    /// Token ids of all sequences, concatenated. `int64 [num_batched_tokens]`
+    input_token_ids: Py<PyArray1<i64>>,
+    /// Position of each input token. `int64 [num_batched_tokens]`
+    positions: Py<PyArray1<i64>>,
+    /// KV cache slot each new key/value goes to. `int64 [num_batched_tokens]`
+    slot_mapping: Py<PyArray1<i64>>,
+    /// Start of each sequence's tokens, plus the total. `int32 [num_seqs + 1]`
+    query_start_loc: Py<PyArray1<i32>>,
+    /// Tokens each sequence attends to, this step's included. `int32 [num_seqs]`
+    context_lens: Py<PyArray1<i32>>,
+    /// Zero-padded block tables. `int32 [num_seqs, max_blocks]`
+    block_tables: Py<PyArray2<i32>>,
+    /// Input rows to sample from. `int64 [num_logits]`
+    logits_indices: Py<PyArray1<i64>>,
+    /// Sequence (row of `request_ids`) each logits row samples for. `int32 [num_logits]`
+    logits_request_indices: Py<PyArray1<i32>>,
+    /// Copy-on-write copies `(src, dst)` to do before the forward pass. `int64 [k, 2]`
+    block_copies: Py<PyArray2<i64>>,
+    /// Sequences in the batch.
+    num_seqs: usize,
+    /// Tokens in the batch.
+    num_batched_tokens: usize,
+    /// Prefill tokens in the batch.
+    num_prefill_tokens: usize,
+    /// Decode tokens in the batch.
+    num_decode_tokens: usize,
+    /// Sequences preempted this step. `list[tuple[str, int]]` of (request id, choice).
+    preempted: Py<PyList>,
+}
+
+#[pymethods]
+impl PySchedulerOutput {
+    fn __len__(&self) -> usize {
+        self.num_seqs
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerOutput(num_seqs={}, num_batched_tokens={}, num_prefill_tokens={}, \
+             num_decode_tokens={})",
+            self.num_seqs, self.num_batched_tokens, self.num_prefill_tokens, self.num_decode_tokens
+        )
+    }
+}
+
+/// A snapshot of the scheduler's counters.
+#[pyclass(name = "SchedulerStats", module = "pagedrs._core", frozen, get_all)]
+pub(super) struct PySchedulerStats {
+    /// Sequences running.
+    num_running: usize,
+    /// Sequences waiting (preempted included).
+    num_waiting: usize,
+    /// Of the waiting, those preempted.
+    num_preempted_waiting: usize,
+    /// Preemptions since start.
+    num_preemptions_total: u64,
+    /// Prompt tokens looked up in the prefix cache.
+    prefix_cache_queries: u64,
+    /// Of those, found cached.
+    prefix_cache_hits: u64,
+    /// KV blocks referenced by a sequence.
+    num_used_blocks: usize,
+    /// Free KV blocks holding a cached prefix.
+    num_cached_free_blocks: usize,
+    /// All KV blocks.
+    num_blocks: usize,
+    /// Cached blocks evicted since start.
+    num_evictions: u64,
+    /// Used blocks over all blocks.
+    kv_cache_usage: f64,
+    /// Prefill tokens of the last step.
+    step_num_prefill_tokens: usize,
+    /// Decode tokens of the last step.
+    step_num_decode_tokens: usize,
+    /// Prompt tokens computed since start.
+    num_prefill_tokens_total: u64,
+    /// Tokens sampled since start.
+    num_generated_tokens_total: u64,
+}
+
+impl From<SchedulerStats> for PySchedulerStats {
+    fn from(s: SchedulerStats) -> Self {
+        PySchedulerStats {
+            num_running: s.num_running,
+            num_waiting: s.num_waiting,
+            num_preempted_waiting: s.num_preempted_waiting,
+            num_preemptions_total: s.num_preemptions_total,
+            prefix_cache_queries: s.prefix_cache_queries,
+            prefix_cache_hits: s.prefix_cache_hits,
+            num_used_blocks: s.num_used_blocks,
+            num_cached_free_blocks: s.num_cached_free_blocks,
+            num_blocks: s.num_blocks,
+            num_evictions: s.num_evictions,
+            kv_cache_usage: s.kv_cache_usage(),
+            step_num_prefill_tokens: s.step_num_prefill_tokens,
+            step_num_decode_tokens: s.step_num_decode_tokens,
+            num_prefill_tokens_total: s.num_prefill_tokens_total,
+            num_generated_tokens_total: s.num_generated_tokens_total,
+        }
+    }
+}
+
+/// Python face of `Scheduler`.
+#[pyclass(name = "Scheduler", module = "pagedrs._core")]
+pub(super) struct PyScheduler {
+    /// The core.
+    inner: Scheduler,
+    /// Each live request's id as a Python string, so outputs reuse one object.
+    group_to_py_id: HashMap<u64, Py<PyString>>,
+}
+
+impl PyScheduler {
+    fn py_id(&self, py: Python<'_>, group: u64) -> Py<PyString> {
+        match self.group_to_py_id.get(&group) {
+            Some(id) => id.clone_ref(py),
+            None => PyString::new(py, "").unbind(),
+        }
+    }
+
+    fn update_tuple<'py>(
+        &self,
+        py: Python<'py>,
+        update: &RequestUpdate,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let reason = update.finish_reason.map(FinishReason::as_str);
+        (self.py_id(py, update.group), update.choice_index, update.new_token_id, reason)
+            .into_pyobject(py)
+    }
+
+    /// Forgets the Python ids of requests the core no longer knows.
+    fn prune_ids(&mut self, groups: impl Iterator<Item = u64>) {
+        for group in groups {
+            if self.inner.external_id(group).is_none() {
+                self.group_to_py_id.remove(&group);
+            }
+        }
+    }
+}
+
+/// Sampled token ids from a numpy array (int64 or int32) or any sequence of ints.
+fn sampled_tokens(sampled: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    if let Ok(array) = sampled.extract::<PyReadonlyArray1<'_, i64>>() {
+        return Ok(array.as_slice()?.to_vec());
+    }
+    if let Ok(array) = sampled.extract::<PyReadonlyArray1<'_, i32>>() {
+        return Ok(array.as_slice()?.iter().map(|&t| i64::from(t)).collect());
+    }
+    sampled.extract::<Vec<i64>>()
+}
+
+fn parse_policy(policy: &str) -> Result<SchedulingPolicy, Error> {
+    match policy {
+        "fcfs" => Ok(SchedulingPolicy::Fcfs),
+        "priority" => Ok(SchedulingPolicy::Priority),
+        other => Err(Error::InvalidArgument(format!(
+            "policy must be \"fcfs\" or \"priority\", got {other:?}"
+        ))),
+    }
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks,
+        block_size = 16,
+        *,
+        max_num_batched_tokens = 2048,
+        max_num_seqs = 256,
+        max_model_len = 8192,
+        policy = "fcfs",
+        enable_prefix_caching = true,
+        long_prefill_token_threshold = None,
+        max_num_partial_prefills = 1,
+        namespace = "",
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        num_blocks: i64,
+        block_size: i64,
+        max_num_batched_tokens: i64,
+        max_num_seqs: i64,
+        max_model_len: i64,
+        policy: &str,
+        enable_prefix_caching: bool,
+        long_prefill_token_threshold: Option<i64>,
+        max_num_partial_prefills: i64,
+        namespace: &str,
+    ) -> PyResult<Self> {
+        let build = || -> Result<Scheduler, Error> {
+            Scheduler::new(SchedulerConfig {
+                num_blocks: to_count(num_blocks, "num_blocks")?,
+                block_size: to_count(block_size, "block_size")?,
+                enable_prefix_caching,
+                namespace: namespace.to_owned(),
+                max_num_batched_tokens: to_count(max_num_batched_tokens, "max_num_batched_tokens")?,
+                max_num_seqs: to_count(max_num_seqs, "max_num_seqs")?,
+                max_model_len: to_count(max_model_len, "max_model_len")?,
+                policy: parse_policy(policy)?,
+                long_prefill_token_threshold: long_prefill_token_threshold
+                    .map(|t| to_count(t, "long_prefill_token_threshold"))
+                    .transpose()?,
+                max_num_partial_prefills: to_count(
+                    max_num_partial_prefills,
+                    "max_num_partial_prefills",
+                )?,
+            })
+        };
+        let inner = build().map_err(|err| to_py_err(py, err))?;
+        Ok(PyScheduler { inner, group_to_py_id: HashMap::new() })
+    }
+
+    /// Queues a request.
+    #[pyo3(signature = (
+        request_id,
+        prompt_token_ids,
+        *,
+        max_tokens = 16,
+        min_tokens = 0,
+        eos_token_id = None,
+        stop_token_ids = None,
+        ignore_eos = false,
+        n = 1,
+        priority = 0,
+        cache_salt = None,
+        arrival_time = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyString>,
+        prompt_token_ids: Vec<i64>,
+        max_tokens: i64,
+        min_tokens: i64,
+        eos_token_id: Option<i64>,
+        stop_token_ids: Option<Vec<i64>>,
+        ignore_eos: bool,
+        n: i64,
+        priority: i64,
+        cache_salt: Option<String>,
+        arrival_time: Option<f64>,
+    ) -> PyResult<()> {
+        let external_id = request_id.to_str()?;
+        let result = (|| {
+            let prompt = to_token_ids(prompt_token_ids)?;
+            let eos_token_id = match eos_token_id {
+                Some(token) => to_token_ids(vec![token])?.first().copied(),
+                None => None,
+            };
+            let params = RequestParams {
+                stop: StopConditions {
+                    max_tokens: to_count(max_tokens, "max_tokens")?,
+                    min_tokens: to_count(min_tokens, "min_tokens")?,
+                    eos_token_id,
+                    stop_token_ids: to_token_ids(stop_token_ids.unwrap_or_default())?,
+                    ignore_eos,
+                },
+                n: to_count(n, "n")?,
+                priority,
+                cache_salt,
+                arrival_time,
+            };
+            self.inner.add_request(external_id, &prompt, params)
+        })();
+        let group = result.map_err(|err| to_py_err(py, name_request(err, external_id)))?;
+        self.group_to_py_id.insert(group, request_id.clone().unbind());
+        Ok(())
+    }
+
+    /// Ends a request (all its choices) now, freeing its blocks.
+    fn abort_request(&mut self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        self.inner.abort_request(request_id).map_err(|err| to_py_err(py, err))?;
+        self.group_to_py_id.retain(|group, _| self.inner.external_id(*group).is_some());
+        Ok(())
+    }
+
+    /// Ends one choice of a request (e.g. a stop string matched); reported by the next
+    /// `update_from_output`.
+    #[pyo3(signature = (request_id, reason = "stop", index = 0))]
+    fn finish_request(
+        &mut self,
+        py: Python<'_>,
+        request_id: &str,
+        reason: &str,
+        index: i64,
+    ) -> PyResult<()> {
+        let result = (|| {
+            let reason = FinishReason::parse(reason).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "reason must be one of stop, length, abort, capacity; got {reason:?}"
+                ))
+            })?;
+            self.inner.finish_request(request_id, to_count(index, "index")?, reason)
+        })();
+        result.map_err(|err| to_py_err(py, err))
+    }
+
+    /// Decides this step's batch.
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+        let out = self.inner.schedule().map_err(|err| to_py_err(py, err))?;
+        let ids = out.groups.iter().map(|&group| self.py_id(py, group));
+        let request_ids = PyList::new(py, ids)?.unbind();
+        let preempted = out
+            .preempted
+            .iter()
+            .filter_map(|&id| self.inner.sequence_of(id))
+            .map(|(group, choice_index)| (self.py_id(py, group), choice_index));
+        let preempted = PyList::new(py, preempted)?.unbind();
+        let width = out.block_table_width;
+        let rows = out.request_ids.len();
+        let block_tables = Array2::from_shape_vec((rows, width), out.block_tables)
+            .map_err(|err| to_py_err(py, Error::InvariantViolation(err.to_string())))?;
+        let copies: Vec<i64> = out
+            .block_copies
+            .iter()
+            .flat_map(|c| [i64::from(c.src.0), i64::from(c.dst.0)])
+            .collect();
+        let block_copies = Array2::from_shape_vec((out.block_copies.len(), 2), copies)
+            .map_err(|err| to_py_err(py, Error::InvariantViolation(err.to_string())))?;
+        let choice_indices: Vec<i32> = out.choice_indices.iter().map(|&c| c as i32).collect();
+        Ok(PySchedulerOutput {
+            num_seqs: rows,
+            num_batched_tokens: out.input_token_ids.len(),
+            request_ids,
+            choice_indices: choice_indices.into_pyarray(py).unbind(),
+            num_scheduled_tokens: out.num_scheduled_tokens.into_pyarray(py).unbind(),
+            input_token_ids: out.input_token_ids.into_pyarray(py).unbind(),
+            positions: out.positions.into_pyarray(py).unbind(),
+            slot_mapping: out.slot_mapping.into_pyarray(py).unbind(),
+            query_start_loc: out.query_start_loc.into_pyarray(py).unbind(),
+            context_lens: out.context_lens.into_pyarray(py).unbind(),
+            block_tables: block_tables.into_pyarray(py).unbind(),
+            logits_indices: out.logits_indices.into_pyarray(py).unbind(),
+            logits_request_indices: out.logits_request_indices.into_pyarray(py).unbind(),
+            block_copies: block_copies.into_pyarray(py).unbind(),
+            num_prefill_tokens: out.num_prefill_tokens,
+            num_decode_tokens: out.num_decode_tokens,
+            preempted,
+        })
+    }
+
+    /// Appends the sampled tokens (one per `logits_indices` row of the last `schedule`) and
+    /// returns `(request_id, index, new_token_id | None, finish_reason | None)` per
+    /// sequence that got a token or ended.
+    fn update_from_output<'py>(
+        &mut self,
+        py: Python<'py>,
+        sampled_token_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let sampled = sampled_tokens(sampled_token_ids)?;
+        let sampled = to_token_ids(sampled).map_err(|err| to_py_err(py, err))?;
+        let updates = self.inner.update_from_output(&sampled).map_err(|err| to_py_err(py, err))?;
+        let list = PyList::empty(py);
+        for update in &updates {
+            list.append(self.update_tuple(py, update)?)?;
+        }
+        let finished = updates.iter().filter(|u| u.finish_reason.is_some()).map(|u| u.group);
+        self.prune_ids(finished.collect::<Vec<_>>().into_iter());
+        Ok(list)
+    }
+
+    /// Whether any request is waiting or running.
+    fn has_unfinished_requests(&self) -> bool {
+        self.inner.has_unfinished_requests()
+    }
+
+    #[getter]
+    fn num_running(&self) -> usize {
+        self.inner.num_running()
+    }
+
+    #[getter]
+    fn num_waiting(&self) -> usize {
+        self.inner.num_waiting()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.config().block_size
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.config().num_blocks
+    }
+
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.inner.config().max_model_len
+    }
+
+    fn stats(&self) -> PySchedulerStats {
+        self.inner.stats().into()
+    }
+
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner
+            .kv_cache()
+            .pool()
+            .check_invariants()
+            .map_err(|violation| to_py_err(py, Error::InvariantViolation(violation)))
+    }
+}

@@ -1,0 +1,289 @@
+"""The scheduler through the binding, driven by a fake model.
+
+The fake model keeps a fake KV cache: each slot holds a fingerprint of the whole prefix
+(tokens up to and including that position) whose key/value the slot would hold. Before every
+step the test checks that every context slot a sequence attends to holds exactly its own
+prefix, so prefix reuse, preemption, copy-on-write and block tables are all checked against
+a slow pure-Python recomputation of what the batch must be.
+"""
+
+import random
+
+import numpy as np
+import pytest
+
+from pagedrs import DuplicateRequestError, InvalidArgumentError, Scheduler, UnknownRequestError
+
+
+class FakeModel:
+    """Tracks every sequence's tokens and checks each batch against them."""
+
+    def __init__(self, scheduler: Scheduler, rng: random.Random, vocab: int = 8):
+        self.scheduler = scheduler
+        self.block_size = scheduler.block_size
+        self.rng = rng
+        self.vocab = vocab
+        self.tokens: dict[tuple[str, int], list[int]] = {}
+        self.computed: dict[tuple[str, int], int] = {}
+        self.n: dict[str, int] = {}
+        self.kv: dict[int, int] = {}  # slot -> fingerprint of the prefix it holds
+        self.finished: dict[tuple[str, int], str] = {}
+        self.unforked: set[str] = set()  # requests with n > 1 whose prompt is not done
+
+    def add(self, request_id: str, prompt: list[int], n: int = 1, **kwargs) -> None:
+        self.scheduler.add_request(request_id, prompt, n=n, **kwargs)
+        self.tokens[(request_id, 0)] = list(prompt)
+        self.computed[(request_id, 0)] = 0
+        self.n[request_id] = n
+        if n > 1:
+            self.unforked.add(request_id)
+
+    def forget(self, request_id: str) -> None:
+        for key in [key for key in self.tokens if key[0] == request_id]:
+            del self.tokens[key]
+            del self.computed[key]
+
+    def slot(self, table: np.ndarray, position: int) -> int:
+        return int(table[position // self.block_size]) * self.block_size + position % self.block_size
+
+    def step(self) -> list:
+        out = self.scheduler.schedule()
+        for request_id, index in out.preempted:
+            self.computed[(request_id, index)] = 0
+        # As in the runner: copy-on-write copies first, then every new key/value of the
+        # batch is written, then attention reads. NOTE: a prefix hit may point at blocks
+        # that another sequence of the same batch is computing; that is only correct
+        # because all writes of a layer happen before its attention.
+        for src, dst in out.block_copies:
+            for offset in range(self.block_size):
+                src_slot = int(src) * self.block_size + offset
+                if src_slot in self.kv:
+                    self.kv[int(dst) * self.block_size + offset] = self.kv[src_slot]
+        starts = self.starts(out)
+        for row, position in enumerate(out.positions):
+            key = self.row_owner(out, row)
+            self.kv[int(out.slot_mapping[row])] = hash(tuple(self.tokens[key][: position + 1]))
+        self.check_batch(out, starts)
+        for row, request_id in enumerate(out.request_ids):
+            self.computed[(request_id, int(out.choice_indices[row]))] += int(out.num_scheduled_tokens[row])
+        sampled = np.array([self.rng.randrange(self.vocab) for _ in out.logits_indices], dtype=np.int64)
+        updates = self.scheduler.update_from_output(sampled)
+        self.apply(updates, out, sampled)
+        self.scheduler.check_invariants()
+        return updates
+
+    def row_owner(self, out, token_row: int) -> tuple[str, int]:
+        seq = int(np.searchsorted(out.query_start_loc, token_row, side="right")) - 1
+        return out.request_ids[seq], int(out.choice_indices[seq])
+
+    def starts(self, out) -> list[int]:
+        """Where each scheduled sequence starts computing, from the Python bookkeeping."""
+        starts = []
+        for row, request_id in enumerate(out.request_ids):
+            key = (request_id, int(out.choice_indices[row]))
+            start = self.computed[key]
+            if start == 0:
+                # A fresh (or preempted) sequence may start from a cached prefix: whole
+                # blocks, never its last token. The KV check proves the hit exact.
+                start = int(out.positions[out.query_start_loc[row]])
+                assert start % self.block_size == 0 and start < len(self.tokens[key])
+                self.computed[key] = start
+            starts.append(start)
+        return starts
+
+    def check_batch(self, out, starts: list[int]) -> None:
+        """Recomputes every array of the batch from the Python-side bookkeeping."""
+        expected_ids, expected_positions, expected_starts = [], [], [0]
+        expected_logits = []
+        for row, request_id in enumerate(out.request_ids):
+            key = (request_id, int(out.choice_indices[row]))
+            tokens, start = self.tokens[key], starts[row]
+            count = int(out.num_scheduled_tokens[row])
+            assert 0 < count and start + count <= len(tokens)
+            expected_ids += tokens[start : start + count]
+            expected_positions += range(start, start + count)
+            expected_starts.append(expected_starts[-1] + count)
+            assert out.context_lens[row] == start + count
+            table = out.block_tables[row]
+            # Every slot the sequence attends to holds exactly its own prefix.
+            for position in range(start + count):
+                assert self.kv.get(self.slot(table, position)) == hash(tuple(tokens[: position + 1])), (
+                    f"{key} position {position}: wrong KV in its block table"
+                )
+            if start + count == len(tokens):
+                samples = self.n[request_id] if request_id in self.unforked else 1
+                expected_logits += [expected_starts[-1] - 1] * samples
+        assert out.input_token_ids.tolist() == expected_ids
+        assert out.positions.tolist() == expected_positions
+        assert out.query_start_loc.tolist() == (expected_starts if out.request_ids else [])
+        assert out.logits_indices.tolist() == expected_logits
+        assert out.num_batched_tokens == len(expected_ids) <= self.max_batched_tokens
+        slots = [self.slot(out.block_tables[self.row_of(out, i)], p) for i, p in enumerate(out.positions)]
+        assert out.slot_mapping.tolist() == slots
+        assert len(set(slots)) == len(slots), "two tokens written to one slot"
+
+    def row_of(self, out, token_row: int) -> int:
+        return int(np.searchsorted(out.query_start_loc, token_row, side="right")) - 1
+
+    def apply(self, updates, out, sampled) -> None:
+        for request_id, index, token, reason in updates:
+            key = (request_id, index)
+            if request_id in self.unforked:  # choice 0's prompt is done: forks appear
+                self.unforked.discard(request_id)
+                parent = (request_id, 0)
+                for child in range(1, self.n[request_id]):
+                    self.tokens[(request_id, child)] = list(self.tokens[parent])
+                    self.computed[(request_id, child)] = self.computed[parent]
+            if token is not None:
+                self.tokens[key].append(token)
+            if reason is not None:
+                self.finished[key] = reason
+                del self.tokens[key]
+                del self.computed[key]
+
+
+def test_arrays_match_a_pure_python_recomputation_under_a_random_workload():
+    rng = random.Random(1234)
+    scheduler = Scheduler(
+        num_blocks=16,
+        block_size=4,
+        max_num_batched_tokens=24,
+        max_num_seqs=6,
+        max_model_len=64,
+        long_prefill_token_threshold=10,
+        max_num_partial_prefills=2,
+        policy="priority",
+    )
+    model = FakeModel(scheduler, rng)
+    model.max_batched_tokens = 24
+    live: list[str] = []
+    for step in range(600):
+        if step < 450 and rng.random() < 0.3:
+            request_id = f"r{step}"
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 30))]
+            model.add(
+                request_id,
+                prompt,
+                n=rng.choice([1, 1, 1, 2, 3]),
+                max_tokens=rng.randrange(1, 30),
+                eos_token_id=7,
+                min_tokens=1,
+                priority=rng.randrange(-1, 2),
+                cache_salt=rng.choice([None, None, "tenant"]),
+            )
+            live.append(request_id)
+        if live and rng.random() < 0.03:
+            victim = live.pop(rng.randrange(len(live)))
+            if any(key[0] == victim for key in model.tokens):
+                scheduler.abort_request(victim)
+                model.forget(victim)
+        model.step()
+    while scheduler.has_unfinished_requests():
+        model.step()
+    stats = scheduler.stats()
+    assert stats.num_used_blocks == 0
+    assert stats.num_preemptions_total > 0, "memory was never tight"
+    assert stats.prefix_cache_hits > 0
+    assert set(model.finished.values()) >= {"stop", "length"}
+
+
+def test_n_choices_share_the_prompt_and_copy_the_partial_block():
+    scheduler = Scheduler(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.add_request("r", [5, 6, 7, 8, 9, 10], n=3, max_tokens=3)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens.tolist() == [6]
+    assert out.logits_indices.tolist() == [5, 5, 5]
+    updates = scheduler.update_from_output(np.array([1, 2, 3]))
+    assert sorted((index, token) for _, index, token, _ in updates) == [(0, 1), (1, 2), (2, 3)]
+    out = scheduler.schedule()
+    assert out.request_ids == ["r", "r", "r"]
+    assert sorted(out.input_token_ids.tolist()) == [1, 2, 3]
+    assert out.block_copies.shape == (2, 2)
+    assert len(set(out.block_tables[:, 0].tolist())) == 1, "the full block is shared"
+    assert len(set(out.block_tables[:, 1].tolist())) == 3, "partial blocks were copied"
+    scheduler.update_from_output([4, 4, 4])
+    out = scheduler.schedule()
+    reasons = scheduler.update_from_output([0, 0, 0])
+    assert [reason for *_, reason in reasons] == ["length"] * 3
+    assert scheduler.stats().num_used_blocks == 0
+
+
+def test_outputs_convert_to_torch_without_copies():
+    torch = pytest.importorskip("torch", reason="torch is installed with the model extra")
+    scheduler = Scheduler(num_blocks=8, block_size=4)
+    scheduler.add_request("a", [1, 2, 3])
+    out = scheduler.schedule()
+    tensor = torch.from_numpy(out.slot_mapping)
+    assert tensor.dtype == torch.int64 and tensor.data_ptr() == out.slot_mapping.ctypes.data
+
+
+def test_stop_conditions_and_python_side_finish():
+    scheduler = Scheduler(num_blocks=16, block_size=4)
+    scheduler.add_request("eos", [1, 2], eos_token_id=9, max_tokens=10)
+    scheduler.add_request("stop-id", [1, 2], stop_token_ids=[7], max_tokens=10)
+    scheduler.add_request("string", [1, 2], max_tokens=10)
+    scheduler.schedule()
+    updates = scheduler.update_from_output([9, 7, 3])
+    assert [(rid, reason) for rid, _, _, reason in updates] == [
+        ("eos", "stop"),
+        ("stop-id", "stop"),
+        ("string", None),
+    ]
+    scheduler.finish_request("string", "stop")
+    out = scheduler.schedule()
+    assert len(out) == 0
+    assert scheduler.update_from_output([]) == [("string", 0, None, "stop")]
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_request_too_big_for_the_cache_ends_with_capacity_not_a_hang():
+    scheduler = Scheduler(num_blocks=2, block_size=4)
+    scheduler.add_request("huge", list(range(20)), max_tokens=5)
+    scheduler.add_request("ok", [1], max_tokens=1)
+    finished = {}
+    for _ in range(5):
+        out = scheduler.schedule()
+        for rid, _, _, reason in scheduler.update_from_output([0] * len(out.logits_indices)):
+            if reason:
+                finished[rid] = reason
+    assert finished == {"huge": "capacity", "ok": "length"}
+    assert scheduler.stats().num_used_blocks == 0
+
+
+def test_bad_input_raises_value_errors_and_leaves_the_scheduler_healthy():
+    scheduler = Scheduler(num_blocks=16, block_size=4, max_model_len=32, max_num_seqs=4,
+                          max_num_batched_tokens=8)
+    scheduler.add_request("good", [1, 2, 3], max_tokens=2)
+    bad_calls = [
+        lambda: scheduler.add_request("x", []),
+        lambda: scheduler.add_request("x", [1] * 33),
+        lambda: scheduler.add_request("x", [1], max_tokens=0),
+        lambda: scheduler.add_request("x", [1], max_tokens=-3),
+        lambda: scheduler.add_request("x", [1], min_tokens=5, max_tokens=2),
+        lambda: scheduler.add_request("x", [1], n=5),
+        lambda: scheduler.add_request("x", [-1]),
+        lambda: scheduler.add_request("x", [1], eos_token_id=-2),
+        lambda: scheduler.finish_request("good", "bored"),
+        lambda: scheduler.finish_request("good", "stop", index=3),
+        lambda: Scheduler(num_blocks=0),
+        lambda: Scheduler(num_blocks=8, policy="random"),
+        lambda: Scheduler(num_blocks=8, max_num_seqs=10, max_num_batched_tokens=5),
+    ]
+    for call in bad_calls:
+        with pytest.raises(ValueError):
+            call()
+    with pytest.raises(DuplicateRequestError):
+        scheduler.add_request("good", [1])
+    with pytest.raises(UnknownRequestError):
+        scheduler.abort_request("missing")
+    with pytest.raises(TypeError):
+        scheduler.add_request("x", "text")
+    out = scheduler.schedule()
+    with pytest.raises(InvalidArgumentError, match="expected 1 sampled tokens"):
+        scheduler.update_from_output([1, 2])
+    # Nothing was queued by the failures, and the good request still runs to the end.
+    assert scheduler.num_waiting + scheduler.num_running == 1
+    scheduler.update_from_output([4])
+    scheduler.schedule()
+    assert scheduler.update_from_output(np.array([5], dtype=np.int32))[0][3] == "length"
+    assert scheduler.stats().num_used_blocks == 0
