@@ -9,13 +9,13 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use pagedrs::{KVCacheManager, RequestId};
+use pagedrs::KVCacheManager;
 
 const BLOCK_SIZE: usize = 16;
 const NUM_BLOCKS: usize = 4096;
 
-fn admit_and_free(manager: &mut KVCacheManager, id: RequestId, prompt: &[u32]) {
-    manager.add_request(id, prompt, None).unwrap();
+fn admit_and_free(manager: &mut KVCacheManager, prompt: &[u32]) {
+    let id = manager.add_request(prompt, None).unwrap();
     let num_cached = manager.get_computed_blocks(id).unwrap();
     let copies = manager.allocate_slots(id, prompt.len() - num_cached).unwrap();
     black_box(copies.expect("the pool is large enough"));
@@ -28,11 +28,7 @@ fn bench_admit_free(c: &mut Criterion) {
 
     group.bench_function("caching_off", |b| {
         let mut manager = KVCacheManager::new(NUM_BLOCKS, BLOCK_SIZE, false, "bench").unwrap();
-        let mut next = 0u64;
-        b.iter(|| {
-            next += 1;
-            admit_and_free(&mut manager, RequestId(next), &prompt);
-        });
+        b.iter(|| admit_and_free(&mut manager, &prompt));
     });
 
     group.bench_function("caching_on_no_hit", |b| {
@@ -44,7 +40,7 @@ fn bench_admit_free(c: &mut Criterion) {
         b.iter(|| {
             next += 1;
             prompt[0] = next as u32;
-            admit_and_free(&mut manager, RequestId(next), &prompt);
+            admit_and_free(&mut manager, &prompt);
         });
         assert_eq!(manager.stats().prefix_cache_hits, 0);
     });
@@ -54,11 +50,11 @@ fn bench_admit_free(c: &mut Criterion) {
         let mut manager = KVCacheManager::new(NUM_BLOCKS, BLOCK_SIZE, true, "bench").unwrap();
         let mut prompt = prompt.clone();
         let mut next = 0u64;
-        admit_and_free(&mut manager, RequestId(next), &prompt);
+        admit_and_free(&mut manager, &prompt);
         b.iter(|| {
             next += 1;
             prompt[448] = next as u32;
-            admit_and_free(&mut manager, RequestId(next), &prompt);
+            admit_and_free(&mut manager, &prompt);
         });
         let stats = manager.stats();
         assert_eq!(stats.prefix_cache_hits, 448 * next);
@@ -69,13 +65,10 @@ fn bench_admit_free(c: &mut Criterion) {
 fn bench_lookup(c: &mut Criterion) {
     let prompt: Vec<u32> = (0..4096).map(|i| (i * 7919) % 49152).collect();
     let mut manager = KVCacheManager::new(NUM_BLOCKS, BLOCK_SIZE, true, "bench").unwrap();
-    admit_and_free(&mut manager, RequestId(0), &prompt);
-    let mut next = 0u64;
+    admit_and_free(&mut manager, &prompt);
     c.bench_function("lookup_4096_cached", |b| {
         b.iter(|| {
-            next += 1;
-            let id = RequestId(next);
-            manager.add_request(id, &prompt, None).unwrap();
+            let id = manager.add_request(&prompt, None).unwrap();
             assert_eq!(manager.get_computed_blocks(id).unwrap(), 4080);
             manager.free(id).unwrap();
         });

@@ -75,10 +75,6 @@ pub struct SchedulerOutput {
     pub num_decode_tokens: usize,
     /// Sequences preempted while building this batch.
     pub preempted: Vec<RequestId>,
-    /// Block-table rows as pushed, unpadded, until `finish`.
-    staged_tables: Vec<i32>,
-    /// Length of each staged row.
-    staged_table_lens: Vec<usize>,
 }
 
 impl SchedulerOutput {
@@ -113,6 +109,38 @@ pub(crate) struct ScheduledSeq {
 }
 
 impl SchedulerOutput {
+    /// An empty batch with room for `scheduled`, its block tables already sized.
+    pub(crate) fn for_sequences(scheduled: &[ScheduledSeq], block_size: usize) -> Self {
+        let num_tokens: usize = scheduled.iter().map(|seq| seq.num_tokens).sum();
+        let num_logits: usize = scheduled.iter().map(|seq| seq.num_samples).sum();
+        let width = scheduled
+            .iter()
+            .map(|seq| (seq.start + seq.num_tokens).div_ceil(block_size))
+            .max()
+            .unwrap_or(0);
+        let num_seqs = scheduled.len();
+        let mut query_start_loc = Vec::with_capacity(num_seqs + 1);
+        if num_seqs > 0 {
+            query_start_loc.push(0);
+        }
+        SchedulerOutput {
+            request_ids: Vec::with_capacity(num_seqs),
+            groups: Vec::with_capacity(num_seqs),
+            choice_indices: Vec::with_capacity(num_seqs),
+            num_scheduled_tokens: Vec::with_capacity(num_seqs),
+            input_token_ids: Vec::with_capacity(num_tokens),
+            positions: Vec::with_capacity(num_tokens),
+            slot_mapping: Vec::with_capacity(num_tokens),
+            query_start_loc,
+            context_lens: Vec::with_capacity(num_seqs),
+            block_tables: vec![0; width * num_seqs],
+            block_table_width: width,
+            logits_indices: Vec::with_capacity(num_logits),
+            logits_request_indices: Vec::with_capacity(num_logits),
+            ..Default::default()
+        }
+    }
+
     /// Appends one scheduled sequence whose known tokens are `token_ids` and blocks
     /// `block_table`.
     pub(crate) fn push(
@@ -128,9 +156,6 @@ impl SchedulerOutput {
         self.groups.push(seq.group);
         self.choice_indices.push(seq.choice_index as u32);
         self.num_scheduled_tokens.push(seq.num_tokens as i32);
-        if self.query_start_loc.is_empty() {
-            self.query_start_loc.push(0);
-        }
         let first_row = self.input_token_ids.len();
         self.input_token_ids.extend(token_ids[seq.start..end].iter().map(|&t| i64::from(t)));
         self.positions.extend((seq.start..end).map(|p| p as i64));
@@ -141,8 +166,11 @@ impl SchedulerOutput {
         self.query_start_loc.push(self.input_token_ids.len() as i32);
         self.context_lens.push(end as i32);
         let num_blocks = end.div_ceil(block_size);
-        self.staged_tables.extend(block_table[..num_blocks].iter().map(|block| block.0 as i32));
-        self.staged_table_lens.push(num_blocks);
+        let width = self.block_table_width;
+        let out = &mut self.block_tables[row * width..row * width + num_blocks];
+        for (slot, block) in out.iter_mut().zip(&block_table[..num_blocks]) {
+            *slot = block.0 as i32;
+        }
         let last_row = (first_row + seq.num_tokens - 1) as i64;
         for _ in 0..seq.num_samples {
             self.logits_indices.push(last_row);
@@ -153,20 +181,5 @@ impl SchedulerOutput {
         } else {
             self.num_prefill_tokens += seq.num_tokens;
         }
-    }
-
-    /// Lays out the zero-padded 2-D block tables once every sequence is in.
-    pub(crate) fn finish(&mut self) {
-        let width = self.staged_table_lens.iter().copied().max().unwrap_or(0);
-        self.block_table_width = width;
-        self.block_tables = vec![0; width * self.request_ids.len()];
-        let mut staged = self.staged_tables.as_slice();
-        for (row, &len) in self.staged_table_lens.iter().enumerate() {
-            let (blocks, rest) = staged.split_at(len);
-            self.block_tables[row * width..row * width + len].copy_from_slice(blocks);
-            staged = rest;
-        }
-        self.staged_tables = Vec::new();
-        self.staged_table_lens = Vec::new();
     }
 }

@@ -14,16 +14,68 @@
 //! prefix), `allocate_slots` for each chunk the scheduler runs, `append_token` for each
 //! sampled token, and finally `free`. `fork` makes `n > 1` children that share every block.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::block_pool::{BlockId, BlockPool, BlockRef};
 use crate::error::{Error, Result};
-use crate::prefix_cache::{BlockHash, BlockHasher, BuildPrehashed};
+use crate::prefix_cache::{BlockHash, BlockHasher};
 
-/// The core's handle for a request (the Python layer maps its string ids onto these).
+/// The core's handle for a request, handed out by `add_request` and `fork` (the Python
+/// layer maps its string ids onto these). A slot index plus the slot's generation: slots
+/// are reused, and a handle of a freed request never reaches the request in its old slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RequestId(pub u64);
+pub struct RequestId {
+    /// Slot in the manager's request table.
+    index: u32,
+    /// Uses of the slot before this one.
+    generation: u32,
+}
+
+impl RequestId {
+    /// The slot index: dense, so callers can keep per-request data in a `Vec`.
+    pub fn index(self) -> usize {
+        self.index as usize
+    }
+}
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "#{}.{}", self.index, self.generation)
+    }
+}
+
+/// One entry of the request table.
+#[derive(Debug, Clone, Default)]
+struct RequestSlot {
+    /// Bumped when the slot's request is freed.
+    generation: u32,
+    /// The request living here, if any.
+    request: Option<RequestBlocks>,
+}
+
+/// Finds a live request in the table.
+fn lookup(slots: &[RequestSlot], id: RequestId) -> Result<&RequestBlocks> {
+    match slots.get(id.index()) {
+        Some(RequestSlot { generation, request: Some(request) })
+            if *generation == id.generation =>
+        {
+            Ok(request)
+        }
+        _ => Err(Error::UnknownRequest(id.to_string())),
+    }
+}
+
+/// Finds a live request in the table, mutably.
+fn lookup_mut(slots: &mut [RequestSlot], id: RequestId) -> Result<&mut RequestBlocks> {
+    match slots.get_mut(id.index()) {
+        Some(RequestSlot { generation, request: Some(request) })
+            if *generation == id.generation =>
+        {
+            Ok(request)
+        }
+        _ => Err(Error::UnknownRequest(id.to_string())),
+    }
+}
 
 /// A copy the runner must do before this step's forward pass: copy-on-write of a shared
 /// partial block.
@@ -87,8 +139,12 @@ pub struct KVCacheManager {
     hasher: BlockHasher,
     /// Whether full blocks are cached and looked up.
     enable_prefix_caching: bool,
+    /// Requests by slot; see `RequestId`.
+    slots: Vec<RequestSlot>,
+    /// Empty slots, reused last-freed first.
+    free_slots: Vec<u32>,
     /// Live requests.
-    requests: HashMap<RequestId, RequestBlocks, BuildPrehashed>,
+    num_requests: usize,
     /// Prompt tokens looked up so far.
     prefix_cache_queries: u64,
     /// Tokens found cached so far.
@@ -108,7 +164,9 @@ impl KVCacheManager {
             pool: BlockPool::new(num_blocks, block_size)?,
             hasher: BlockHasher::new(namespace),
             enable_prefix_caching,
-            requests: HashMap::default(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            num_requests: 0,
             prefix_cache_queries: 0,
             prefix_cache_hits: 0,
         })
@@ -159,24 +217,21 @@ impl KVCacheManager {
 
     /// Number of live requests.
     pub fn num_requests(&self) -> usize {
-        self.requests.len()
+        self.num_requests
     }
 
     /// Whether `id` is live.
     pub fn contains(&self, id: RequestId) -> bool {
-        self.requests.contains_key(&id)
+        lookup(&self.slots, id).is_ok()
     }
 
-    /// Registers a request with its prompt. It holds no block until `allocate_slots`.
+    /// Registers a request with its prompt and returns its handle. It holds no block until
+    /// `allocate_slots`.
     pub fn add_request(
         &mut self,
-        id: RequestId,
         prompt_token_ids: &[u32],
         cache_salt: Option<&str>,
-    ) -> Result<()> {
-        if self.requests.contains_key(&id) {
-            return Err(Error::DuplicateRequest(id.0.to_string()));
-        }
+    ) -> Result<RequestId> {
         if prompt_token_ids.is_empty() {
             return Err(Error::InvalidArgument("the prompt must have at least one token".into()));
         }
@@ -193,13 +248,26 @@ impl KVCacheManager {
             pending_hit: Vec::new(),
             pending_query_tokens: None,
         };
-        self.requests.insert(id, request);
-        Ok(())
+        Ok(self.insert(request))
+    }
+
+    fn insert(&mut self, request: RequestBlocks) -> RequestId {
+        let index = match self.free_slots.pop() {
+            Some(index) => index,
+            None => {
+                self.slots.push(RequestSlot::default());
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.slots[index as usize];
+        slot.request = Some(request);
+        self.num_requests += 1;
+        RequestId { index, generation: slot.generation }
     }
 
     /// Appends sampled tokens to a request's known tokens.
     pub fn append_token_ids(&mut self, id: RequestId, token_ids: &[u32]) -> Result<()> {
-        self.request_mut(id)?.token_ids.extend_from_slice(token_ids);
+        lookup_mut(&mut self.slots, id)?.token_ids.extend_from_slice(token_ids);
         Ok(())
     }
 
@@ -208,14 +276,11 @@ impl KVCacheManager {
     /// number of cached tokens; the blocks are claimed by the next `allocate_slots`.
     pub fn get_computed_blocks(&mut self, id: RequestId) -> Result<usize> {
         let block_size = self.pool.block_size();
-        let Some(request) = self.requests.get_mut(&id) else {
-            return Err(Error::UnknownRequest(id.0.to_string()));
-        };
+        let request = lookup_mut(&mut self.slots, id)?;
         if !request.block_table.is_empty() {
             return Err(Error::InvalidArgument(format!(
-                "request {} already holds blocks; its prefix was looked up before its first \
-                 allocation",
-                id.0
+                "request {id} already holds blocks; its prefix was looked up before its first \
+                 allocation"
             )));
         }
         request.pending_hit.clear();
@@ -257,21 +322,18 @@ impl KVCacheManager {
         num_new_tokens: usize,
     ) -> Result<Option<Vec<BlockCopy>>> {
         let block_size = self.pool.block_size();
-        let Some(request) = self.requests.get_mut(&id) else {
-            return Err(Error::UnknownRequest(id.0.to_string()));
-        };
+        let request = lookup_mut(&mut self.slots, id)?;
         if request.pending_hit.iter().any(|&block| !self.pool.is_current(block)) {
             request.pending_hit.clear();
-            return Err(Error::StalePrefixHit(id.0.to_string()));
+            return Err(Error::StalePrefixHit(id.to_string()));
         }
         let num_hit_tokens = request.pending_hit.len() * block_size;
         let first_new_token = request.num_computed_tokens + num_hit_tokens;
         let end = first_new_token + num_new_tokens;
         if end > request.token_ids.len() {
             return Err(Error::InvalidArgument(format!(
-                "cannot allocate {num_new_tokens} tokens for request {}: only {} of its \
+                "cannot allocate {num_new_tokens} tokens for request {id}: only {} of its \
                  tokens are known and {first_new_token} are computed",
-                id.0,
                 request.token_ids.len()
             )));
         }
@@ -326,9 +388,12 @@ impl KVCacheManager {
     /// Releases every block of a request, tail first (so chain tails are evicted before
     /// their heads), and forgets it. Cached blocks stay findable until evicted.
     pub fn free(&mut self, id: RequestId) -> Result<()> {
-        let Some(request) = self.requests.remove(&id) else {
-            return Err(Error::UnknownRequest(id.0.to_string()));
-        };
+        lookup(&self.slots, id)?;
+        let slot = &mut self.slots[id.index()];
+        let request = slot.request.take().expect("looked up");
+        slot.generation = slot.generation.wrapping_add(1);
+        self.free_slots.push(id.index);
+        self.num_requests -= 1;
         for &block in request.block_table.iter().rev() {
             self.pool.release(block)?;
         }
@@ -339,9 +404,7 @@ impl KVCacheManager {
     /// allocated again from scratch (preemption by recompute; its prefix is often still
     /// cached when it resumes).
     pub fn reset(&mut self, id: RequestId) -> Result<()> {
-        let Some(request) = self.requests.get_mut(&id) else {
-            return Err(Error::UnknownRequest(id.0.to_string()));
-        };
+        let request = lookup_mut(&mut self.slots, id)?;
         for &block in request.block_table.iter().rev() {
             self.pool.release(block)?;
         }
@@ -353,20 +416,17 @@ impl KVCacheManager {
         Ok(())
     }
 
-    /// Makes `child` a copy of `parent` that shares all its blocks by reference count; the
-    /// shared partial last block is copied when either side first writes into it.
-    pub fn fork(&mut self, parent: RequestId, child: RequestId) -> Result<()> {
-        if self.requests.contains_key(&child) {
-            return Err(Error::DuplicateRequest(child.0.to_string()));
-        }
+    /// Makes a copy of `parent` that shares all its blocks by reference count, and returns
+    /// its handle; the shared partial last block is copied when either side first writes
+    /// into it.
+    pub fn fork(&mut self, parent: RequestId) -> Result<RequestId> {
         let mut copy = self.request(parent)?.clone();
         copy.pending_hit.clear();
         copy.pending_query_tokens = None;
         for &block in &copy.block_table {
             self.pool.touch(block);
         }
-        self.requests.insert(child, copy);
-        Ok(())
+        Ok(self.insert(copy))
     }
 
     /// The request's block table.
@@ -398,11 +458,7 @@ impl KVCacheManager {
     }
 
     fn request(&self, id: RequestId) -> Result<&RequestBlocks> {
-        self.requests.get(&id).ok_or_else(|| Error::UnknownRequest(id.0.to_string()))
-    }
-
-    fn request_mut(&mut self, id: RequestId) -> Result<&mut RequestBlocks> {
-        self.requests.get_mut(&id).ok_or_else(|| Error::UnknownRequest(id.0.to_string()))
+        lookup(&self.slots, id)
     }
 }
 

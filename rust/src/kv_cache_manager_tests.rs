@@ -1,3 +1,6 @@
+use std::cell::RefCell;
+use std::collections::HashMap;
+
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -9,19 +12,38 @@ fn manager(num_blocks: usize) -> KVCacheManager {
     KVCacheManager::new(num_blocks, BS, true, "test-model").unwrap()
 }
 
-fn id(n: u64) -> RequestId {
-    RequestId(n)
-}
-
 fn ids(blocks: &[BlockId]) -> Vec<u32> {
     blocks.iter().map(|b| b.0).collect()
 }
 
+thread_local! {
+    /// Tests name their requests by small numbers; this maps them to the manager's handles
+    /// (each test runs on its own thread).
+    static NAMES: RefCell<HashMap<u64, RequestId>> = RefCell::new(HashMap::new());
+}
+
+/// The handle of the request a test calls `name`.
+fn id(name: u64) -> RequestId {
+    NAMES.with(|names| names.borrow()[&name])
+}
+
+/// Adds a request under a test name.
+fn add(m: &mut KVCacheManager, name: u64, prompt: &[u32], salt: Option<&str>) {
+    let handle = m.add_request(prompt, salt).unwrap();
+    NAMES.with(|names| names.borrow_mut().insert(name, handle));
+}
+
+/// Forks `parent` into a request the test calls `child`.
+fn fork(m: &mut KVCacheManager, parent: u64, child: u64) {
+    let handle = m.fork(id(parent)).unwrap();
+    NAMES.with(|names| names.borrow_mut().insert(child, handle));
+}
+
 /// Adds a request, looks up its prefix and allocates its whole prompt. Returns the hit.
-fn admit(m: &mut KVCacheManager, request: u64, prompt: &[u32], salt: Option<&str>) -> usize {
-    m.add_request(id(request), prompt, salt).unwrap();
-    let hit = m.get_computed_blocks(id(request)).unwrap();
-    m.allocate_slots(id(request), prompt.len() - hit).unwrap().expect("enough blocks");
+fn admit(m: &mut KVCacheManager, name: u64, prompt: &[u32], salt: Option<&str>) -> usize {
+    add(m, name, prompt, salt);
+    let hit = m.get_computed_blocks(id(name)).unwrap();
+    m.allocate_slots(id(name), prompt.len() - hit).unwrap().expect("enough blocks");
     m.pool().check_invariants().unwrap();
     hit
 }
@@ -150,7 +172,7 @@ fn eviction_is_lru_with_chain_tails_first() {
     assert_eq!(m.stats().num_cached_free_blocks, 3);
 
     // Allocating two blocks evicts the unused block then the tail: the head survives.
-    m.add_request(id(2), &[100, 101, 102, 103, 104], None).unwrap();
+    add(&mut m, 2, &[100, 101, 102, 103, 104], None);
     m.get_computed_blocks(id(2)).unwrap();
     m.allocate_slots(id(2), 5).unwrap().unwrap();
     assert_eq!(m.stats().num_evictions, 1);
@@ -164,7 +186,7 @@ fn allocation_without_enough_blocks_returns_none_and_changes_nothing() {
     let mut m = manager(3);
     let prompt: Vec<u32> = (0..8).collect();
     admit(&mut m, 1, &prompt, None);
-    m.add_request(id(2), &(50..62).collect::<Vec<u32>>(), None).unwrap();
+    add(&mut m, 2, &(50..62).collect::<Vec<u32>>(), None);
     m.get_computed_blocks(id(2)).unwrap();
     let before = m.stats();
     assert_eq!(m.allocate_slots(id(2), 12).unwrap(), None);
@@ -184,7 +206,7 @@ fn a_hit_on_free_cached_blocks_counts_them_as_taken() {
     m.free(id(1)).unwrap();
     let mut longer = prompt.clone();
     longer.extend(20..29);
-    m.add_request(id(2), &longer, None).unwrap();
+    add(&mut m, 2, &longer, None);
     assert_eq!(m.get_computed_blocks(id(2)).unwrap(), 8);
     assert_eq!(m.allocate_slots(id(2), 9).unwrap(), None);
     assert_eq!(m.allocate_slots(id(2), 4).unwrap(), Some(vec![]));
@@ -211,7 +233,7 @@ fn decode_appends_fill_blocks_that_are_then_cached() {
 #[test]
 fn allocating_unknown_tokens_is_an_error() {
     let mut m = manager(8);
-    m.add_request(id(1), &[1, 2, 3], None).unwrap();
+    add(&mut m, 1, &[1, 2, 3], None);
     assert!(matches!(m.allocate_slots(id(1), 4), Err(Error::InvalidArgument(_))));
     m.pool().check_invariants().unwrap();
 }
@@ -220,8 +242,8 @@ fn allocating_unknown_tokens_is_an_error() {
 fn fork_shares_every_block_and_copies_the_partial_one_on_first_write() {
     let mut m = manager(8);
     admit(&mut m, 1, &[1, 2, 3, 4, 5, 6], None);
-    m.fork(id(1), id(2)).unwrap();
-    m.fork(id(1), id(3)).unwrap();
+    fork(&mut m, 1, 2);
+    fork(&mut m, 1, 3);
     let parent_table = ids(m.block_table(id(1)).unwrap());
     assert_eq!(ids(m.block_table(id(2)).unwrap()), parent_table);
     assert_eq!(m.pool().ref_count(BlockId(parent_table[1])), 3);
@@ -257,14 +279,18 @@ fn misuse_is_an_error_not_a_panic() {
     assert!(matches!(KVCacheManager::new(0, 4, true, ""), Err(Error::InvalidArgument(_))));
     assert!(matches!(KVCacheManager::new(4, 0, true, ""), Err(Error::InvalidArgument(_))));
     admit(&mut m, 1, &[1, 2], None);
-    assert!(matches!(m.add_request(id(1), &[1], None), Err(Error::DuplicateRequest(_))));
-    assert!(matches!(m.add_request(id(2), &[], None), Err(Error::InvalidArgument(_))));
-    assert!(matches!(m.fork(id(9), id(10)), Err(Error::UnknownRequest(_))));
-    assert!(matches!(m.fork(id(1), id(1)), Err(Error::DuplicateRequest(_))));
+    assert!(matches!(m.add_request(&[], None), Err(Error::InvalidArgument(_))));
     assert!(matches!(m.get_computed_blocks(id(1)), Err(Error::InvalidArgument(_))));
     m.free(id(1)).unwrap();
     assert!(matches!(m.free(id(1)), Err(Error::UnknownRequest(_))));
+    assert!(matches!(m.fork(id(1)), Err(Error::UnknownRequest(_))));
     assert!(matches!(m.allocate_slots(id(1), 1), Err(Error::UnknownRequest(_))));
+    // The freed slot is reused, but the old handle never reaches the new request.
+    add(&mut m, 2, &[5], None);
+    assert_eq!(id(2).index(), id(1).index());
+    assert!(matches!(m.append_token_ids(id(1), &[1]), Err(Error::UnknownRequest(_))));
+    assert_eq!(m.token_ids(id(2)).unwrap(), &[5]);
+    m.free(id(2)).unwrap();
     assert_eq!(m.num_free_blocks(), 4);
 }
 
@@ -274,7 +300,7 @@ fn stale_prefix_hit_is_refused() {
     let prompt: Vec<u32> = (0..9).collect();
     admit(&mut m, 1, &prompt, None);
     m.free(id(1)).unwrap();
-    m.add_request(id(2), &prompt, None).unwrap();
+    add(&mut m, 2, &prompt, None);
     assert_eq!(m.get_computed_blocks(id(2)).unwrap(), 8);
     // Another request evicts the whole chain between lookup and allocation.
     admit(&mut m, 3, &(40..52).collect::<Vec<u32>>(), None);
@@ -289,8 +315,7 @@ fn randomized_operations_keep_every_invariant_and_free_every_block() {
     let mut rng = SmallRng::seed_from_u64(20261129);
     let num_blocks = 48;
     let mut m = manager(num_blocks);
-    let mut live: Vec<u64> = Vec::new();
-    let mut next_id = 0u64;
+    let mut live: Vec<RequestId> = Vec::new();
     let mut allocations_refused = 0;
     for _ in 0..100_000 {
         match rng.gen_range(0..100) {
@@ -299,13 +324,11 @@ fn randomized_operations_keep_every_invariant_and_free_every_block() {
                 let len = rng.gen_range(1..24);
                 let prompt: Vec<u32> = (0..len).map(|_| rng.gen_range(0..2)).collect();
                 let salt = if rng.gen_bool(0.1) { Some("s") } else { None };
-                let request = next_id;
-                next_id += 1;
-                m.add_request(id(request), &prompt, salt).unwrap();
-                let hit = m.get_computed_blocks(id(request)).unwrap();
+                let request = m.add_request(&prompt, salt).unwrap();
+                let hit = m.get_computed_blocks(request).unwrap();
                 assert!(hit < len && hit % BS == 0);
                 let chunk = rng.gen_range(1..=len - hit);
-                match m.allocate_slots(id(request), chunk).unwrap() {
+                match m.allocate_slots(request, chunk).unwrap() {
                     Some(copies) => assert!(copies.is_empty()),
                     None => allocations_refused += 1,
                 }
@@ -313,7 +336,7 @@ fn randomized_operations_keep_every_invariant_and_free_every_block() {
             }
             // Compute more of a request: the rest of its prompt, or a new decode token.
             25..=64 if !live.is_empty() => {
-                let request = id(live[rng.gen_range(0..live.len())]);
+                let request = live[rng.gen_range(0..live.len())];
                 let known = m.token_ids(request).unwrap().len();
                 let computed = m.num_computed_tokens(request).unwrap();
                 if computed == known {
@@ -336,31 +359,30 @@ fn randomized_operations_keep_every_invariant_and_free_every_block() {
             // Fork.
             65..=74 if !live.is_empty() => {
                 let parent = live[rng.gen_range(0..live.len())];
-                if !m.block_table(id(parent)).unwrap().is_empty() {
-                    m.fork(id(parent), id(next_id)).unwrap();
-                    live.push(next_id);
-                    next_id += 1;
+                if !m.block_table(parent).unwrap().is_empty() {
+                    live.push(m.fork(parent).unwrap());
                 }
             }
             // Free.
             75..=99 if !live.is_empty() => {
                 let request = live.swap_remove(rng.gen_range(0..live.len()));
-                m.free(id(request)).unwrap();
-                assert!(matches!(m.free(id(request)), Err(Error::UnknownRequest(_))));
+                m.free(request).unwrap();
+                assert!(matches!(m.free(request), Err(Error::UnknownRequest(_))));
             }
             _ => {}
         }
         m.pool().check_invariants().unwrap();
-        let held: usize = live.iter().map(|r| m.block_table(id(*r)).unwrap().len()).sum();
+        let held: usize = live.iter().map(|&r| m.block_table(r).unwrap().len()).sum();
         assert!(m.stats().num_used_blocks <= held, "a block is used by no request");
     }
     assert!(allocations_refused > 0, "memory was never tight");
     assert!(m.stats().prefix_cache_hits > 0 && m.stats().num_evictions > 0);
     for request in live {
-        m.free(id(request)).unwrap();
+        m.free(request).unwrap();
     }
     assert_eq!(m.num_free_blocks(), num_blocks);
     assert_eq!(m.stats().num_used_blocks, 0);
+    assert_eq!(m.num_requests(), 0);
     m.pool().check_invariants().unwrap();
 }
 

@@ -203,3 +203,71 @@ mod tests {
         assert_eq!(order, vec![2, 3, 1, 0]);
     }
 }
+
+/// Live sequences indexed by their `RequestId`'s slot: lookups are array accesses.
+#[derive(Debug, Default)]
+pub struct RequestTable {
+    /// Entry `i` holds the live sequence whose id has slot `i`, if any.
+    entries: Vec<Option<Request>>,
+    /// Live sequences.
+    len: usize,
+}
+
+impl RequestTable {
+    /// The live sequence `id`, if it is live.
+    pub fn get(&self, id: RequestId) -> Option<&Request> {
+        self.entries.get(id.index())?.as_ref().filter(|request| request.id == id)
+    }
+
+    /// The live sequence `id`, mutably.
+    pub fn get_mut(&mut self, id: RequestId) -> Option<&mut Request> {
+        self.entries.get_mut(id.index())?.as_mut().filter(|request| request.id == id)
+    }
+
+    /// Whether `id` is live.
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.get(id).is_some()
+    }
+
+    /// Stores a sequence under its id's slot (which must be free).
+    pub fn insert(&mut self, request: Request) {
+        let index = request.id.index();
+        if self.entries.len() <= index {
+            self.entries.resize_with(index + 1, || None);
+        }
+        debug_assert!(self.entries[index].is_none(), "slot {index} taken");
+        self.entries[index] = Some(request);
+        self.len += 1;
+    }
+
+    /// Takes a live sequence out.
+    pub fn remove(&mut self, id: RequestId) -> Option<Request> {
+        self.get(id)?;
+        self.len -= 1;
+        self.entries[id.index()].take()
+    }
+
+    /// Number of live sequences.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no sequence is live.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Every live sequence, in slot order.
+    pub fn iter(&self) -> impl Iterator<Item = &Request> {
+        self.entries.iter().flatten()
+    }
+}
+
+impl std::ops::Index<RequestId> for RequestTable {
+    type Output = Request;
+
+    /// The live sequence `id`; the scheduler only indexes ids it knows are live.
+    fn index(&self, id: RequestId) -> &Request {
+        self.get(id).expect("a live request id")
+    }
+}

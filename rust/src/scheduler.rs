@@ -13,7 +13,9 @@ use crate::error::{Error, Result};
 use crate::kv_cache_manager::{KVCacheManager, RequestId};
 use crate::metrics::SchedulerStats;
 use crate::prefix_cache::BuildPrehashed;
-use crate::request::{FinishReason, QueueKey, Request, RequestStatus, StopConditions};
+use crate::request::{
+    FinishReason, QueueKey, Request, RequestStatus, RequestTable, StopConditions,
+};
 
 /// Order in which waiting requests are admitted (and, reversed, running ones preempted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,7 +141,7 @@ pub struct Scheduler {
     /// Blocks of every sequence.
     kv: KVCacheManager,
     /// Every live sequence.
-    requests: HashMap<RequestId, Request, BuildPrehashed>,
+    requests: RequestTable,
     /// Running sequences sorted by queue key: scheduled from the front, preempted from the
     /// back.
     running: Vec<RequestId>,
@@ -155,8 +157,6 @@ pub struct Scheduler {
     /// Updates decided outside `update_from_output` (requests ended by `schedule`),
     /// delivered by the next `update_from_output`.
     pending_updates: Vec<RequestUpdate>,
-    /// Next sequence handle.
-    next_request_id: u64,
     /// Next group handle.
     next_group: u64,
     /// Next queue sequence number.
@@ -178,14 +178,13 @@ impl Scheduler {
         Ok(Scheduler {
             config,
             kv,
-            requests: HashMap::default(),
+            requests: RequestTable::default(),
             running: Vec::new(),
             waiting: BTreeMap::new(),
             groups: HashMap::default(),
             external_id_to_group: HashMap::new(),
             last_logits_owners: Vec::new(),
             pending_updates: Vec::new(),
-            next_request_id: 0,
             next_group: 0,
             next_sequence: 0,
             stats: SchedulerStats::default(),
@@ -234,9 +233,7 @@ impl Scheduler {
                 params.stop.min_tokens, params.stop.max_tokens
             )));
         }
-        let id = RequestId(self.next_request_id);
-        self.kv.add_request(id, prompt_token_ids, params.cache_salt.as_deref())?;
-        self.next_request_id += 1;
+        let id = self.kv.add_request(prompt_token_ids, params.cache_salt.as_deref())?;
         let sequence = self.take_sequence();
         let key = QueueKey {
             priority: match self.config.policy {
@@ -254,22 +251,19 @@ impl Scheduler {
             Group { external_id: external_id.clone(), members: vec![id], num_live: params.n },
         );
         self.external_id_to_group.insert(external_id, group);
-        self.requests.insert(
+        self.requests.insert(Request {
             id,
-            Request {
-                id,
-                group,
-                choice_index: 0,
-                num_pending_forks: params.n - 1,
-                key,
-                status: RequestStatus::Waiting,
-                num_prompt_tokens,
-                num_tokens: num_prompt_tokens,
-                num_computed_tokens: 0,
-                stop: params.stop,
-                num_preemptions: 0,
-            },
-        );
+            group,
+            choice_index: 0,
+            num_pending_forks: params.n - 1,
+            key,
+            status: RequestStatus::Waiting,
+            num_prompt_tokens,
+            num_tokens: num_prompt_tokens,
+            num_computed_tokens: 0,
+            stop: params.stop,
+            num_preemptions: 0,
+        });
         self.waiting.insert(key, id);
         Ok(group)
     }
@@ -279,7 +273,7 @@ impl Scheduler {
         let group = self.group_of(external_id)?;
         let members = self.groups[&group].members.clone();
         for id in members {
-            if self.requests.contains_key(&id) {
+            if self.requests.contains(id) {
                 self.finish(id, FinishReason::Abort)?;
             }
         }
@@ -300,7 +294,7 @@ impl Scheduler {
             .members
             .get(choice_index)
             .copied()
-            .filter(|id| self.requests.contains_key(id))
+            .filter(|&id| self.requests.contains(id))
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
                     "request {external_id:?} has no live choice {choice_index}"
@@ -316,7 +310,7 @@ impl Scheduler {
 
     /// The caller's request handle and choice index of a live sequence.
     pub fn sequence_of(&self, id: RequestId) -> Option<(u64, usize)> {
-        self.requests.get(&id).map(|request| (request.group, request.choice_index))
+        self.requests.get(id).map(|request| (request.group, request.choice_index))
     }
 
     /// Whether any request is waiting or running.
@@ -343,7 +337,7 @@ impl Scheduler {
             num_preempted_waiting: self
                 .waiting
                 .values()
-                .filter(|id| self.requests[id].status == RequestStatus::Preempted)
+                .filter(|&&id| self.requests[id].status == RequestStatus::Preempted)
                 .count(),
             prefix_cache_queries: kv.prefix_cache_queries,
             prefix_cache_hits: kv.prefix_cache_hits,
@@ -378,14 +372,14 @@ impl Scheduler {
         let mut num_fork_seats = 0;
         for id in &self.running {
             num_decodes_behind += usize::from(self.is_decode(id));
-            num_fork_seats += self.requests[id].num_pending_forks;
+            num_fork_seats += self.requests[*id].num_pending_forks;
         }
         let mut num_partial_prefills = 0;
 
         let mut index = 0;
         while index < self.running.len() {
             let id = self.running[index];
-            let request = &self.requests[&id];
+            let request = &self.requests[id];
             let start = request.num_computed_tokens;
             let remaining = request.num_tokens - start;
             let is_decode = remaining == 1;
@@ -404,7 +398,7 @@ impl Scheduler {
                 continue;
             }
             budget -= num_new;
-            let request = self.requests.get_mut(&id).expect("running");
+            let request = self.requests.get_mut(id).expect("running");
             request.num_computed_tokens += num_new;
             let caught_up = request.num_computed_tokens == request.num_tokens;
             num_partial_prefills += usize::from(!caught_up);
@@ -427,6 +421,11 @@ impl Scheduler {
             self.admit_waiting(&mut admission, &mut scheduled, &mut out)?;
         }
 
+        let preempted = std::mem::take(&mut out.preempted);
+        let block_copies = std::mem::take(&mut out.block_copies);
+        let mut out = SchedulerOutput::for_sequences(&scheduled, block_size);
+        out.preempted = preempted;
+        out.block_copies = block_copies;
         self.last_logits_owners.clear();
         for seq in &scheduled {
             let (token_ids, block_table) = self.kv.tokens_and_blocks(seq.id)?;
@@ -435,7 +434,6 @@ impl Scheduler {
                 self.last_logits_owners.push((seq.id, seq.num_samples));
             }
         }
-        out.finish();
         self.stats.step_num_prefill_tokens = out.num_prefill_tokens;
         self.stats.step_num_decode_tokens = out.num_decode_tokens;
         self.stats.num_prefill_tokens_total += out.num_prefill_tokens as u64;
@@ -463,7 +461,7 @@ impl Scheduler {
             let tokens = &sampled_token_ids[row..row + num_rows];
             row += num_rows;
             // A sequence aborted (or finished) since `schedule` drops its rows.
-            if !self.requests.contains_key(&id) {
+            if !self.requests.contains(id) {
                 continue;
             }
             if num_rows > 1 {
@@ -483,7 +481,7 @@ impl Scheduler {
     /// Whether a running sequence lacks exactly one token (a decode, or the last token of
     /// a prefill: either way one token that will be sampled from).
     fn is_decode(&self, id: &RequestId) -> bool {
-        let request = &self.requests[id];
+        let request = &self.requests[*id];
         request.num_tokens - request.num_computed_tokens == 1
     }
 
@@ -539,13 +537,13 @@ impl Scheduler {
         out: &mut SchedulerOutput,
     ) -> Result<()> {
         while let Some((&key, &id)) = self.waiting.first_key_value() {
-            let num_seats = 1 + self.requests[&id].num_pending_forks;
+            let num_seats = 1 + self.requests[id].num_pending_forks;
             let seats_in_use = self.running.len() + admission.num_fork_seats;
             if seats_in_use + num_seats > self.config.max_num_seqs || admission.budget == 0 {
                 break;
             }
             let num_cached = self.kv.get_computed_blocks(id)?;
-            let remaining = self.requests[&id].num_tokens - num_cached;
+            let remaining = self.requests[id].num_tokens - num_cached;
             let num_new = self.cap_chunk(remaining, admission.budget, false);
             let is_partial = num_new < remaining;
             if is_partial && admission.num_partial_prefills >= self.config.max_num_partial_prefills
@@ -565,7 +563,7 @@ impl Scheduler {
             admission.budget -= num_new;
             admission.num_partial_prefills += usize::from(is_partial);
             admission.num_fork_seats += num_seats - 1;
-            let request = self.requests.get_mut(&id).expect("waiting");
+            let request = self.requests.get_mut(id).expect("waiting");
             request.status = RequestStatus::Running;
             request.num_computed_tokens = num_cached + num_new;
             scheduled.push(ScheduledSeq {
@@ -577,7 +575,7 @@ impl Scheduler {
                 num_samples: if is_partial { 0 } else { num_seats },
                 is_decode: false,
             });
-            let position = self.running.partition_point(|other| self.requests[other].key < key);
+            let position = self.running.partition_point(|other| self.requests[*other].key < key);
             self.running.insert(position, id);
         }
         Ok(())
@@ -586,7 +584,7 @@ impl Scheduler {
     /// Frees a running sequence's blocks and requeues it, tokens kept, to recompute.
     fn preempt(&mut self, id: RequestId) -> Result<()> {
         self.kv.reset(id)?;
-        let request = self.requests.get_mut(&id).expect("running");
+        let request = self.requests.get_mut(id).expect("running");
         request.status = RequestStatus::Preempted;
         request.num_computed_tokens = 0;
         request.num_preemptions += 1;
@@ -602,11 +600,9 @@ impl Scheduler {
     fn fork(&mut self, parent: RequestId, num_forks: usize) -> Result<Vec<RequestId>> {
         let mut children = Vec::with_capacity(num_forks);
         for _ in 0..num_forks {
-            let child = RequestId(self.next_request_id);
-            self.next_request_id += 1;
-            self.kv.fork(parent, child)?;
+            let child = self.kv.fork(parent)?;
             let sequence = self.take_sequence();
-            let mut request = self.requests[&parent].clone();
+            let mut request = self.requests[parent].clone();
             let group = self.groups.get_mut(&request.group).expect("live group");
             request.id = child;
             request.choice_index = group.members.len();
@@ -614,12 +610,12 @@ impl Scheduler {
             request.key.sequence = sequence;
             group.members.push(child);
             let key = request.key;
-            self.requests.insert(child, request);
-            let position = self.running.partition_point(|other| self.requests[other].key < key);
+            self.requests.insert(request);
+            let position = self.running.partition_point(|other| self.requests[*other].key < key);
             self.running.insert(position, child);
             children.push(child);
         }
-        self.requests.get_mut(&parent).expect("live").num_pending_forks = 0;
+        self.requests.get_mut(parent).expect("live").num_pending_forks = 0;
         Ok(children)
     }
 
@@ -627,7 +623,7 @@ impl Scheduler {
     fn append_token(&mut self, id: RequestId, token: u32) -> Result<RequestUpdate> {
         self.kv.append_token_ids(id, &[token])?;
         let max_model_len = self.config.max_model_len;
-        let request = self.requests.get_mut(&id).expect("live");
+        let request = self.requests.get_mut(id).expect("live");
         request.num_tokens += 1;
         let finish_reason = request.stop.check(
             token,
@@ -650,7 +646,7 @@ impl Scheduler {
     /// Ends a sequence outside `update_from_output`; its update is delivered by the next
     /// `update_from_output` (except aborts, which the caller asked for).
     fn finish(&mut self, id: RequestId, reason: FinishReason) -> Result<()> {
-        let request = &self.requests[&id];
+        let request = &self.requests[id];
         let update = RequestUpdate {
             group: request.group,
             choice_index: request.choice_index,
@@ -666,7 +662,7 @@ impl Scheduler {
     /// Frees a finished sequence's blocks and forgets it (and its group once empty).
     fn release(&mut self, id: RequestId) -> Result<()> {
         self.kv.free(id)?;
-        let request = self.requests.remove(&id).expect("live");
+        let request = self.requests.remove(id).expect("live");
         match request.status {
             RequestStatus::Running => self.running.retain(|&other| other != id),
             RequestStatus::Waiting | RequestStatus::Preempted => {

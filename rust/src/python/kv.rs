@@ -66,8 +66,6 @@ pub(super) struct PyKVCacheManager {
     inner: KVCacheManager,
     /// Python request id to the core's handle.
     request_id_to_handle: HashMap<String, RequestId>,
-    /// Next handle to hand out.
-    next_handle: u64,
 }
 
 impl PyKVCacheManager {
@@ -78,13 +76,11 @@ impl PyKVCacheManager {
             .ok_or_else(|| Error::UnknownRequest(request_id.to_owned()))
     }
 
-    fn new_handle(&mut self, request_id: &str) -> Result<RequestId, Error> {
+    fn check_new(&self, request_id: &str) -> Result<(), Error> {
         if self.request_id_to_handle.contains_key(request_id) {
             return Err(Error::DuplicateRequest(request_id.to_owned()));
         }
-        let handle = RequestId(self.next_handle);
-        self.next_handle += 1;
-        Ok(handle)
+        Ok(())
     }
 }
 
@@ -107,7 +103,6 @@ impl PyKVCacheManager {
         Ok(PyKVCacheManager {
             inner: build().map_err(|err| to_py_err(py, err))?,
             request_id_to_handle: HashMap::new(),
-            next_handle: 0,
         })
     }
 
@@ -170,8 +165,8 @@ impl PyKVCacheManager {
     ) -> PyResult<()> {
         let result = (|| {
             let token_ids = to_token_ids(prompt_token_ids)?;
-            let handle = self.new_handle(request_id)?;
-            self.inner.add_request(handle, &token_ids, cache_salt)?;
+            self.check_new(request_id)?;
+            let handle = self.inner.add_request(&token_ids, cache_salt)?;
             self.request_id_to_handle.insert(request_id.to_owned(), handle);
             Ok(())
         })();
@@ -231,8 +226,8 @@ impl PyKVCacheManager {
     fn fork(&mut self, py: Python<'_>, parent_id: &str, child_id: &str) -> PyResult<()> {
         let parent = self.handle(parent_id).map_err(|err| to_py_err(py, err))?;
         let result = (|| {
-            let child = self.new_handle(child_id)?;
-            self.inner.fork(parent, child)?;
+            self.check_new(child_id)?;
+            let child = self.inner.fork(parent)?;
             self.request_id_to_handle.insert(child_id.to_owned(), child);
             Ok(())
         })();
