@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 MATURIN := $(VENV)/bin/maturin
 DEPS_STAMP := $(VENV)/.pagedrs-deps
+MODEL_DEPS_STAMP := $(VENV)/.pagedrs-model-deps
 EXTENSION := python/pagedrs/_core.abi3.so
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) rust/Cargo.toml $(wildcard rust/src/*.rs)
 
@@ -22,6 +23,12 @@ $(DEPS_STAMP): requirements-dev.txt pyproject.toml | $(PY)
 	$(PIP) install --quiet -r requirements-dev.txt
 	touch $@
 
+# torch and the other model-side packages (the `model` extra): the tests hand the
+# scheduler's arrays to torch; the model runner will need them too.
+$(MODEL_DEPS_STAMP): requirements-model.txt | $(DEPS_STAMP)
+	$(PIP) install --quiet -r requirements-model.txt
+	touch $@
+
 $(EXTENSION): $(RUST_SOURCES) $(DEPS_STAMP)
 	VIRTUAL_ENV=$(abspath $(VENV)) $(MATURIN) develop --release --quiet
 	touch $@
@@ -33,16 +40,18 @@ test: test-rust test-python
 test-rust:
 	cargo test --locked --quiet
 
-test-python: $(EXTENSION)
+test-python: $(EXTENSION) $(MODEL_DEPS_STAMP)
 	$(PY) -m pytest -q
 
 bench: bench-rust bench-python
 
 bench-rust:
-	cargo bench --locked --bench kv_cache
+	cargo bench --locked
+	python3 benches/criterion_medians.py
 
-bench-python: $(EXTENSION)
-	$(PY) -m pytest -q benches --benchmark-only --benchmark-columns=median,iqr,ops
+bench-python: $(EXTENSION) $(MODEL_DEPS_STAMP)
+	$(PY) -m pytest -q benches/bench_scheduler_step.py --benchmark-only \
+		--benchmark-columns=median,iqr,rounds
 
 # An abi3 wheel (CPython >= 3.10) in dist/, e.g. to carry to the GPU machine.
 wheel: $(DEPS_STAMP)

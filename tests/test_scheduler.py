@@ -209,7 +209,7 @@ def test_n_choices_share_the_prompt_and_copy_the_partial_block():
 
 
 def test_outputs_convert_to_torch_without_copies():
-    torch = pytest.importorskip("torch", reason="torch is installed with the model extra")
+    import torch
     scheduler = Scheduler(num_blocks=8, block_size=4)
     scheduler.add_request("a", [1, 2, 3])
     out = scheduler.schedule()
