@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use crate::batch::{RequestUpdate, ScheduledSeq, SchedulerOutput};
 use crate::error::{Error, Result};
-use crate::kv_cache_manager::{KVCacheManager, RequestId};
+use crate::kv_cache_manager::{BlockCopy, KVCacheManager, RequestId};
 use crate::metrics::SchedulerStats;
 use crate::prefix_cache::BuildPrehashed;
 use crate::request::{
@@ -110,6 +110,15 @@ pub struct RequestParams {
     pub cache_salt: Option<String>,
     /// Arrival time for ordering; `None`: the order of `add_request` calls.
     pub arrival_time: Option<f64>,
+}
+
+/// What building a batch changed besides the batch itself.
+#[derive(Default)]
+struct StepChanges {
+    /// Sequences preempted, in order.
+    preempted: Vec<RequestId>,
+    /// Copy-on-write copies for the runner.
+    block_copies: Vec<BlockCopy>,
 }
 
 /// What admission may still use this step.
@@ -366,7 +375,7 @@ impl Scheduler {
         let block_size = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
         let mut scheduled: Vec<ScheduledSeq> = Vec::with_capacity(self.running.len());
-        let mut out = SchedulerOutput::default();
+        let mut changes = StepChanges::default();
         let mut num_decodes_behind = 0;
         // A prompt with n > 1 holds a seat for each choice it will fork into.
         let mut num_fork_seats = 0;
@@ -393,7 +402,7 @@ impl Scheduler {
                 index += 1;
                 continue;
             }
-            if !self.allocate_or_preempt(id, num_new, &mut num_decodes_behind, &mut out)? {
+            if !self.allocate_or_preempt(id, num_new, &mut num_decodes_behind, &mut changes)? {
                 // `id` itself was preempted or ended: the running list shrank at `index`.
                 continue;
             }
@@ -416,16 +425,14 @@ impl Scheduler {
 
         // NOTE: no admission in a step that preempted: the freed blocks go to the running
         // sequences first, or admission and preemption would chase each other.
-        if out.preempted.is_empty() {
+        if changes.preempted.is_empty() {
             let mut admission = Admission { budget, num_partial_prefills, num_fork_seats };
-            self.admit_waiting(&mut admission, &mut scheduled, &mut out)?;
+            self.admit_waiting(&mut admission, &mut scheduled, &mut changes)?;
         }
 
-        let preempted = std::mem::take(&mut out.preempted);
-        let block_copies = std::mem::take(&mut out.block_copies);
         let mut out = SchedulerOutput::for_sequences(&scheduled, block_size);
-        out.preempted = preempted;
-        out.block_copies = block_copies;
+        out.preempted = changes.preempted;
+        out.block_copies = changes.block_copies;
         self.last_logits_owners.clear();
         for seq in &scheduled {
             let (token_ids, block_table) = self.kv.tokens_and_blocks(seq.id)?;
@@ -503,11 +510,11 @@ impl Scheduler {
         id: RequestId,
         num_new: usize,
         num_decodes_behind: &mut usize,
-        out: &mut SchedulerOutput,
+        changes: &mut StepChanges,
     ) -> Result<bool> {
         loop {
             if let Some(copies) = self.kv.allocate_slots(id, num_new)? {
-                out.block_copies.extend(copies);
+                changes.block_copies.extend(copies);
                 return Ok(true);
             }
             let victim = *self.running.last().expect("id is running");
@@ -518,14 +525,14 @@ impl Scheduler {
             }
             if victim == id {
                 self.preempt(victim)?;
-                out.preempted.push(victim);
+                changes.preempted.push(victim);
                 return Ok(false);
             }
             if self.is_decode(&victim) {
                 *num_decodes_behind -= 1;
             }
             self.preempt(victim)?;
-            out.preempted.push(victim);
+            changes.preempted.push(victim);
         }
     }
 
@@ -534,7 +541,7 @@ impl Scheduler {
         &mut self,
         admission: &mut Admission,
         scheduled: &mut Vec<ScheduledSeq>,
-        out: &mut SchedulerOutput,
+        changes: &mut StepChanges,
     ) -> Result<()> {
         while let Some((&key, &id)) = self.waiting.first_key_value() {
             let num_seats = 1 + self.requests[id].num_pending_forks;
@@ -558,7 +565,7 @@ impl Scheduler {
                 }
                 break;
             };
-            out.block_copies.extend(copies);
+            changes.block_copies.extend(copies);
             self.waiting.remove(&key);
             admission.budget -= num_new;
             admission.num_partial_prefills += usize::from(is_partial);
