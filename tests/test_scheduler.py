@@ -234,6 +234,12 @@ def test_stop_conditions_and_python_side_finish():
     assert len(out) == 0
     assert scheduler.update_from_output([]) == [("string", 0, None, "stop")]
     assert not scheduler.has_unfinished_requests()
+    # Ended ids are forgotten: they can't be aborted any more, and can be used again.
+    with pytest.raises(UnknownRequestError):
+        scheduler.abort_request("eos")
+    scheduler.add_request("eos", [4, 5], max_tokens=1)
+    scheduler.schedule()
+    assert scheduler.update_from_output([1]) == [("eos", 0, 1, "length")]
 
 
 def test_request_too_big_for_the_cache_ends_with_capacity_not_a_hang():

@@ -312,6 +312,11 @@ impl Scheduler {
         self.finish(id, reason)
     }
 
+    /// The handle of a live request.
+    pub fn group(&self, external_id: &str) -> Option<u64> {
+        self.external_id_to_group.get(external_id).copied()
+    }
+
     /// The caller's id of a request handle, while the request is live.
     pub fn external_id(&self, group: u64) -> Option<&Arc<str>> {
         self.groups.get(&group).map(|g| &g.external_id)
@@ -692,10 +697,7 @@ impl Scheduler {
     }
 
     fn group_of(&self, external_id: &str) -> Result<u64> {
-        self.external_id_to_group
-            .get(external_id)
-            .copied()
-            .ok_or_else(|| Error::UnknownRequest(external_id.to_owned()))
+        self.group(external_id).ok_or_else(|| Error::UnknownRequest(external_id.to_owned()))
     }
 
     fn take_sequence(&mut self) -> u64 {

@@ -152,11 +152,11 @@ impl PyScheduler {
             .into_pyobject(py)
     }
 
-    /// Forgets the Python ids of requests the core no longer knows.
-    fn prune_ids(&mut self, groups: impl Iterator<Item = u64>) {
-        for group in groups {
-            if self.inner.external_id(group).is_none() {
-                self.group_to_py_id.remove(&group);
+    /// Forgets the Python ids of requests that ended with these updates.
+    fn forget_finished(&mut self, updates: &[RequestUpdate]) {
+        for update in updates.iter().filter(|update| update.finish_reason.is_some()) {
+            if self.inner.external_id(update.group).is_none() {
+                self.group_to_py_id.remove(&update.group);
             }
         }
     }
@@ -296,8 +296,11 @@ impl PyScheduler {
 
     /// Ends a request (all its choices) now, freeing its blocks.
     fn abort_request(&mut self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        let group = self.inner.group(request_id);
         self.inner.abort_request(request_id).map_err(|err| to_py_err(py, err))?;
-        self.group_to_py_id.retain(|group, _| self.inner.external_id(*group).is_some());
+        if let Some(group) = group {
+            self.group_to_py_id.remove(&group);
+        }
         Ok(())
     }
 
@@ -381,8 +384,7 @@ impl PyScheduler {
         for update in &updates {
             list.append(self.update_tuple(py, update)?)?;
         }
-        let finished = updates.iter().filter(|u| u.finish_reason.is_some()).map(|u| u.group);
-        self.prune_ids(finished.collect::<Vec<_>>().into_iter());
+        self.forget_finished(&updates);
         Ok(list)
     }
 
