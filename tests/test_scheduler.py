@@ -223,6 +223,7 @@ def test_stop_conditions_and_python_side_finish():
     scheduler.add_request("stop-id", [1, 2], stop_token_ids=[7], max_tokens=10)
     scheduler.add_request("string", [1, 2], max_tokens=10)
     scheduler.schedule()
+    assert scheduler.request_status("string") == "running"
     updates = scheduler.update_from_output([9, 7, 3])
     assert [(rid, reason) for rid, _, _, reason in updates] == [
         ("eos", "stop"),
@@ -247,6 +248,7 @@ def test_request_too_big_for_the_cache_ends_with_capacity_not_a_hang():
     scheduler.add_request("huge", list(range(20)), max_tokens=5)
     scheduler.add_request("ok", [1], max_tokens=1)
     finished = {}
+    assert scheduler.request_status("huge") == "waiting"
     for _ in range(5):
         out = scheduler.schedule()
         for rid, _, _, reason in scheduler.update_from_output([0] * len(out.logits_indices)):

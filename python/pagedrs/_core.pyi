@@ -210,6 +210,9 @@ class Scheduler:
     def update_from_output(
         self, sampled_token_ids: npt.NDArray[np.integer] | list[int]
     ) -> list[RequestUpdate]: ...
+    def request_status(self, request_id: str, index: int = 0) -> str:
+        """``"waiting"``, ``"running"`` or ``"preempted"``; ``UnknownRequestError`` once the
+        request has ended (its finish reason was reported by ``update_from_output``)."""
     def has_unfinished_requests(self) -> bool: ...
     @property
     def num_running(self) -> int: ...

@@ -42,7 +42,8 @@ impl FinishReason {
     }
 }
 
-/// Where a request is in its life.
+/// Where a live request is in its life (a finished one is forgotten, its `FinishReason`
+/// reported once).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestStatus {
     /// Queued, never run.
@@ -51,6 +52,17 @@ pub enum RequestStatus {
     Running,
     /// Was running, lost its blocks to a higher-priority request; queued to recompute.
     Preempted,
+}
+
+impl RequestStatus {
+    /// The name Python sees (`"waiting"`, `"running"`, `"preempted"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestStatus::Waiting => "waiting",
+            RequestStatus::Running => "running",
+            RequestStatus::Preempted => "preempted",
+        }
+    }
 }
 
 /// When to stop generating; checked by the core after every sampled token.

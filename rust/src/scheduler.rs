@@ -312,6 +312,21 @@ impl Scheduler {
         self.finish(id, reason)
     }
 
+    /// Where one choice of a live request is: waiting, running or preempted.
+    pub fn status(&self, external_id: &str, choice_index: usize) -> Result<RequestStatus> {
+        let group = self.group_of(external_id)?;
+        self.groups[&group]
+            .members
+            .get(choice_index)
+            .and_then(|&id| self.requests.get(id))
+            .map(|request| request.status)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "request {external_id:?} has no live choice {choice_index}"
+                ))
+            })
+    }
+
     /// The handle of a live request.
     pub fn group(&self, external_id: &str) -> Option<u64> {
         self.external_id_to_group.get(external_id).copied()

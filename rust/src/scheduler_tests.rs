@@ -157,6 +157,7 @@ fn preemption_frees_blocks_resumes_with_the_same_tokens_and_is_counted() {
     s.add_request("old", &prompt(8, 0), params(12)).unwrap();
     s.add_request("new", &prompt(8, 100), params(12)).unwrap();
     let mut preempted = Vec::new();
+    let mut seen_preempted_status = false;
     let mut texts: std::collections::HashMap<(u64, usize), Vec<u32>> = Default::default();
     let mut token = 0;
     while s.has_unfinished_requests() {
@@ -164,7 +165,9 @@ fn preemption_frees_blocks_resumes_with_the_same_tokens_and_is_counted() {
         let (out, updates) = step(&mut s, token);
         for &id in &out.preempted {
             let (group, _) = s.sequence_of(id).expect("preempted sequences stay queued");
-            preempted.push(s.external_id(group).unwrap().to_string());
+            let name = s.external_id(group).unwrap().to_string();
+            seen_preempted_status |= s.status(&name, 0) == Ok(RequestStatus::Preempted);
+            preempted.push(name);
         }
         for update in updates {
             texts
@@ -175,9 +178,11 @@ fn preemption_frees_blocks_resumes_with_the_same_tokens_and_is_counted() {
         assert!(s.kv_cache().stats().num_used_blocks <= 6);
     }
     assert!(!preempted.is_empty());
+    assert!(matches!(s.status("old", 0), Err(Error::UnknownRequest(_))), "finished: forgotten");
     assert_eq!(s.stats().num_preemptions_total as usize, preempted.len());
     // The later arrival was the victim, and both still got all their tokens, each in order.
     assert!(preempted.iter().all(|id| id == "new"));
+    assert!(seen_preempted_status);
     for tokens in texts.values() {
         assert_eq!(tokens.len(), 12);
         assert!(tokens.windows(2).all(|w| w[0] < w[1]), "resumed where it left off");

@@ -388,6 +388,18 @@ impl PyScheduler {
         Ok(list)
     }
 
+    /// `"waiting"`, `"running"` or `"preempted"` for one choice of a live request.
+    #[pyo3(signature = (request_id, index = 0))]
+    fn request_status(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        index: i64,
+    ) -> PyResult<&'static str> {
+        let result = (|| self.inner.status(request_id, to_count(index, "index")?))();
+        result.map(|status| status.as_str()).map_err(|err| to_py_err(py, err))
+    }
+
     /// Whether any request is waiting or running.
     fn has_unfinished_requests(&self) -> bool {
         self.inner.has_unfinished_requests()
