@@ -1,0 +1,163 @@
+"""The torch reference PagedAttention backend: correct for every batch the scheduler builds
+(prefill chunks over a cached prefix, decodes, both mixed), on CPU or GPU, and the oracle
+for the CUDA kernels.
+
+Per step, `AttentionMetadata.build` turns the scheduler's arrays into gather indices and
+masks once; every layer then (1) writes the step's new keys/values into its cache by slot
+mapping, and only then (2) attends, so a sequence may read blocks another sequence of the
+same batch is writing this step (see the NOTE in the Rust `batch.rs`).
+
+Shapes: ``num_tokens`` (T) rows this step, ``num_heads`` (H), ``num_kv_heads`` (KVH),
+``head_dim`` (D); the cache of one layer is ``[num_blocks, block_size, KVH, D]``.
+Decodes (one query each) are batched together; each prefill chunk is attended on its own
+(a Python loop per prefill sequence, never per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence computing more than one token this step."""
+
+    start: int
+    """First row of its queries in the step's token dimension."""
+    end: int
+    """One past its last row."""
+    slots: torch.Tensor
+    """Cache slot of each context position. ``long [C]``"""
+    mask: torch.Tensor
+    """Which context positions each query attends to. ``bool [L, C]``"""
+
+
+@dataclass
+class AttentionMetadata:
+    """The step's attention layout, shared by every layer."""
+
+    slot_mapping: torch.Tensor
+    """Slot each new key/value is written to. ``long [T]``"""
+    decode_rows: torch.Tensor
+    """Rows of the decode queries. ``long [Sd]``"""
+    decode_slots: torch.Tensor
+    """Cache slot of each context position of each decode, zero-padded. ``long [Sd, Cd]``"""
+    decode_mask: torch.Tensor
+    """Valid context positions of each decode. ``bool [Sd, Cd]``"""
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        query_start_loc: np.ndarray,
+        context_lens: np.ndarray,
+        block_tables: np.ndarray,
+        block_size: int,
+        sliding_window: int | None,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        query_lens = np.diff(query_start_loc) if len(query_start_loc) else np.zeros(0, np.int32)
+        is_decode = query_lens == 1
+
+        def slots_of(rows: np.ndarray, width: int) -> np.ndarray:
+            offsets = np.arange(width)
+            blocks = block_tables[rows][:, offsets // block_size].astype(np.int64)
+            return blocks * block_size + offsets % block_size
+
+        decode_seqs = np.nonzero(is_decode)[0]
+        width = int(context_lens[decode_seqs].max()) if len(decode_seqs) else 0
+        decode_slots = slots_of(decode_seqs, width)
+        offsets = np.arange(width)[None, :]
+        decode_positions = positions[query_start_loc[decode_seqs]][:, None]
+        decode_mask = offsets < context_lens[decode_seqs][:, None]
+        if sliding_window is not None:
+            decode_mask &= offsets > decode_positions - sliding_window
+
+        prefills = []
+        for seq in np.nonzero(~is_decode)[0]:
+            start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
+            context = int(context_lens[seq])
+            query_positions = positions[start:end][:, None]
+            keys = np.arange(context)[None, :]
+            mask = keys <= query_positions
+            if sliding_window is not None:
+                mask &= keys > query_positions - sliding_window
+            prefills.append(
+                PrefillChunk(
+                    start=start,
+                    end=end,
+                    slots=torch.from_numpy(slots_of(np.array([seq]), context)[0]).to(device),
+                    mask=torch.from_numpy(mask).to(device),
+                )
+            )
+        return cls(
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            decode_rows=torch.from_numpy(query_start_loc[decode_seqs].astype(np.int64)).to(device),
+            decode_slots=torch.from_numpy(decode_slots).to(device),
+            decode_mask=torch.from_numpy(decode_mask).to(device),
+            prefills=prefills,
+        )
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes ``[T, KVH, D]`` keys/values into ``[num_blocks, block_size, KVH, D]`` caches."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention of ``[B, L, H, D]`` queries over ``[B, C, KVH, D]`` keys and
+    values with a ``[B, L, C]`` mask; softmax in float32. Returns ``[B, L, H, D]``."""
+    batch, length, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[2]
+    group = num_heads // num_kv_heads
+    q = query.reshape(batch, length, num_kv_heads, group, head_dim)
+    scores = torch.einsum("blkgd,bckd->bkglc", q.float(), keys.float()) * scale
+    scores = scores.masked_fill(~mask[:, None, None, :, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkglc,bckd->blkgd", probs, values.float())
+    return out.reshape(batch, length, num_heads, head_dim).to(query.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Writes this step's ``key``/``value`` (``[T, KVH, D]``) into the caches, then attends
+    every query (``[T, H, D]``) over its sequence's paged context. Returns ``[T, H, D]``."""
+    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_values = value_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(query)
+    if len(meta.decode_rows):
+        out[meta.decode_rows] = _attend(
+            query[meta.decode_rows].unsqueeze(1),
+            flat_keys[meta.decode_slots],
+            flat_values[meta.decode_slots],
+            meta.decode_mask.unsqueeze(1),
+            scale,
+        ).squeeze(1)
+    for chunk in meta.prefills:
+        out[chunk.start : chunk.end] = _attend(
+            query[chunk.start : chunk.end].unsqueeze(0),
+            flat_keys[chunk.slots].unsqueeze(0),
+            flat_values[chunk.slots].unsqueeze(0),
+            chunk.mask.unsqueeze(0),
+            scale,
+        ).squeeze(0)
+    return out

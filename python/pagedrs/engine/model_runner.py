@@ -1,0 +1,50 @@
+"""Runs one scheduled batch through the model on the paged KV cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedrs._core import SchedulerOutput
+from pagedrs.attention.torch_ref import AttentionMetadata
+
+
+class ModelRunner:
+    """Owns the model and its per-layer KV caches (``[num_blocks, block_size, KVH, D]``)."""
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in model.layers
+        ]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Copy-on-write copies, then the forward pass; returns float32 logits
+        ``[len(out.logits_indices), vocab]``."""
+        if len(out.block_copies):
+            copies = torch.from_numpy(out.block_copies).to(self.device)
+            for key_cache, value_cache in self.kv_caches:
+                key_cache[copies[:, 1]] = key_cache[copies[:, 0]]
+                value_cache[copies[:, 1]] = value_cache[copies[:, 0]]
+        meta = AttentionMetadata.build(
+            positions=out.positions,
+            slot_mapping=out.slot_mapping,
+            query_start_loc=out.query_start_loc,
+            context_lens=out.context_lens,
+            block_tables=out.block_tables,
+            block_size=self.block_size,
+            sliding_window=self.model.sliding_window,
+            device=self.device,
+        )
+        return self.model(
+            torch.from_numpy(out.input_token_ids).to(self.device),
+            torch.from_numpy(out.positions).to(self.device),
+            self.kv_caches,
+            meta,
+            torch.from_numpy(np.ascontiguousarray(out.logits_indices)).to(self.device),
+        )

@@ -1,0 +1,128 @@
+"""Linear layers that hold one tensor-parallel shard of their weight.
+
+Column-parallel layers split the output features across ranks (each rank computes its slice
+of heads or of the MLP's intermediate features); row-parallel layers split the input
+features and all-reduce their partial sums. With ``tp_size == 1`` (all pagedrs runs today)
+both are plain linears; the loaders already take the rank's slice of a full checkpoint
+tensor, so adding ``torch.distributed`` ranks needs no change to the model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Which shard this process holds."""
+
+    rank: int = 0
+    size: int = 1
+
+    def split(self, total: int, what: str) -> int:
+        """This rank's part of ``total`` (which must divide evenly)."""
+        if total % self.size != 0:
+            raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {self.size}")
+        return total // self.size
+
+
+def _all_reduce(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    if tp.size > 1:
+        torch.distributed.all_reduce(tensor)
+    return tensor
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with this rank's slice of the output features.
+
+    ``output_sizes`` lists the logical outputs fused into this layer (e.g. q, k and v, or gate
+    and up); each is split across ranks on its own, so a fused layer shards consistently.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.output_sizes = [tp.split(size, "output size") for size in output_sizes]
+        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        total = sum(self.output_sizes)
+        self.weight = nn.Parameter(torch.empty(total, input_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(total, dtype=dtype), requires_grad=False) if bias else None
+
+    def load(self, shard: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copies this rank's rows of logical output ``shard`` from a full checkpoint tensor."""
+        size, offset = self.output_sizes[shard], self.offsets[shard]
+        rows = slice(self.tp.rank * size, (self.tp.rank + 1) * size)
+        self.weight[offset : offset + size].copy_(weight[rows])
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError("checkpoint has a bias for a layer built without one")
+            self.bias[offset : offset + size].copy_(bias[rows])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with this rank's slice of the input features; partial sums are
+    all-reduced across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.input_size = tp.split(input_size, "input size")
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False) if bias else None
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copies this rank's columns from a full checkpoint tensor."""
+        cols = slice(self.tp.rank * self.input_size, (self.tp.rank + 1) * self.input_size)
+        self.weight.copy_(weight[:, cols])
+        if bias is not None and self.bias is not None:
+            self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the reduction.
+        out = _all_reduce(F.linear(x, self.weight), self.tp)
+        return out + self.bias if self.bias is not None else out
+
+
+class VocabEmbedding(nn.Module):
+    """Token embeddings; rank ``r`` holds rows ``[r * V/tp, (r + 1) * V/tp)`` of the vocabulary."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.shard_size = tp.split(vocab_size, "vocab size")
+        self.start = tp.rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.copy_(weight[self.start : self.start + self.shard_size])
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - self.start
+        inside = (local >= 0) & (local < self.shard_size)
+        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * inside.unsqueeze(-1)
+        return _all_reduce(out, self.tp)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over this rank's vocabulary slice (gathered across ranks)."""
+        local = F.linear(hidden, self.weight)
+        if self.tp.size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp.size)]
+        torch.distributed.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)
