@@ -16,9 +16,35 @@ from pagedrs.errors import (
     UnknownRequestError,
 )
 
+from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrs.sampling_params import SamplingParams
+
 __version__ = _core_version
 
+# The model side needs torch and transformers: import it on first use, so the scheduling
+# core stays cheap to import.
+_LAZY = {
+    "LLM": "pagedrs.llm",
+    "LLMEngine": "pagedrs.engine.llm_engine",
+    "EngineConfig": "pagedrs.config",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedrs' has no attribute {name!r}")
+
 __all__ = [
+    "CompletionOutput",
+    "EngineConfig",
+    "LLM",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
     "DuplicateRequestError",
     "InternalError",
     "InvalidArgumentError",

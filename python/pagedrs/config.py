@@ -1,0 +1,68 @@
+"""Engine settings and the defaults that depend on the machine."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedrs.memory import parse_bytes
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """A sensible KV budget: on CPU 5% of RAM, between 256 MiB and 4 GiB; on a GPU 30% of
+    its memory (the weights and activations need the rest)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * 0.3)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(max(ram * 0.05, 256 * 2**20), 4 * 2**30))
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``"auto"`` is float32 on CPU and bfloat16 on a GPU."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or 'auto', got {dtype}")
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or 'auto', got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    """Everything an `LLMEngine` is built from."""
+
+    model: str | None = None
+    """Checkpoint directory, GGUF file, or ``None`` for the default model."""
+    dtype: str | torch.dtype = "auto"
+    device: str | None = None
+    """``"cpu"``, ``"cuda"``; ``None`` picks a GPU when there is one."""
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    """Bytes (or ``"2GiB"``) for the KV cache; ``None`` for `default_kv_cache_memory`."""
+    max_model_len: int | None = None
+    """``None``: the model's ``max_position_embeddings``."""
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int | None = None
+    max_num_partial_prefills: int = 1
+    scheduling_policy: str = "fcfs"
+    seed: int | None = 0
+    """Seed of the generator used by requests without their own seed."""
+
+    def torch_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def kv_cache_bytes(self, device: torch.device) -> int:
+        if self.kv_cache_memory is None:
+            return default_kv_cache_memory(device)
+        return parse_bytes(self.kv_cache_memory)

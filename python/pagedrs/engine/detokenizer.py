@@ -1,0 +1,38 @@
+"""Incremental detokenization that is correct across multi-byte characters.
+
+Decoding one token at a time breaks characters whose UTF-8 bytes span several tokens (they
+decode to U+FFFD until complete) and loses the spaces some tokenizers attach to the next
+token. So each step decodes a short window (a few tokens before the ones already read, and
+the new ones) and emits only the text past the window's known prefix, holding it back while
+it ends in an incomplete character.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # The tail of the prompt gives the first output token its context (leading spaces).
+        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Appends a token and returns the text it completes (possibly empty)."""
+        self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return text[len(prefix) :]

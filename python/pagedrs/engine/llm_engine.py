@@ -1,0 +1,265 @@
+"""`LLMEngine`: one step = schedule (Rust), run the model, sample, update, detokenize."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedrs._core import Scheduler
+from pagedrs.config import EngineConfig, resolve_dtype
+from pagedrs.engine.detokenizer import IncrementalDetokenizer
+from pagedrs.engine.model_runner import ModelRunner
+from pagedrs.errors import DuplicateRequestError
+from pagedrs.memory import kv_cache_capacity
+from pagedrs.models import architecture_of, build_model
+from pagedrs.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
+from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrs.sampler import Sampler, SamplingRow
+from pagedrs.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedrs")
+
+
+@dataclass
+class _Choice:
+    """Python-side state of one choice of a request."""
+
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choices: list[_Choice]
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def finished(self) -> bool:
+        return all(choice.output.finished() for choice in self.choices)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[choice.output for choice in self.choices],
+            finished=self.finished(),
+        )
+
+
+class LLMEngine:
+    """The offline engine. Not thread-safe: one caller steps it."""
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any):
+        config = config or EngineConfig(**kwargs)
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        source = resolve_model(config.model)
+        self.model_name = source.name
+        self.hf_config = load_config(source)
+        self.architecture = architecture_of(self.hf_config)
+        self.tokenizer = load_tokenizer(source)
+        model = build_model(self.hf_config, self.dtype)
+        model.load_weights(iter_weights(source))
+        self.model = model.to(self.device).eval()
+
+        capacity = kv_cache_capacity(self.hf_config, config.kv_cache_bytes(self.device), self.dtype, config.block_size)
+        if capacity.num_blocks < 1:
+            raise ValueError(f"kv_cache_memory is too small for one block of {capacity.bytes_per_block} bytes")
+        model_max_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2**31)
+        self.max_model_len = min(config.max_model_len or model_max_len, model_max_len)
+        self.scheduler = Scheduler(
+            capacity.num_blocks,
+            config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+            enable_prefix_caching=config.enable_prefix_caching,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_num_partial_prefills=config.max_num_partial_prefills,
+            namespace=f"{self.model_name}|{self.dtype}",
+        )
+        self.runner = ModelRunner(self.model, capacity.num_blocks, config.block_size, self.dtype, self.device)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._requests: dict[str, _Request] = {}
+        logger.info(
+            "pagedrs engine: %s (%s) %s on %s, %d KV blocks of %d tokens (%d tokens)",
+            self.model_name, self.architecture, self.dtype, self.device,
+            capacity.num_blocks, config.block_size, capacity.num_tokens,
+        )
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queues a request. Bad input raises ``ValueError`` and queues nothing."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already live")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.hf_config.vocab_size
+        if any(not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(prompt and output together)"
+            )
+        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
+        stop_token_ids = list(params.stop_token_ids or [])
+        self.scheduler.add_request(
+            request_id,
+            token_ids,
+            max_tokens=max_tokens,
+            min_tokens=min(params.min_tokens, max_tokens),
+            eos_token_id=self.eos_token_id,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=params.ignore_eos,
+            n=params.n,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        choices = []
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed(params.seed + index * 1_000_003)
+            choices.append(
+                _Choice(
+                    output=CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None),
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+                    generator=generator,
+                )
+            )
+        self._requests[request_id] = _Request(request_id, text, token_ids, params, choices)
+
+    def abort_request(self, request_id: str) -> None:
+        """Ends a request now and frees its blocks; unknown ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one iteration; returns the requests that got a token or finished."""
+        out = self.scheduler.schedule()
+        rows, row_of = self._sampling_rows(out)
+        if len(out):
+            logits = self.runner.execute(out)
+            sampled = self.sampler(logits, rows)
+            token_ids = sampled.token_ids.numpy()
+        else:
+            sampled, token_ids = None, np.zeros(0, dtype=np.int64)
+        touched: dict[str, _Request] = {}
+        for request_id, index, token, finish_reason in self.scheduler.update_from_output(token_ids):
+            request = self._requests.get(request_id)
+            if request is None:
+                continue  # aborted, or ended by a stop string earlier
+            choice = request.choices[index]
+            if choice.output.finished():
+                continue  # a stop string already ended it; this is the core's echo
+            if token is not None:
+                core_finished = finish_reason is not None
+                self._append(request, choice, token, sampled, row_of[(request_id, index)], core_finished)
+            if finish_reason is not None and not choice.output.finished():
+                choice.output.finish_reason = finish_reason
+                if finish_reason == "stop" and token is not None and token != self.eos_token_id:
+                    choice.output.stop_reason = token
+            touched[request_id] = request
+        outputs = [request.to_output() for request in touched.values()]
+        for output in outputs:
+            if output.finished:
+                del self._requests[output.request_id]
+        return outputs
+
+    def _sampling_rows(self, out) -> tuple[list[SamplingRow], dict[tuple[str, int], int]]:
+        """One `SamplingRow` per logits row; a prompt with n > 1 has rows for choices 0..n-1."""
+        rows, row_of = [], {}
+        previous_seq, choice_offset = -1, 0
+        for row, seq in enumerate(out.logits_request_indices.tolist()):
+            choice_offset = choice_offset + 1 if seq == previous_seq else 0
+            previous_seq = seq
+            request_id = out.request_ids[seq]
+            index = int(out.choice_indices[seq]) + choice_offset
+            request = self._requests[request_id]
+            choice = request.choices[index]
+            params = request.params
+            banned = []
+            if len(choice.output.token_ids) < params.min_tokens:
+                banned = list(params.stop_token_ids or [])
+                if not params.ignore_eos and self.eos_token_id is not None:
+                    banned.append(self.eos_token_id)
+            rows.append(
+                SamplingRow(params, choice.generator, request.prompt_token_ids, choice.output.token_ids, banned)
+            )
+            row_of[(request_id, index)] = row
+        return rows, row_of
+
+    def _append(
+        self, request: _Request, choice: _Choice, token: int, sampled, row: int, core_finished: bool
+    ) -> None:
+        output = choice.output
+        output.token_ids.append(token)
+        if sampled is not None and sampled.logprobs is not None and output.logprobs is not None:
+            entry = {token: Logprob(float(sampled.logprobs[row]), int(sampled.ranks[row]), self.tokenizer.decode([token]))}
+            for rank, (top_id, top_logprob) in enumerate(
+                zip(sampled.top_token_ids[row, : request.params.logprobs].tolist(),
+                    sampled.top_logprobs[row, : request.params.logprobs].tolist()),
+                start=1,
+            ):
+                entry.setdefault(top_id, Logprob(top_logprob, rank, self.tokenizer.decode([top_id])))
+            output.logprobs.append(entry)
+            output.cumulative_logprob = (output.cumulative_logprob or 0.0) + float(sampled.logprobs[row])
+        previous_length = len(output.text)
+        output.text += choice.detokenizer.add(token)
+        self._check_stop_strings(request, choice, previous_length, core_finished)
+
+    def _check_stop_strings(
+        self, request: _Request, choice: _Choice, previous_length: int, core_finished: bool
+    ) -> None:
+        output, params = choice.output, request.params
+        if not params.stop_strings or len(output.token_ids) < params.min_tokens:
+            return
+        longest = max(len(stop) for stop in params.stop_strings)
+        search_from = max(previous_length - longest + 1, 0)
+        best = None
+        for stop in params.stop_strings:
+            at = output.text.find(stop, search_from)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return
+        at, stop = best
+        output.text = output.text[: at + len(stop)] if params.include_stop_str_in_output else output.text[:at]
+        output.finish_reason, output.stop_reason = "stop", stop
+        if not core_finished:
+            self.scheduler.finish_request(request.request_id, "stop", output.index)

@@ -1,0 +1,43 @@
+"""What generation returns, shaped like vLLM's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    """1 for the most likely token."""
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's ``n`` choices."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    """Per generated token: the sampled token and the top ``logprobs`` tokens."""
+    finish_reason: str | None = None
+    """``"stop"``, ``"length"``, ``"abort"``, or ``"capacity"`` (the request outgrew the KV
+    cache); ``None`` while running."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token that ended the choice, if any."""
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
