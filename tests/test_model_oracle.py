@@ -1,0 +1,86 @@
+"""Greedy output equals Hugging Face transformers token for token, for each architecture,
+however the scheduler cuts the batch: whole prompts, small chunks, a shared cached prefix,
+and memory so tight that requests are preempted and recomputed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedrs import LLM, SamplingParams
+
+NEW_TOKENS = 32
+PROMPTS = [
+    [5, 17, 33, 2, 9],
+    list(range(10, 47)),
+    [7, 7, 7, 300, 12, 64, 19, 81, 44, 3, 99, 250, 31],
+]
+
+
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def assert_same_or_near_tie(model, prompt: list[int], ours: list[int], theirs: list[int]) -> None:
+    """Equal tokens, or a first divergence where HF's top two logits are within 1e-3."""
+    if ours == theirs:
+        return
+    at = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + theirs[:at]])).logits[0, -1]
+    top2 = logits.topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < 1e-3, f"diverged at token {at}: ours {ours[at]}, HF {theirs[at]}, logit gap {gap}"
+
+
+def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"max_num_batched_tokens": 8, "max_num_seqs": 4},
+        # 20 blocks of 4 tokens at 512 bytes a token (2 layers, K and V, 2 KV heads of 16
+        # float32 values): the three sequences grow to 151 tokens, 38 blocks.
+        {"block_size": 4, "kv_cache_memory": 20 * 4 * 512},
+    ],
+    ids=["whole-prompts", "small-chunks", "tight-memory"],
+)
+def test_greedy_matches_hugging_face(tiny_checkpoint, settings):
+    architecture, directory, hf_model = tiny_checkpoint
+    llm = LLM(directory, **settings)
+    ours = run(llm, PROMPTS)
+    for prompt, tokens in zip(PROMPTS, ours):
+        assert len(tokens) == NEW_TOKENS
+        assert_same_or_near_tie(hf_model, prompt, tokens, hf_greedy(hf_model, prompt, NEW_TOKENS))
+    stats = llm.engine.scheduler.stats()
+    if "kv_cache_memory" in settings:
+        assert stats.num_preemptions_total > 0
+    assert stats.num_used_blocks == 0
+
+
+def test_shared_prefix_is_reused_and_still_exact(tiny_checkpoint):
+    architecture, directory, hf_model = tiny_checkpoint
+    llm = LLM(directory, block_size=4)
+    prefix = list(range(100, 124))
+    prompts = [prefix + [1, 2, 3], prefix + [9], prefix + [40, 41]]
+    run(llm, prompts[:1])
+    ours = run(llm, prompts[1:])
+    assert llm.engine.scheduler.stats().prefix_cache_hits >= 2 * 24
+    for prompt, tokens in zip(prompts[1:], ours):
+        assert_same_or_near_tie(hf_model, prompt, tokens, hf_greedy(hf_model, prompt, NEW_TOKENS))
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(str(tmp_path))
