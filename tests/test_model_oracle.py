@@ -4,6 +4,8 @@ and memory so tight that requests are preempted and recomputed."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -18,10 +20,17 @@ PROMPTS = [
 
 
 def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False
-    )
-    return out[0, len(prompt) :].tolist()
+    """Plain argmax decoding with transformers' own model and KV cache: no logits processors
+    (``generate`` would mask EOS under ``min_new_tokens``), matching ``ignore_eos``."""
+    tokens = []
+    # `past_key_values` works across transformers 5.x; newer releases call it `cache`.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        result = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(num_tokens):
+            tokens.append(int(result.logits[0, -1].argmax()))
+            result = model(torch.tensor([[tokens[-1]]]), past_key_values=result.past_key_values, use_cache=True)
+    return tokens
 
 
 def assert_same_or_near_tie(model, prompt: list[int], ours: list[int], theirs: list[int]) -> None:
