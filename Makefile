@@ -11,7 +11,7 @@ MODEL_DEPS_STAMP := $(VENV)/.pagedrs-model-deps
 EXTENSION := python/pagedrs/_core.abi3.so
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) rust/Cargo.toml $(wildcard rust/src/*.rs)
 
-.PHONY: setup build test test-rust test-python bench bench-rust bench-python serve wheel clean
+.PHONY: setup build test test-rust test-python bench bench-rust bench-python bench-model serve wheel clean
 
 setup: $(EXTENSION)
 
@@ -45,7 +45,7 @@ test-rust:
 test-python: $(EXTENSION) $(MODEL_DEPS_STAMP)
 	$(PY) -m pytest -q
 
-bench: bench-rust bench-python
+bench: bench-rust bench-python bench-model
 
 bench-rust:
 	cargo bench --locked
@@ -54,6 +54,10 @@ bench-rust:
 bench-python: $(EXTENSION) $(MODEL_DEPS_STAMP)
 	$(PY) -m pytest -q benches/bench_scheduler_step.py --benchmark-only \
 		--benchmark-columns=median,iqr,rounds
+
+# Continuous batching against Hugging Face `generate` on the default model (several minutes).
+bench-model: $(EXTENSION) $(MODEL_DEPS_STAMP)
+	$(PY) benches/bench_mixed_workload.py
 
 # An abi3 wheel (CPython >= 3.10) in dist/, e.g. to carry to the GPU machine.
 wheel: $(DEPS_STAMP)

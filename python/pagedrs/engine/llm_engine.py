@@ -94,6 +94,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._requests: dict[str, _Request] = {}
+        self.last_schedule = None
+        """The last step's batch (`SchedulerOutput`), for metrics and benchmarks."""
         logger.info(
             "pagedrs engine: %s (%s) %s on %s, %d KV blocks of %d tokens (%d tokens)",
             self.model_name, self.architecture, self.dtype, self.device,
@@ -172,6 +174,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns the requests that got a token or finished."""
         out = self.scheduler.schedule()
+        self.last_schedule = out
         rows, row_of = self._sampling_rows(out)
         if len(out):
             logits = self.runner.execute(out)
