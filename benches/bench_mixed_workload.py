@@ -135,13 +135,19 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--skip-hf", action="store_true", help="only the pagedrs side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    llm = LLM(kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=1024)
+    llm = LLM(kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=1024, block_size=args.block_size)
     prompts, lengths = workload(llm, args.requests, args.seed)
     ours = run_pagedrs(llm, prompts, lengths)
     steps = decode_step_times(llm, [1, 8, 16, 32, 64])
+    if args.skip_hf:
+        print(json.dumps({"block_size": args.block_size, "pagedrs_useful_tok_s": round(ours["useful_tokens"] / ours["seconds"], 1),
+                          "kv_slack_fraction": round(ours["slack_fraction"], 4), "decode_steps": steps}, indent=2))
+        return
 
     from transformers import AutoModelForCausalLM
 
@@ -157,6 +163,7 @@ def main() -> None:
         "pagedrs": pagedrs.__version__, "torch": torch.__version__, "threads": args.threads,
         "cpu": platform.processor() or platform.machine(), "model": source.name, "dtype": "float32",
         "requests": args.requests, "output_lengths": "uniform 8..256", "seed": args.seed,
+        "block_size": args.block_size,
         "pagedrs_useful_tok_s": round(ours_rate, 1), "pagedrs_seconds": round(ours["seconds"], 1),
         "kv_slack_fraction": round(ours["slack_fraction"], 4),
         "hf_useful_tok_s": round(theirs_rate, 1), "hf_seconds": round(theirs["seconds"], 1),

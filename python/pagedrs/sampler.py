@@ -46,11 +46,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         raw = logits.float()
-        logits = raw.clone()
-        self._apply_penalties(logits, rows)
-        for row, sample in enumerate(rows):
-            if sample.banned_token_ids:
-                logits[row, sample.banned_token_ids] = float("-inf")
+        # Copy only when something edits the logits (the raw ones give the logprobs).
+        edits = any(sample.params.uses_penalties or sample.banned_token_ids for sample in rows)
+        logits = raw.clone() if edits else raw
+        if edits:
+            self._apply_penalties(logits, rows)
+            for row, sample in enumerate(rows):
+                if sample.banned_token_ids:
+                    logits[row, sample.banned_token_ids] = float("-inf")
         token_ids = logits.argmax(dim=-1)
         random_rows = [row for row, sample in enumerate(rows) if not sample.params.is_greedy]
         if random_rows:

@@ -29,10 +29,11 @@ class PrefillChunk:
     """First row of its queries in the step's token dimension."""
     end: int
     """One past its last row."""
-    slots: torch.Tensor
-    """Cache slot of each context position. ``long [C]``"""
+    blocks: torch.Tensor
+    """Its blocks, in order. ``long [W]``"""
     mask: torch.Tensor
-    """Which context positions each query attends to. ``bool [L, C]``"""
+    """Which context positions (``W * block_size`` of them) each query attends to.
+    ``bool [L, W * block_size]``"""
 
 
 @dataclass
@@ -43,10 +44,10 @@ class AttentionMetadata:
     """Slot each new key/value is written to. ``long [T]``"""
     decode_rows: torch.Tensor
     """Rows of the decode queries. ``long [Sd]``"""
-    decode_slots: torch.Tensor
-    """Cache slot of each context position of each decode, zero-padded. ``long [Sd, Cd]``"""
+    decode_blocks: torch.Tensor
+    """Block tables of the decodes, zero-padded. ``long [Sd, Wd]``"""
     decode_mask: torch.Tensor
-    """Valid context positions of each decode. ``bool [Sd, Cd]``"""
+    """Valid context positions of each decode. ``bool [Sd, Wd * block_size]``"""
     prefills: list[PrefillChunk]
 
     @classmethod
@@ -64,16 +65,13 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         query_lens = np.diff(query_start_loc) if len(query_start_loc) else np.zeros(0, np.int32)
         is_decode = query_lens == 1
-
-        def slots_of(rows: np.ndarray, width: int) -> np.ndarray:
-            offsets = np.arange(width)
-            blocks = block_tables[rows][:, offsets // block_size].astype(np.int64)
-            return blocks * block_size + offsets % block_size
-
+        # NOTE: keys and values are gathered whole blocks at a time (a block is one
+        # contiguous chunk of the cache); positions past a context are masked out.
         decode_seqs = np.nonzero(is_decode)[0]
-        width = int(context_lens[decode_seqs].max()) if len(decode_seqs) else 0
-        decode_slots = slots_of(decode_seqs, width)
-        offsets = np.arange(width)[None, :]
+        num_blocks = -(-context_lens[decode_seqs] // block_size) if len(decode_seqs) else np.zeros(0, np.int64)
+        width = int(num_blocks.max()) if len(decode_seqs) else 0
+        decode_blocks = block_tables[decode_seqs][:, :width].astype(np.int64)
+        offsets = np.arange(width * block_size)[None, :]
         decode_positions = positions[query_start_loc[decode_seqs]][:, None]
         decode_mask = offsets < context_lens[decode_seqs][:, None]
         if sliding_window is not None:
@@ -83,23 +81,24 @@ class AttentionMetadata:
         for seq in np.nonzero(~is_decode)[0]:
             start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
             context = int(context_lens[seq])
+            seq_blocks = -(-context // block_size)
             query_positions = positions[start:end][:, None]
-            keys = np.arange(context)[None, :]
-            mask = keys <= query_positions
+            keys = np.arange(seq_blocks * block_size)[None, :]
+            mask = (keys <= query_positions) & (keys < context)
             if sliding_window is not None:
                 mask &= keys > query_positions - sliding_window
             prefills.append(
                 PrefillChunk(
                     start=start,
                     end=end,
-                    slots=torch.from_numpy(slots_of(np.array([seq]), context)[0]).to(device),
+                    blocks=torch.from_numpy(block_tables[seq, :seq_blocks].astype(np.int64)).to(device),
                     mask=torch.from_numpy(mask).to(device),
                 )
             )
         return cls(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
             decode_rows=torch.from_numpy(query_start_loc[decode_seqs].astype(np.int64)).to(device),
-            decode_slots=torch.from_numpy(decode_slots).to(device),
+            decode_blocks=torch.from_numpy(decode_blocks).to(device),
             decode_mask=torch.from_numpy(decode_mask).to(device),
             prefills=prefills,
         )
@@ -141,22 +140,26 @@ def paged_attention(
     every query (``[T, H, D]``) over its sequence's paged context. Returns ``[T, H, D]``."""
     write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
-    flat_values = value_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(query)
+
+    def context(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """``[..., W]`` block ids -> ``[..., W * block_size, KVH, D]`` keys or values."""
+        gathered = cache[blocks]
+        return gathered.reshape(*blocks.shape[:-1], -1, num_kv_heads, head_dim)
+
     if len(meta.decode_rows):
         out[meta.decode_rows] = _attend(
             query[meta.decode_rows].unsqueeze(1),
-            flat_keys[meta.decode_slots],
-            flat_values[meta.decode_slots],
+            context(key_cache, meta.decode_blocks),
+            context(value_cache, meta.decode_blocks),
             meta.decode_mask.unsqueeze(1),
             scale,
         ).squeeze(1)
     for chunk in meta.prefills:
         out[chunk.start : chunk.end] = _attend(
             query[chunk.start : chunk.end].unsqueeze(0),
-            flat_keys[chunk.slots].unsqueeze(0),
-            flat_values[chunk.slots].unsqueeze(0),
+            context(key_cache, chunk.blocks).unsqueeze(0),
+            context(value_cache, chunk.blocks).unsqueeze(0),
             chunk.mask.unsqueeze(0),
             scale,
         ).squeeze(0)
