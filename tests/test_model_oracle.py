@@ -93,3 +93,32 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         LLM(str(tmp_path))
+
+
+def test_mistral_sliding_window_matches_hugging_face(tmp_path):
+    import transformers
+
+    from tests.conftest import TINY, save_word_tokenizer
+
+    torch.manual_seed(7)
+    config = transformers.MistralConfig(**TINY, sliding_window=8)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        hf_model.lm_head.weight.mul_(8)
+    hf_model.save_pretrained(tmp_path)
+    save_word_tokenizer(tmp_path, TINY["vocab_size"])
+    llm = LLM(str(tmp_path), block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    prompts = PROMPTS[1:]  # 37 and 13 tokens: far past the window of 8
+    for prompt, tokens in zip(prompts, run(llm, prompts)):
+        assert_same_or_near_tie(hf_model, prompt, tokens, hf_greedy(hf_model, prompt, NEW_TOKENS))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_on_the_paged_cache(tiny_checkpoint, dtype):
+    architecture, directory, hf_model = tiny_checkpoint
+    llm = LLM(directory, dtype=dtype)
+    assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    tokens = run(llm, PROMPTS[:2])
+    assert [len(t) for t in tokens] == [NEW_TOKENS, NEW_TOKENS]
+    # Close to float32: the first greedy token agrees with Hugging Face's.
+    assert [t[0] for t in tokens] == [hf_greedy(hf_model, p, 1)[0] for p in PROMPTS[:2]]
