@@ -4,6 +4,7 @@
 
 pub mod batch;
 pub mod block_pool;
+pub mod config;
 pub mod error;
 pub mod free_queue;
 pub mod kv_cache_manager;

@@ -2,6 +2,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::*;
+use crate::request::StopConditions;
 
 fn config(num_blocks: usize, max_num_batched_tokens: usize) -> SchedulerConfig {
     SchedulerConfig {
