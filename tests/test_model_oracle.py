@@ -122,3 +122,20 @@ def test_half_precision_runs_on_the_paged_cache(tiny_checkpoint, dtype):
     assert [len(t) for t in tokens] == [NEW_TOKENS, NEW_TOKENS]
     # Close to float32: the first greedy token agrees with Hugging Face's.
     assert [t[0] for t in tokens] == [hf_greedy(hf_model, p, 1)[0] for p in PROMPTS[:2]]
+
+
+def test_prompt_logprobs_match_hugging_face_across_chunks(tiny_checkpoint):
+    architecture, directory, hf_model = tiny_checkpoint
+    llm = LLM(directory, max_num_batched_tokens=8, max_num_seqs=4, block_size=4)
+    prompt = PROMPTS[1]
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # cache it
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    output = llm.generate([prompt], params, use_tqdm=False)[0]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert output.prompt_logprobs[0] is None
+    assert len(output.prompt_logprobs) == len(prompt)
+    for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+        token = prompt[position]
+        assert entry[token].logprob == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
+        assert len(entry) >= 2

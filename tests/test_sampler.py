@@ -86,6 +86,7 @@ def test_logprobs_are_of_the_raw_distribution_with_ranks():
         {"presence_penalty": 3},
         {"repetition_penalty": 0},
         {"logprobs": -1},
+        {"prompt_logprobs": 21},
         {"stop": [""]},
         {"stop_token_ids": [-1]},
     ],

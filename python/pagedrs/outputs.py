@@ -40,4 +40,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: ``None`` for the first prompt token, then
+    each prompt token's log-probability and the top tokens at its position."""
     num_cached_tokens: int = 0

@@ -33,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the log-probabilities of the sampled token and of this many top tokens."""
     prompt_logprobs: int | None = None
+    """Return, for every prompt token after the first, its log-probability and this many top
+    tokens. Such a request never reuses cached prefix blocks (their logits are needed)."""
     skip_special_tokens: bool = True
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -59,7 +61,10 @@ class SamplingParams:
             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), f"logprobs must be in [0, 20], got {self.logprobs!r}")
-        check(self.prompt_logprobs is None, "prompt_logprobs is not supported yet")
+        check(
+            self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+            f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}",
+        )
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         check(all(isinstance(s, str) and s for s in stop), "stop must be a string or a list of non-empty strings")

@@ -42,6 +42,7 @@ class _Request:
     params: SamplingParams
     choices: list[_Choice]
     arrival_time: float = field(default_factory=time.monotonic)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def finished(self) -> bool:
         return all(choice.output.finished() for choice in self.choices)
@@ -53,6 +54,7 @@ class _Request:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[choice.output for choice in self.choices],
             finished=self.finished(),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -133,6 +135,10 @@ class LLMEngine:
             )
         max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
         stop_token_ids = list(params.stop_token_ids or [])
+        if params.prompt_logprobs is not None:
+            # NOTE: every prompt position's logits are needed, so this request must compute
+            # its whole prompt: a salt of its own keeps it off everyone's cached blocks.
+            cache_salt = f"{cache_salt or ''}|prompt-logprobs|{request_id}|{time.monotonic_ns()}"
         self.scheduler.add_request(
             request_id,
             token_ids,
@@ -157,7 +163,10 @@ class LLMEngine:
                     generator=generator,
                 )
             )
-        self._requests[request_id] = _Request(request_id, text, token_ids, params, choices)
+        request = _Request(request_id, text, token_ids, params, choices)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        self._requests[request_id] = request
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; unknown ids are ignored."""
@@ -177,7 +186,9 @@ class LLMEngine:
         self.last_schedule = out
         rows, row_of = self._sampling_rows(out)
         if len(out):
-            logits = self.runner.execute(out)
+            prompt_rows = self._prompt_logprob_rows(out)
+            logits, prompt_logits = self.runner.execute(out, np.array([row for row, _, _ in prompt_rows], dtype=np.int64))
+            self._record_prompt_logprobs(prompt_rows, prompt_logits)
             sampled = self.sampler(logits, rows)
             token_ids = sampled.token_ids.numpy()
         else:
@@ -203,6 +214,37 @@ class LLMEngine:
             if output.finished:
                 del self._requests[output.request_id]
         return outputs
+
+    def _prompt_logprob_rows(self, out) -> list[tuple[int, _Request, int]]:
+        """``(token row, request, position)`` of every row whose logits give the
+        log-probability of the next prompt token not yet recorded."""
+        rows = []
+        for seq, request_id in enumerate(out.request_ids):
+            request = self._requests.get(request_id)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            start, end = int(out.query_start_loc[seq]), int(out.query_start_loc[seq + 1])
+            # Position p predicts prompt token p + 1; a recomputed prefix is skipped.
+            next_position = len(request.prompt_logprobs) - 1
+            for row, position in zip(range(start, end), out.positions[start:end].tolist()):
+                if position == next_position and position + 1 < len(request.prompt_token_ids):
+                    rows.append((row, request, position))
+                    next_position += 1
+        return rows
+
+    def _record_prompt_logprobs(self, prompt_rows, logits: torch.Tensor) -> None:
+        if not prompt_rows:
+            return
+        logprobs = logits.log_softmax(dim=-1)
+        for (_, request, position), row_logprobs in zip(prompt_rows, logprobs):
+            token = request.prompt_token_ids[position + 1]
+            value = row_logprobs[token]
+            entry = {token: Logprob(float(value), int((row_logprobs > value).sum()) + 1, self.tokenizer.decode([token]))}
+            if request.params.prompt_logprobs:
+                top_values, top_ids = row_logprobs.topk(request.params.prompt_logprobs)
+                for rank, (top_id, top_value) in enumerate(zip(top_ids.tolist(), top_values.tolist()), start=1):
+                    entry.setdefault(top_id, Logprob(top_value, rank, self.tokenizer.decode([top_id])))
+            request.prompt_logprobs.append(entry)
 
     def _sampling_rows(self, out) -> tuple[list[SamplingRow], dict[tuple[str, int], int]]:
         """One `SamplingRow` per logits row; a prompt with n > 1 has rows for choices 0..n-1."""

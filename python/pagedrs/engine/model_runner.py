@@ -23,9 +23,10 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Copy-on-write copies, then the forward pass; returns float32 logits
-        ``[len(out.logits_indices), vocab]``."""
+    def execute(self, out: SchedulerOutput, extra_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy-on-write copies, then the forward pass. Returns float32 logits of the rows to
+        sample (``[len(out.logits_indices), vocab]``) and of ``extra_rows`` (prompt
+        logprobs)."""
         if len(out.block_copies):
             copies = torch.from_numpy(out.block_copies).to(self.device)
             for key_cache, value_cache in self.kv_caches:
@@ -41,10 +42,15 @@ class ModelRunner:
             sliding_window=self.model.sliding_window,
             device=self.device,
         )
-        return self.model(
+        rows = out.logits_indices
+        if extra_rows is not None and len(extra_rows):
+            rows = np.concatenate([rows, extra_rows.astype(np.int64)])
+        logits = self.model(
             torch.from_numpy(out.input_token_ids).to(self.device),
             torch.from_numpy(out.positions).to(self.device),
             self.kv_caches,
             meta,
-            torch.from_numpy(np.ascontiguousarray(out.logits_indices)).to(self.device),
+            torch.from_numpy(np.ascontiguousarray(rows)).to(self.device),
         )
+        num_sampled = len(out.logits_indices)
+        return logits[:num_sampled], logits[num_sampled:]
