@@ -120,7 +120,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already live")
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            # As vLLM does for text prompts: the tokenizer adds its special tokens (e.g. BOS).
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
         if not token_ids:
