@@ -39,8 +39,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None):
-        self.generator = torch.Generator()
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu"):
+        # Generators live on the device of the logits they sample from.
+        self.generator = torch.Generator(device=device)
         if seed is not None:
             self.generator.manual_seed(seed)
 
@@ -57,7 +58,7 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         random_rows = [row for row, sample in enumerate(rows) if not sample.params.is_greedy]
         if random_rows:
-            index = torch.tensor(random_rows)
+            index = torch.tensor(random_rows, device=logits.device)
             probs = self._filtered_probs(logits[index], [rows[row].params for row in random_rows])
             for position, row in enumerate(random_rows):
                 generator = rows[row].generator or self.generator
@@ -71,12 +72,14 @@ class Sampler:
             params = sample.params
             if not params.uses_penalties:
                 continue
-            output = torch.tensor(sample.output_token_ids, dtype=torch.long)
+            output = torch.tensor(sample.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(output, minlength=vocab)[:vocab].float()
             if params.repetition_penalty != 1:
                 # Hugging Face's rule over prompt and output tokens: shrink positive logits,
                 # push negative ones further down.
-                seen = torch.unique(torch.tensor(sample.prompt_token_ids + sample.output_token_ids, dtype=torch.long))
+                seen = torch.unique(
+                    torch.tensor(sample.prompt_token_ids + sample.output_token_ids, dtype=torch.long, device=logits.device)
+                )
                 values = logits[row, seen]
                 logits[row, seen] = torch.where(
                     values > 0, values / params.repetition_penalty, values * params.repetition_penalty
@@ -86,14 +89,15 @@ class Sampler:
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
         logits = logits / temperature
         vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp(max=vocab)
-        top_p = torch.tensor([p.top_p for p in params])
-        min_p = torch.tensor([p.min_p for p in params])
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).clamp(max=vocab)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        min_p = torch.tensor([p.min_p for p in params], device=device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab).unsqueeze(0)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         # top-p: drop a token once the tokens before it already reach p (keep at least one).

@@ -93,7 +93,7 @@ class LLMEngine:
             namespace=f"{self.model_name}|{self.dtype}",
         )
         self.runner = ModelRunner(self.model, capacity.num_blocks, config.block_size, self.dtype, self.device)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.device)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._requests: dict[str, _Request] = {}
         self.last_schedule = None
@@ -156,7 +156,7 @@ class LLMEngine:
         for index in range(params.n):
             generator = None
             if params.seed is not None:
-                generator = torch.Generator().manual_seed(params.seed + index * 1_000_003)
+                generator = torch.Generator(device=self.device).manual_seed(params.seed + index * 1_000_003)
             choices.append(
                 _Choice(
                     output=CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None),
@@ -191,7 +191,7 @@ class LLMEngine:
             logits, prompt_logits = self.runner.execute(out, np.array([row for row, _, _ in prompt_rows], dtype=np.int64))
             self._record_prompt_logprobs(prompt_rows, prompt_logits)
             sampled = self.sampler(logits, rows)
-            token_ids = sampled.token_ids.numpy()
+            token_ids = sampled.token_ids.cpu().numpy()
         else:
             sampled, token_ids = None, np.zeros(0, dtype=np.int64)
         touched: dict[str, _Request] = {}
