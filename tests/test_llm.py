@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pagedrs import LLM, SamplingParams
+from pagedrs import SamplingParams
 from pagedrs.engine.detokenizer import IncrementalDetokenizer
 from tests.test_model_oracle import assert_same_or_near_tie, hf_greedy
 

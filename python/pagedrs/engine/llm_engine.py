@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,6 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     choices: list[_Choice]
-    arrival_time: float = field(default_factory=time.monotonic)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def finished(self) -> bool:
