@@ -202,28 +202,24 @@ impl Scheduler {
         choice_index: usize,
         reason: FinishReason,
     ) -> Result<()> {
-        let group = self.group_of(external_id)?;
-        let id = self.groups[&group]
-            .members
-            .get(choice_index)
-            .copied()
-            .filter(|&id| self.requests.contains(id))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "request {external_id:?} has no live choice {choice_index}"
-                ))
-            })?;
+        let id = self.live_choice(external_id, choice_index)?;
         self.finish(id, reason)
     }
 
     /// Where one choice of a live request is: waiting, running or preempted.
     pub fn status(&self, external_id: &str, choice_index: usize) -> Result<RequestStatus> {
+        let id = self.live_choice(external_id, choice_index)?;
+        Ok(self.requests[id].status)
+    }
+
+    /// The sequence of one live choice of a live request.
+    fn live_choice(&self, external_id: &str, choice_index: usize) -> Result<RequestId> {
         let group = self.group_of(external_id)?;
         self.groups[&group]
             .members
             .get(choice_index)
-            .and_then(|&id| self.requests.get(id))
-            .map(|request| request.status)
+            .copied()
+            .filter(|&id| self.requests.contains(id))
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
                     "request {external_id:?} has no live choice {choice_index}"

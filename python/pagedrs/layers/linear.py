@@ -59,15 +59,21 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(total, input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(total, dtype=dtype), requires_grad=False) if bias else None
 
-    def load(self, shard: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copies this rank's rows of logical output ``shard`` from a full checkpoint tensor."""
+    def _rows(self, shard: int) -> tuple[slice, slice]:
+        """(rows of the full checkpoint tensor this rank holds, where they go here)."""
         size, offset = self.output_sizes[shard], self.offsets[shard]
-        rows = slice(self.tp.rank * size, (self.tp.rank + 1) * size)
-        self.weight[offset : offset + size].copy_(weight[rows])
-        if bias is not None:
-            if self.bias is None:
-                raise ValueError("checkpoint has a bias for a layer built without one")
-            self.bias[offset : offset + size].copy_(bias[rows])
+        return slice(self.tp.rank * size, (self.tp.rank + 1) * size), slice(offset, offset + size)
+
+    def load(self, shard: int, weight: torch.Tensor) -> None:
+        """Copies this rank's rows of logical output ``shard`` from a full checkpoint tensor."""
+        source, target = self._rows(shard)
+        self.weight[target].copy_(weight[source])
+
+    def load_bias(self, shard: int, bias: torch.Tensor) -> None:
+        if self.bias is None:
+            raise ValueError("checkpoint has a bias for a layer built without one")
+        source, target = self._rows(shard)
+        self.bias[target].copy_(bias[source])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -84,12 +90,16 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False) if bias else None
 
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def load(self, weight: torch.Tensor) -> None:
         """Copies this rank's columns from a full checkpoint tensor."""
         cols = slice(self.tp.rank * self.input_size, (self.tp.rank + 1) * self.input_size)
         self.weight.copy_(weight[:, cols])
-        if bias is not None and self.bias is not None:
-            self.bias.copy_(bias)
+
+    def load_bias(self, bias: torch.Tensor) -> None:
+        """The bias is not sharded: every rank adds it after the reduction."""
+        if self.bias is None:
+            raise ValueError("checkpoint has a bias for a layer built without one")
+        self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction.

@@ -165,19 +165,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         }
         if rest in fused:
             module, shard, target = fused[rest]
-            if kind == "weight":
-                module.load(shard, tensor)
-            else:
-                size, offset = module.output_sizes[shard], module.offsets[shard]
-                rows = slice(module.tp.rank * size, (module.tp.rank + 1) * size)
-                module.bias[offset : offset + size].copy_(tensor[rows])
+            (module.load if kind == "weight" else module.load_bias)(shard, tensor)
             return [f"{prefix}{target}.{kind}"]
         if rest in ("self_attn.o_proj", "mlp.down_proj"):
             module = attn.o_proj if rest == "self_attn.o_proj" else mlp.down_proj
-            if kind == "weight":
-                module.load(tensor)
-            else:
-                module.bias.copy_(tensor)
+            (module.load if kind == "weight" else module.load_bias)(tensor)
             return [f"{prefix}{rest}.{kind}"]
         norms = {
             "input_layernorm": layer.input_layernorm,
