@@ -24,8 +24,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     """Per generated token: the sampled token and the top ``logprobs`` tokens."""
     finish_reason: str | None = None
-    """``"stop"``, ``"length"``, ``"abort"``, or ``"capacity"`` (the request outgrew the KV
-    cache); ``None`` while running."""
+    """``"stop"``, ``"length"``, ``"abort"``, ``"capacity"`` (the request outgrew the KV
+    cache), or ``"error"`` (it failed inside the engine); ``None`` while running."""
     stop_reason: str | int | None = None
     """The stop string or stop token that ended the choice, if any."""
 
@@ -44,3 +44,5 @@ class RequestOutput:
     """With ``SamplingParams.prompt_logprobs``: ``None`` for the first prompt token, then
     each prompt token's log-probability and the top tokens at its position."""
     num_cached_tokens: int = 0
+    error: str | None = None
+    """Why the request failed inside the engine (its choices then end with ``"error"``)."""

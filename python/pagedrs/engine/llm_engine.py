@@ -42,6 +42,7 @@ class _Request:
     params: SamplingParams
     choices: list[_Choice]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None
 
     def finished(self) -> bool:
         return all(choice.output.finished() for choice in self.choices)
@@ -54,6 +55,7 @@ class _Request:
             outputs=[choice.output for choice in self.choices],
             finished=self.finished(),
             prompt_logprobs=self.prompt_logprobs,
+            error=self.error,
         )
 
 
@@ -181,39 +183,70 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one iteration; returns the requests that got a token or finished."""
+        """Runs one iteration; returns the requests that got a token or finished.
+
+        A failure fails only the requests it touches: an exception while handling one
+        request's token ends that request (finish reason ``"error"``); one in the forward
+        pass or the sampler ends the requests of that batch. Either way their blocks are
+        freed and the engine goes on with the others.
+        """
         out = self.scheduler.schedule()
         self.last_schedule = out
-        rows, row_of = self._sampling_rows(out)
-        if len(out):
-            prompt_rows = self._prompt_logprob_rows(out)
-            logits, prompt_logits = self.runner.execute(out, np.array([row for row, _, _ in prompt_rows], dtype=np.int64))
-            self._record_prompt_logprobs(prompt_rows, prompt_logits)
-            sampled = self.sampler(logits, rows)
-            token_ids = sampled.token_ids.cpu().numpy()
-        else:
-            sampled, token_ids = None, np.zeros(0, dtype=np.int64)
         touched: dict[str, _Request] = {}
+        sampled, token_ids, row_of = None, np.zeros(len(out.logits_indices), dtype=np.int64), {}
+        if len(out):
+            try:
+                rows, row_of = self._sampling_rows(out)
+                prompt_rows = self._prompt_logprob_rows(out)
+                extra_rows = np.array([row for row, _, _ in prompt_rows], dtype=np.int64)
+                logits, prompt_logits = self.runner.execute(out, extra_rows)
+                self._record_prompt_logprobs(prompt_rows, prompt_logits)
+                sampled = self.sampler(logits, rows)
+                token_ids = sampled.token_ids.cpu().numpy()
+            except Exception as error:  # noqa: BLE001 - the batch fails, the engine lives on
+                logger.exception("step failed; failing the %d requests of its batch", len(out.request_ids))
+                for request_id in set(out.request_ids):
+                    self._fail(request_id, error, touched)
         for request_id, index, token, finish_reason in self.scheduler.update_from_output(token_ids):
             request = self._requests.get(request_id)
             if request is None:
-                continue  # aborted, or ended by a stop string earlier
+                continue  # aborted, failed, or ended by a stop string earlier
             choice = request.choices[index]
             if choice.output.finished():
                 continue  # a stop string already ended it; this is the core's echo
-            if token is not None:
-                core_finished = finish_reason is not None
-                self._append(request, choice, token, sampled, row_of[(request_id, index)], core_finished)
-            if finish_reason is not None and not choice.output.finished():
-                choice.output.finish_reason = finish_reason
-                if finish_reason == "stop" and token is not None and token != self.eos_token_id:
-                    choice.output.stop_reason = token
+            try:
+                if token is not None:
+                    core_finished = finish_reason is not None
+                    self._append(request, choice, token, sampled, row_of[(request_id, index)], core_finished)
+                if finish_reason is not None and not choice.output.finished():
+                    choice.output.finish_reason = finish_reason
+                    if finish_reason == "stop" and token is not None and token != self.eos_token_id:
+                        choice.output.stop_reason = token
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                logger.exception("request %s failed", request_id)
+                self._fail(request_id, error, touched)
+                continue
             touched[request_id] = request
         outputs = [request.to_output() for request in touched.values()]
         for output in outputs:
             if output.finished:
-                del self._requests[output.request_id]
+                self._requests.pop(output.request_id, None)
         return outputs
+
+    def _fail(self, request_id: str, error: Exception, touched: dict[str, _Request]) -> None:
+        """Ends a request with finish reason ``"error"`` and frees its blocks."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        request.error = f"{type(error).__name__}: {error}"
+        for choice in request.choices:
+            if not choice.output.finished():
+                choice.output.finish_reason = "error"
+        try:
+            self.scheduler.abort_request(request_id)
+        except KeyError:
+            pass  # the core had already ended every choice of it
+        touched[request_id] = request
 
     def _prompt_logprob_rows(self, out) -> list[tuple[int, _Request, int]]:
         """``(token row, request, position)`` of every row whose logits give the

@@ -1,0 +1,302 @@
+"""`AsyncLLMEngine`: the engine loop on its own thread, requests as async streams.
+
+The `LLMEngine` is not thread-safe, so one thread owns it: it takes commands (add, abort)
+between steps, steps while there is work, and hands each request's outputs to the asyncio
+loop that asked for them. The event loop never waits for a step; an add or abort waits at
+most for the step in progress to end. While the stream's consumer reads, the engine goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pagedrs.engine.llm_engine import LLMEngine
+from pagedrs.outputs import RequestOutput
+from pagedrs.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedrs")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit: try again later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class StatLogger(Protocol):
+    """What the engine thread reports, for metrics. Called on the engine thread."""
+
+    def record_step(self, engine: LLMEngine) -> None: ...
+    def record_request_tokens(self, output: RequestOutput, num_new_tokens: int, first: bool, since_last: float) -> None: ...
+    def record_finished(self, output: RequestOutput, e2e_seconds: float) -> None: ...
+
+
+@dataclass
+class _Stream:
+    """One request's side of the hand-over: outputs go into an asyncio queue."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    hold_back: int = 0
+    """Characters of unfinished text not yet shown (the longest stop string, less one)."""
+    last_token_time: float | None = None
+    num_tokens: int = 0
+
+    def put(self, item: RequestOutput | BaseException | None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class RequestStream:
+    """A queued request's outputs, as an async iterator. Outputs are cumulative snapshots
+    (`LLMEngine.step`'s outputs, copied), the last one has ``finished`` set."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _Stream):
+        self.engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._stream.queue.get()
+            if item is None:  # aborted
+                self.finished = True
+                return
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+    def abort(self) -> None:
+        """Ends the request unless it has finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+def _snapshot(output: RequestOutput, hold_back: int) -> RequestOutput:
+    """A copy the engine will not mutate. Unfinished text stops ``hold_back`` characters
+    short, so text that may turn out to start a stop string is never sent (it could be
+    taken back when the stop string completes)."""
+    outputs = []
+    for choice in output.outputs:
+        text = choice.text
+        if hold_back and not choice.finished():
+            text = text[: max(len(text) - hold_back, 0)]
+        outputs.append(
+            dataclasses.replace(
+                choice,
+                text=text,
+                token_ids=list(choice.token_ids),
+                logprobs=None if choice.logprobs is None else list(choice.logprobs),
+            )
+        )
+    prompt_logprobs = None if output.prompt_logprobs is None else list(output.prompt_logprobs)
+    return dataclasses.replace(output, outputs=outputs, prompt_logprobs=prompt_logprobs)
+
+
+class AsyncLLMEngine:
+    """Serves an `LLMEngine` to asyncio code.
+
+    ``max_waiting_requests``: when this many requests are queued and not yet running, new
+    ones fail at once with `QueueFullError` instead of piling up (``None``: no limit).
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_waiting_requests: int | None = None,
+        stat_logger: StatLogger | None = None,
+    ):
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.stat_logger = stat_logger
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._pending_adds = 0
+        self._pending_lock = threading.Lock()
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self.stats = engine.scheduler.stats()
+        """The scheduler's counters after the last step (published by the engine thread)."""
+        self._thread = threading.Thread(target=self._run, name="pagedrs-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop ------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    def num_waiting(self) -> int:
+        """Requests queued but not running: the engine's waiting queue and adds in flight."""
+        return self.stats.num_waiting + self._pending_adds
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Queues a request; returns once the engine has taken it. Bad input raises
+        ``ValueError`` (nothing is queued), a full waiting queue `QueueFullError`. The caller
+        reads the returned stream and must `RequestStream.abort` it if it stops early."""
+        if not self.is_alive():
+            raise EngineDeadError("the engine has stopped") from self._dead
+        if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
+            raise QueueFullError(f"{self.num_waiting()} requests are waiting (limit {self.max_waiting_requests})")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, hold_back=max(map(len, params.stop_strings), default=1) - 1)
+        added = loop.create_future()
+        with self._pending_lock:
+            self._pending_adds += 1
+        self._commands.put(("add", request_id, prompt, params, priority, cache_salt, stream, added))
+        if self._dead is not None:  # died after the check above: nobody will read the command
+            self._fail_pending_commands(self._dead)
+        try:
+            await added
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may still go through: take it back
+            raise
+        return RequestStream(self, request_id, stream)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """`add_request`, then the request's outputs until it finishes; leaving the
+        iteration early aborts the request."""
+        stream = await self.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request at the next step boundary and frees its blocks."""
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self._stopping or not self.engine.has_unfinished_requests():
+                    continue
+                outputs = self.engine.step()
+                self.stats = self.engine.scheduler.stats()
+                if self.stat_logger is not None:
+                    self.stat_logger.record_step(self.engine)
+                self._deliver(outputs)
+        except BaseException as error:  # noqa: BLE001 - every waiting stream must hear of it
+            logger.exception("the engine loop died")
+            self._dead = error
+            for stream in self._streams.values():
+                stream.put(EngineDeadError(f"the engine stopped: {error}"))
+            self._streams.clear()
+            self._fail_pending_commands(error)
+
+    def _drain_commands(self, block: bool) -> None:
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            kind = command[0]
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._abort(command[1])
+
+    def _add(self, request_id, prompt, params, priority, cache_salt, stream: _Stream, added) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+        except Exception as error:  # noqa: BLE001 - handed to the caller
+            stream.loop.call_soon_threadsafe(_set_exception, added, error)
+        else:
+            self._streams[request_id] = stream
+            stream.loop.call_soon_threadsafe(_set_result, added, None)
+        finally:
+            with self._pending_lock:
+                self._pending_adds -= 1
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.engine.abort_request(request_id)
+            stream.put(None)  # a reader still waiting learns that the stream has ended
+            self.stats = self.engine.scheduler.stats()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            num_tokens = sum(len(choice.token_ids) for choice in output.outputs)
+            if num_tokens > stream.num_tokens and self.stat_logger is not None:
+                first = stream.last_token_time is None
+                since = now - (stream.arrival if first else stream.last_token_time)
+                self.stat_logger.record_request_tokens(output, num_tokens - stream.num_tokens, first, since)
+            if num_tokens > stream.num_tokens:
+                stream.num_tokens, stream.last_token_time = num_tokens, now
+            stream.put(_snapshot(output, stream.hold_back))
+            if output.finished:
+                del self._streams[output.request_id]
+                if self.stat_logger is not None:
+                    self.stat_logger.record_finished(output, now - stream.arrival)
+
+    def _fail_pending_commands(self, error: BaseException) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                stream, added = command[6], command[7]
+                stream.loop.call_soon_threadsafe(_set_exception, added, EngineDeadError(f"the engine stopped: {error}"))
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,183 @@
+"""The FastAPI application: routes, errors in OpenAI's format, API key, one log line per
+request."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedrs import __version__
+from pagedrs.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from pagedrs.server.chat import create_chat_completion, render_chat
+from pagedrs.server.completions import create_completion
+from pagedrs.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagedrs.server.serving import APIError, ClientDisconnected, Serving, error_body
+
+logger = logging.getLogger("pagedrs.server")
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, kind, param), status_code=status)
+
+
+def _validation_message(error: RequestValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
+        parts.append(f"{location}: {item.get('msg')}" if location else str(item.get("msg")))
+    return "; ".join(parts) or "invalid request body"
+
+
+class AccessMiddleware:
+    """Checks the API key on ``/v1`` routes and logs one line per request when its response
+    has been sent (for a stream, when the stream ends)."""
+
+    def __init__(self, app: Any, api_key: str | None):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        status = 0
+
+        async def send_logged(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
+                response = _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                  "AuthenticationError")
+                await response(scope, receive, send_logged)
+            else:
+                await self.app(scope, receive, send_logged)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            state = scope.get("state") or {}
+            logger.info(
+                '%s:%s "%s %s" %s %.3fs%s', client[0], client[1], scope["method"], scope["path"],
+                status or "disconnected", time.monotonic() - start, state.get("log_extra", ""),
+            )
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return False
+
+
+def build_app(
+    engine: AsyncLLMEngine,
+    *,
+    served_model_name: str,
+    metrics: ServerMetrics,
+    api_key: str | None = None,
+    scheduling_policy: str = "fcfs",
+) -> Any:
+    """The ASGI application serving `engine` (started by the caller)."""
+    serving = Serving(engine, served_model_name, engine.engine.max_model_len, scheduling_policy)
+    app = FastAPI(title="pagedrs", version=__version__)
+    app.state.serving = serving
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError):
+        return _error(error.status, error.message, error.kind, error.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, error: RequestValidationError):
+        return _error(400, _validation_message(error), "BadRequestError")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException):
+        return _error(error.status_code, str(error.detail), "NotFoundError" if error.status_code == 404 else "BadRequestError")
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, error: QueueFullError):
+        return _error(503, f"the server is overloaded: {error}; retry later", "ServiceUnavailableError")
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError):
+        return _error(503, str(error), "ServiceUnavailableError")
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(_: Request, error: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, error: Exception):
+        logger.exception("unhandled error")
+        return _error(500, f"{type(error).__name__}: {error}", "InternalServerError")
+
+    def log_usage(raw_request: Request, result: Any) -> Any:
+        if isinstance(result, dict) and "usage" in result:
+            u = result["usage"]
+            reasons = ",".join(str(choice.get("finish_reason")) for choice in result["choices"])
+            raw_request.state.log_extra = (
+                f" {result['id']} prompt={u['prompt_tokens']} completion={u['completion_tokens']} finish={reasons}"
+            )
+        return result
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw_request: Request):
+        return log_usage(raw_request, await create_completion(serving, body, raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
+        return log_usage(raw_request, await create_chat_completion(serving, body, raw_request))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "pagedrs",
+            "root": engine.engine.model_name, "parent": None, "max_model_len": serving.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive():
+            return _error(503, "the engine has stopped", "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages")
+        if body.messages is not None:
+            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tokens = render_chat(serving, conversation, body.add_generation_prompt)
+        else:
+            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        vocab = len(serving.tokenizer)
+        if any(not 0 <= token < vocab for token in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+    return AccessMiddleware(app, api_key)

@@ -1,0 +1,134 @@
+"""``POST /v1/chat/completions``: the checkpoint's chat template, then a completion."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from pagedrs.outputs import CompletionOutput, Logprob
+from pagedrs.server.protocol import ChatCompletionRequest
+from pagedrs.server.serving import (
+    APIError,
+    ChoiceCursor,
+    Prompt,
+    Run,
+    Serving,
+    check_failed,
+    event_stream,
+    finish_reason,
+    finite,
+    sse,
+    top_entries,
+)
+
+
+def render_chat(serving: Serving, conversation: list[dict[str, str]], add_generation_prompt: bool,
+                continue_final_message: bool = False) -> list[int]:
+    """Token ids of the conversation under the checkpoint's chat template."""
+    tokenizer = serving.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    if add_generation_prompt and continue_final_message:
+        raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true")
+    try:
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=True,
+        )
+    except Exception as error:  # noqa: BLE001 - a template error is the request's fault
+        raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from error
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _token_logprob(token_text: str, logprob: float) -> dict[str, Any]:
+    return {"token": token_text, "logprob": finite(logprob), "bytes": list(token_text.encode("utf-8"))}
+
+
+def _content_logprobs(serving: Serving, choice: CompletionOutput, start: int, num_top: int) -> list[dict[str, Any]]:
+    entries: list[dict[int, Logprob]] = (choice.logprobs or [])[start:]
+    content = []
+    for token, entry in zip(choice.token_ids[start:], entries):
+        text = entry[token].decoded_token
+        if text is None:
+            text = serving.tokenizer.decode([token])
+        item = _token_logprob(text, entry[token].logprob)
+        item["top_logprobs"] = [_token_logprob(lp.decoded_token or "", lp.logprob) for _, lp in top_entries(entry, num_top)]
+        content.append(item)
+    return content
+
+
+async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, raw_request: Request):
+    serving.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    conversation = body.conversation()
+    prompt = Prompt(render_chat(serving, conversation, body.add_generation_prompt, body.continue_final_message))
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = serving.check_length(prompt, requested, "messages")
+    num_top = body.top_logprobs or 0
+    params = serving.sampling_params(body, max_tokens, logprobs=num_top if body.logprobs else None)
+    run = serving.new_run("chatcmpl", body.n, [prompt])
+    # vLLM's echo for chat: an unfinished assistant message is repeated before its continuation.
+    echo = ""
+    if body.echo and conversation and conversation[-1]["role"] == "assistant":
+        echo = conversation[-1]["content"]
+    await serving.start(run, [params], body)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return event_stream(run, _events(serving, run, body, echo, num_top, include_usage))
+    (final,) = await serving.run_to_end(run, raw_request)
+    choices = []
+    for choice in final.outputs:
+        choices.append({
+            "index": choice.index,
+            "message": {"role": "assistant", "content": echo + choice.text},
+            "logprobs": {"content": _content_logprobs(serving, choice, 0, num_top)} if body.logprobs else None,
+            "finish_reason": finish_reason(choice),
+            "stop_reason": choice.stop_reason,
+        })
+    return {
+        "id": run.request_id, "object": "chat.completion", "created": run.created, "model": run.model,
+        "choices": choices, "usage": run.usage(),
+    }
+
+
+async def _events(serving: Serving, run: Run, body: ChatCompletionRequest, echo: str, num_top: int,
+                  include_usage: bool) -> AsyncIterator[str]:
+    cursors: dict[int, ChoiceCursor] = {}
+
+    def chunk(choices: list[dict[str, Any]], chunk_usage: dict[str, int] | None = None) -> str:
+        payload = {"id": run.request_id, "object": "chat.completion.chunk", "created": run.created,
+                   "model": run.model, "choices": choices}
+        if include_usage:
+            payload["usage"] = chunk_usage
+        return sse(payload)
+
+    # The first chunk of every choice carries the role, as OpenAI's do.
+    yield chunk([
+        {"index": index, "delta": {"role": "assistant", "content": echo}, "logprobs": None, "finish_reason": None}
+        for index in range(body.n)
+    ])
+    async for _, output in serving.outputs(run):
+        check_failed(output)
+        for choice in output.outputs:
+            cursor = cursors.setdefault(choice.index, ChoiceCursor())
+            if cursor.done:
+                continue
+            text = choice.text[cursor.text:]
+            new_tokens = len(choice.token_ids) > cursor.tokens
+            reason = finish_reason(choice)
+            if not text and reason is None and not (new_tokens and body.logprobs):
+                continue  # nothing to show yet (held back, or half a character)
+            logprobs = {"content": _content_logprobs(serving, choice, cursor.tokens, num_top)} if body.logprobs else None
+            cursor.text, cursor.tokens, cursor.done = len(choice.text), len(choice.token_ids), reason is not None
+            delta = {"content": text} if text else {}
+            yield chunk([{
+                "index": choice.index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": reason, "stop_reason": choice.stop_reason if reason else None,
+            }])
+    if include_usage:
+        yield chunk([], run.usage())

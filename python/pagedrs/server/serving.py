@@ -1,0 +1,302 @@
+"""What completions and chat completions share: validation, sampling parameters, running
+several engine requests as one API request, usage, and errors in OpenAI's format."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrs.sampling_params import SamplingParams
+from pagedrs.server.protocol import _Generation
+
+logger = logging.getLogger("pagedrs.server")
+
+
+class APIError(Exception):
+    """An error the client gets as an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+# Finish reasons the OpenAI API knows; the KV cache running out ends a request like a length
+# limit does.
+_FINISH_REASONS = {"stop": "stop", "length": "length", "capacity": "length", "abort": "abort"}
+
+
+def finish_reason(choice: CompletionOutput) -> str | None:
+    return None if choice.finish_reason is None else _FINISH_REASONS.get(choice.finish_reason, choice.finish_reason)
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf; OpenAI clients expect a number (vLLM sends -9999.0 too)."""
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None
+
+
+@dataclass
+class ChoiceCursor:
+    """What has been streamed of one choice so far."""
+
+    text: int = 0
+    tokens: int = 0
+    done: bool = False
+    started: bool = False
+
+
+@dataclass
+class Run:
+    """One API request: an engine request per prompt, each with ``n`` choices."""
+
+    request_id: str
+    created: int
+    model: str
+    n: int
+    prompts: list[Prompt]
+    streams: list[RequestStream] = field(default_factory=list)
+    finals: list[RequestOutput | None] = field(default_factory=list)
+
+    def choice_index(self, prompt_index: int, choice_index: int) -> int:
+        return prompt_index * self.n + choice_index
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(len(c.token_ids) for final in self.finals if final for c in final.outputs)
+        return usage(sum(len(p.token_ids) for p in self.prompts), completion)
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+
+class Serving:
+    """Turns API requests into engine requests."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, max_model_len: int, scheduling_policy: str):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.scheduling_policy = scheduling_policy
+        # The engine thread decodes with its tokenizer; the event loop encodes with its own
+        # copy (a fast tokenizer refuses concurrent use from two threads).
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+
+    # -- checks --------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    def check_length(self, prompt: Prompt, max_tokens: int | None, prompt_word: str = "prompt") -> int:
+        """The request's max_tokens, after checking prompt and output fit in max_model_len."""
+        room = self.max_model_len - len(prompt.token_ids)
+        if room <= 0:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"{prompt_word} has {len(prompt.token_ids)} tokens; leave room for at least one generated token.",
+                param="messages" if prompt_word == "messages" else "prompt",
+            )
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt.token_ids) + max_tokens} tokens ({len(prompt.token_ids)} in the {prompt_word}, "
+                f"{max_tokens} in the completion). Please reduce the length of the {prompt_word} or completion.",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    def sampling_params(self, body: _Generation, max_tokens: int | None, **extra: Any) -> SamplingParams:
+        if body.model_extra:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
+        if body.priority != 0 and self.scheduling_policy != "priority":
+            raise APIError(400, "priority needs the server started with --scheduling-policy priority", param="priority")
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        try:
+            return SamplingParams(
+                n=body.n,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                min_p=body.min_p,
+                seed=body.seed,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens,
+                stop=body.stop,
+                stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
+                **extra,
+            )
+        except ValueError as error:
+            raise APIError(400, str(error)) from error
+
+    # -- running -------------------------------------------------------------------------
+
+    def new_run(self, prefix: str, n: int, prompts: list[Prompt]) -> Run:
+        return Run(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.served_model_name, n, prompts)
+
+    async def start(self, run: Run, params: list[SamplingParams], body: _Generation) -> None:
+        """Queues one engine request per prompt; if one is refused, none stays queued."""
+        try:
+            for index, (prompt, param) in enumerate(zip(run.prompts, params)):
+                run.streams.append(
+                    await self.engine.add_request(
+                        f"{run.request_id}-{index}", prompt.token_ids, param,
+                        priority=body.priority, cache_salt=body.cache_salt,
+                    )
+                )
+        except ValueError as error:
+            run.abort()
+            raise APIError(400, str(error)) from error
+        except BaseException:
+            run.abort()
+            raise
+        run.finals = [None] * len(run.streams)
+
+    async def outputs(self, run: Run) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(prompt index, cumulative output)`` from all of the run's requests as they come."""
+        if len(run.streams) == 1:
+            async for output in run.streams[0]:
+                run.finals[0] = output
+                yield 0, output
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    await merged.put((index, output))
+            except Exception as error:  # noqa: BLE001 - re-raised by the reader below
+                await merged.put((index, error))
+
+        tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(run.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await merged.get()
+                if isinstance(item, Exception):
+                    raise item
+                run.finals[index] = item
+                remaining -= item.finished
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def run_to_end(self, run: Run, raw_request: Request) -> list[RequestOutput]:
+        """Waits for every request of the run to finish, aborting them all if the client
+        disconnects first."""
+
+        async def consume() -> None:
+            async for _ in self.outputs(run):
+                pass
+
+        work = asyncio.ensure_future(consume())
+        watch = asyncio.ensure_future(wait_for_disconnect(raw_request))
+        try:
+            done, _ = await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+            run.abort()  # a no-op for requests that finished
+        if work not in done:
+            logger.info("%s: the client disconnected; its requests were aborted", run.request_id)
+            raise ClientDisconnected(run.request_id)
+        work.result()  # raises what the engine raised
+        for final in run.finals:
+            check_failed(final)
+        return run.finals
+
+
+def check_failed(output: RequestOutput) -> None:
+    if output.error is not None:
+        raise APIError(500, f"the request failed in the engine: {output.error}", "InternalServerError")
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def event_stream(run: Run, events: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events ending with ``data: [DONE]``. A failure after the stream has
+    started is sent as an error event; however the stream ends, the run is aborted."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+        except APIError as error:
+            yield sse(error_body(error.status, error.message, error.kind, error.param))
+        except Exception as error:  # noqa: BLE001 - the status line has gone: say it in the stream
+            logger.exception("%s: the stream failed", run.request_id)
+            yield sse(error_body(500, f"{type(error).__name__}: {error}", "InternalServerError"))
+        finally:
+            run.abort()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(guarded(), media_type="text/event-stream")
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def logprob_value(entry: dict[int, Logprob], token: int) -> float:
+    return finite(entry[token].logprob)
+
+
+def top_entries(entry: dict[int, Logprob], count: int) -> list[tuple[int, Logprob]]:
+    """The ``count`` most likely tokens of a position, best first."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+    return [(token, logprob) for token, logprob in ranked if logprob.rank <= count][:count]
