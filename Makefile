@@ -63,10 +63,11 @@ bench-model: $(EXTENSION) $(MODEL_DEPS_STAMP)
 wheel: $(DEPS_STAMP)
 	$(MATURIN) build --release --out dist
 
-serve: $(EXTENSION)
-	@echo "pagedrs serve is not built yet: the OpenAI-compatible server lands with the" >&2
-	@echo "server issue. For now: make test, and 'import pagedrs' (see README.md)." >&2
-	@exit 2
+# The OpenAI-compatible server on the default model, on http://127.0.0.1:8000 (set-up first
+# on a fresh machine). More flags: make serve SERVE_ARGS="--port 8001 --api-key KEY".
+SERVE_ARGS ?=
+serve: $(EXTENSION) $(MODEL_DEPS_STAMP)
+	$(VENV)/bin/pagedrs serve $(SERVE_ARGS)
 
 clean:
 	cargo clean

@@ -51,6 +51,20 @@ def tiny_checkpoint(request, tmp_path_factory):
     return request.param, str(directory), model
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """Directory of a tiny random-weight Llama checkpoint with a word-level tokenizer."""
+    import torch
+    import transformers
+
+    torch.manual_seed(7)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(directory)
+    save_word_tokenizer(directory, TINY["vocab_size"])
+    return str(directory)
+
+
 def save_word_tokenizer(directory, vocab_size: int) -> None:
     """A real (word-level) tokenizer for a tiny checkpoint: token ``i`` is the word ``w{i}``;
     ``w1`` is EOS."""

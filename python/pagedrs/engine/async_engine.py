@@ -53,8 +53,9 @@ class _Stream:
     last_token_time: float | None = None
     num_tokens: int = 0
 
-    def put(self, item: RequestOutput | BaseException | None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException | None) -> bool:
+        """Hands `item` to the reader's loop; False if that loop has closed (nobody reads)."""
+        return _call_soon(self.loop, self.queue.put_nowait, item)
 
 
 class RequestStream:
@@ -247,10 +248,11 @@ class AsyncLLMEngine:
         try:
             self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
         except Exception as error:  # noqa: BLE001 - handed to the caller
-            stream.loop.call_soon_threadsafe(_set_exception, added, error)
+            _call_soon(stream.loop, _set_exception, added, error)
         else:
             self._streams[request_id] = stream
-            stream.loop.call_soon_threadsafe(_set_result, added, None)
+            if not _call_soon(stream.loop, _set_result, added, None):
+                self._abort(request_id)  # the caller's loop has closed
         finally:
             with self._pending_lock:
                 self._pending_adds -= 1
@@ -275,7 +277,9 @@ class AsyncLLMEngine:
                 self.stat_logger.record_request_tokens(output, num_tokens - stream.num_tokens, first, since)
             if num_tokens > stream.num_tokens:
                 stream.num_tokens, stream.last_token_time = num_tokens, now
-            stream.put(_snapshot(output, stream.hold_back))
+            if not stream.put(_snapshot(output, stream.hold_back)):
+                self._abort(output.request_id)  # its reader is gone for good
+                continue
             if output.finished:
                 del self._streams[output.request_id]
                 if self.stat_logger is not None:
@@ -289,7 +293,16 @@ class AsyncLLMEngine:
                 return
             if command[0] == "add":
                 stream, added = command[6], command[7]
-                stream.loop.call_soon_threadsafe(_set_exception, added, EngineDeadError(f"the engine stopped: {error}"))
+                _call_soon(stream.loop, _set_exception, added, EngineDeadError(f"the engine stopped: {error}"))
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> bool:
+    """Runs `callback` on `loop`'s thread; False if the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:
