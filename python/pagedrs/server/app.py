@@ -31,6 +31,8 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> JS
 def _validation_message(error: RequestValidationError) -> str:
     parts = []
     for item in error.errors():
+        if item.get("type") == "json_invalid":
+            return f"malformed JSON body: {item.get('ctx', {}).get('error', 'invalid JSON')} at position {item['loc'][-1]}"
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         parts.append(f"{location}: {item.get('msg')}" if location else str(item.get("msg")))
     return "; ".join(parts) or "invalid request body"
@@ -122,22 +124,13 @@ def build_app(
         logger.exception("unhandled error")
         return _error(500, f"{type(error).__name__}: {error}", "InternalServerError")
 
-    def log_usage(raw_request: Request, result: Any) -> Any:
-        if isinstance(result, dict) and "usage" in result:
-            u = result["usage"]
-            reasons = ",".join(str(choice.get("finish_reason")) for choice in result["choices"])
-            raw_request.state.log_extra = (
-                f" {result['id']} prompt={u['prompt_tokens']} completion={u['completion_tokens']} finish={reasons}"
-            )
-        return result
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw_request: Request):
-        return log_usage(raw_request, await create_completion(serving, body, raw_request))
+        return await create_completion(serving, body, raw_request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
-        return log_usage(raw_request, await create_chat_completion(serving, body, raw_request))
+        return await create_chat_completion(serving, body, raw_request)
 
     @app.get("/v1/models")
     async def models():

@@ -79,7 +79,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     await serving.start(run, [params], body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return event_stream(run, _events(serving, run, body, echo, num_top, include_usage))
+        return event_stream(run, _events(serving, run, body, echo, num_top, include_usage), raw_request)
     (final,) = await serving.run_to_end(run, raw_request)
     choices = []
     for choice in final.outputs:

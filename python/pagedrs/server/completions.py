@@ -95,7 +95,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, raw_reque
     await serving.start(run, params, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return event_stream(run, _events(serving, run, body, include_usage))
+        return event_stream(run, _events(serving, run, body, include_usage), raw_request)
     finals = await serving.run_to_end(run, raw_request)
     choices = []
     for prompt_index, (prompt, output) in enumerate(zip(prompts, finals)):

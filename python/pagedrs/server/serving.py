@@ -149,6 +149,8 @@ class Serving:
             logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
         if body.priority != 0 and self.scheduling_policy != "priority":
             raise APIError(400, "priority needs the server started with --scheduling-policy priority", param="priority")
+        if body.n > self.engine.engine.config.max_num_seqs:
+            raise APIError(400, f"n must be at most max_num_seqs ({self.engine.engine.config.max_num_seqs})", param="n")
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         try:
@@ -249,10 +251,19 @@ class Serving:
         if work not in done:
             logger.info("%s: the client disconnected; its requests were aborted", run.request_id)
             raise ClientDisconnected(run.request_id)
+        log_usage(raw_request, run.request_id, run.usage(), run.finals)
         work.result()  # raises what the engine raised
         for final in run.finals:
             check_failed(final)
         return run.finals
+
+
+def log_usage(raw_request: Request, request_id: str, counts: dict[str, int], finals: list[RequestOutput | None]) -> None:
+    """Adds the request's id, token counts and finish reasons to its access log line."""
+    reasons = ",".join(str(finish_reason(c)) for final in finals if final for c in final.outputs) or "none"
+    raw_request.state.log_extra = (
+        f" {request_id} prompt={counts['prompt_tokens']} completion={counts['completion_tokens']} finish={reasons}"
+    )
 
 
 def check_failed(output: RequestOutput) -> None:
@@ -264,7 +275,7 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def event_stream(run: Run, events: AsyncIterator[str]) -> StreamingResponse:
+def event_stream(run: Run, events: AsyncIterator[str], raw_request: Request) -> StreamingResponse:
     """Server-sent events ending with ``data: [DONE]``. A failure after the stream has
     started is sent as an error event; however the stream ends, the run is aborted."""
 
@@ -280,6 +291,7 @@ def event_stream(run: Run, events: AsyncIterator[str]) -> StreamingResponse:
             yield sse(error_body(500, f"{type(error).__name__}: {error}", "InternalServerError"))
         finally:
             run.abort()
+            log_usage(raw_request, run.request_id, run.usage(), run.finals)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(guarded(), media_type="text/event-stream")
