@@ -26,6 +26,7 @@ import torch
 
 import pagedrs
 from pagedrs import LLM, SamplingParams
+from pagedrs.bench.hf_baseline import load_hf_model, run_static_batches
 from pagedrs.memory import block_slack
 
 TOPICS = ["the sea", "a city at night", "music", "old trees", "space travel", "a market", "rain", "bread"]
@@ -56,27 +57,6 @@ def run_pagedrs(llm: LLM, prompts, lengths) -> dict:
             unused += slack.total_slack
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "useful_tokens": sum(lengths), "slack_fraction": unused / allocated}
-
-
-def run_hf(model, tokenizer, prompts, lengths, batch_size: int) -> dict:
-    useful = generated = 0
-    start = time.perf_counter()
-    for first in range(0, len(prompts), batch_size):
-        batch, wanted = prompts[first : first + batch_size], lengths[first : first + batch_size]
-        width = max(len(p) for p in batch)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        longest = max(wanted)
-        with torch.no_grad():
-            model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                do_sample=False, pad_token_id=pad,
-            )
-        useful += sum(wanted)
-        generated += longest * len(batch)
-    elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "useful_tokens": useful, "generated_tokens": generated}
 
 
 class _Timed:
@@ -149,13 +129,8 @@ def main() -> None:
                           "kv_slack_fraction": round(ours["slack_fraction"], 4), "decode_steps": steps}, indent=2))
         return
 
-    from transformers import AutoModelForCausalLM
-
-    from pagedrs.models.loader import resolve_model
-
-    source = resolve_model(None)
-    hf_model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=torch.float32).eval()
-    theirs = run_hf(hf_model, llm.get_tokenizer(), prompts, lengths, args.hf_batch)
+    hf_model, _ = load_hf_model()
+    theirs = run_static_batches(hf_model, llm.get_tokenizer(), prompts, lengths, args.hf_batch)
 
     ours_rate = ours["useful_tokens"] / ours["seconds"]
     theirs_rate = theirs["useful_tokens"] / theirs["seconds"]

@@ -1,4 +1,5 @@
-"""The ``pagedrs`` command."""
+"""The ``pagedrs`` command: ``serve``, ``bench serve``, ``bench sweep``, ``bench plot``,
+``memory``."""
 
 from __future__ import annotations
 
@@ -6,18 +7,57 @@ import argparse
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    from pagedrs.server.launch import add_serve_arguments, serve
+def build_parser() -> argparse.ArgumentParser:
+    from pagedrs.bench.serve import add_bench_serve_arguments
+    from pagedrs.bench.sweep import add_sweep_arguments
+    from pagedrs.memory_cli import add_memory_arguments
+    from pagedrs.server.launch import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="pagedrs", description="pagedrs: an LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(commands.add_parser("serve", help="run the OpenAI-compatible server",
                                             description="Serve a model over an OpenAI-compatible HTTP API."))
-    args = parser.parse_args(argv)
+    bench = commands.add_parser("bench", help="benchmarks against an OpenAI-compatible server")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_arguments(bench_commands.add_parser(
+        "serve", help="one run of a workload preset, written as a JSON record",
+        description="Load-generate against an OpenAI-compatible server and record what was measured."))
+    add_sweep_arguments(bench_commands.add_parser(
+        "sweep", help="a preset over concurrency levels, with plots",
+        description="Run a preset at each concurrency level, write the records, draw the plots."))
+    plot = bench_commands.add_parser("plot", help="draw the sweep plots from existing records")
+    plot.add_argument("records", nargs="+")
+    plot.add_argument("--out-dir", default="results/plots")
+    add_memory_arguments(commands.add_parser(
+        "memory", help="predict what a KV budget holds (and check it against a server)",
+        description="KV bytes per token, blocks, capacity, fit and slack for a model, dtype and block size."))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "serve":
+        from pagedrs.server.launch import serve
+
         return serve(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    if args.command == "memory":
+        from pagedrs.memory_cli import main as memory_main
+
+        return memory_main(args)
+    if args.bench_command == "serve":
+        from pagedrs.bench.serve import run
+
+        run(args)
+    elif args.bench_command == "sweep":
+        from pagedrs.bench.sweep import sweep
+
+        sweep(args)
+    else:
+        from pagedrs.bench.sweep import plot_files
+
+        for path in plot_files(args.records, args.out_dir):
+            print(f"plot: {path}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedrs import __version__
+from pagedrs.envinfo import environment, model_fingerprint
 from pagedrs.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from pagedrs.server.chat import create_chat_completion, render_chat
 from pagedrs.server.completions import create_completion
@@ -148,6 +149,30 @@ def build_app(
     @app.get("/version")
     async def version():
         return {"version": __version__}
+
+    @app.get("/server_info")
+    async def server_info():
+        """What a benchmark record needs to say what was measured."""
+        inner = engine.engine
+        config = inner.config
+        return {
+            "engine": "pagedrs",
+            "served_model_name": served_model_name,
+            "model": inner.model_name,
+            "model_fingerprint": model_fingerprint(inner.model_name),
+            "architecture": inner.architecture,
+            "dtype": str(inner.dtype).removeprefix("torch."),
+            "device": str(inner.device),
+            "block_size": config.block_size,
+            "num_kv_blocks": engine.stats.num_blocks,
+            "max_model_len": inner.max_model_len,
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "scheduling_policy": config.scheduling_policy,
+            "tensor_parallel_size": 1,
+            "environment": environment(),
+        }
 
     @app.get("/metrics")
     async def prometheus():

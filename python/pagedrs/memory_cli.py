@@ -1,0 +1,143 @@
+"""``pagedrs memory``: what a KV budget holds, predicted from the model config and the real
+allocator; ``--check URL`` puts the same load on a running server and compares."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from typing import Any
+
+from pagedrs.memory import block_slack, kv_cache_capacity, parse_bytes
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default=None, help="checkpoint directory or GGUF file (default: the default model)")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (what the server picks here)")
+    parser.add_argument("--device", default=None, help="for --dtype auto and the default budget: cpu or cuda")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--budget", default=None, help="KV bytes, e.g. 4GiB (default: the server's default here)")
+    parser.add_argument("--lengths", default="512,1024,2048",
+                        help="comma-separated sequence lengths (prompt + output tokens) of the load")
+    parser.add_argument("--check", default=None, metavar="URL",
+                        help="a running pagedrs server (same model, dtype, block size and --kv-cache-memory): "
+                             "send the load and compare what its /metrics report")
+    parser.add_argument("--output-tokens", type=int, default=16, help="with --check: tokens each request generates")
+    parser.add_argument("--json", action="store_true", help="print the prediction (and check) as JSON")
+    return parser
+
+
+def predict(args: argparse.Namespace) -> dict[str, Any]:
+    from pagedrs.config import EngineConfig, default_kv_cache_memory, resolve_dtype
+    from pagedrs.models.loader import load_config, resolve_model
+
+    device = EngineConfig(device=args.device).torch_device()
+    dtype = resolve_dtype(args.dtype, device)
+    config = load_config(resolve_model(args.model))
+    budget = parse_bytes(args.budget) if args.budget is not None else default_kv_cache_memory(device)
+    capacity = kv_cache_capacity(config, budget, dtype, args.block_size)
+    lengths = [int(item) for item in args.lengths.split(",") if item.strip()]
+    slack = block_slack(lengths, args.block_size)
+    fit, used = 0, 0
+    for blocks in slack.blocks:  # in the order given, as a FCFS scheduler admits them
+        if used + blocks > capacity.num_blocks:
+            break
+        fit, used = fit + 1, used + blocks
+    return {
+        "model": args.model or "default (SmolLM2-135M-Instruct)",
+        "dtype": str(dtype).removeprefix("torch."),
+        "block_size": args.block_size,
+        "budget_bytes": budget,
+        "kv_bytes_per_token": capacity.bytes_per_token,
+        "bytes_per_block": capacity.bytes_per_block,
+        "num_blocks": capacity.num_blocks,
+        "token_capacity": capacity.num_tokens,
+        "lengths": lengths,
+        "blocks_per_sequence": list(slack.blocks),
+        "max_concurrent_if_all_this_length": {
+            length: capacity.num_blocks // blocks for length, blocks in zip(lengths, slack.blocks)
+        },
+        "load_blocks": slack.total_blocks,
+        "load_fits": slack.total_blocks <= capacity.num_blocks,
+        "sequences_that_fit_in_order": fit,
+        "slack_slots": slack.total_slack,
+        "slack_fraction": slack.total_slack / slack.total_allocated_slots if lengths else 0.0,
+    }
+
+
+def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str, Any]:
+    """Sends one request per length (exact token-id prompts, ``output_tokens`` generated,
+    all at once), samples ``/metrics`` every 10 ms, and compares with the prediction. A
+    sequence of total length L never stores its last sampled token: it peaks at
+    ``ceil((L - 1) / block_size)`` blocks."""
+    from pagedrs.bench.client import Endpoint, MetricsSampler
+    from pagedrs.bench.workloads import RequestSpec
+
+    endpoint = Endpoint(url)
+    block = prediction["block_size"]
+    info = endpoint.server_info() or {}
+    specs = []
+    for index, length in enumerate(prediction["lengths"]):
+        out = max(1, min(output_tokens, length - 1))
+        # Distinct first tokens: no two requests share a cached prefix block.
+        prompt = [1000 + index] + [2000 + (index * 7919 + i) % 10000 for i in range(length - out - 1)]
+        specs.append(RequestSpec(prompt=prompt, output_len=out))
+
+    async def load() -> tuple[list[Any], list[dict[str, float]]]:
+        await endpoint.resolve_model()
+        sampler = MetricsSampler(endpoint, interval=0.01)
+        t0 = time.perf_counter()
+        sampler.start(t0)
+        results = await asyncio.gather(*(endpoint.send(spec, t0, ignore_eos=True) for spec in specs))
+        await sampler.stop()
+        await endpoint.client.close()
+        return list(results), sampler.timeline
+
+    before = endpoint.metrics()
+    results, timeline = asyncio.run(load())
+    after = endpoint.metrics()
+    predicted_peak = sum(math.ceil((length - 1) / block) for length in prediction["lengths"])
+    observed_peak = max((point.get("kv_used_blocks", 0.0) for point in timeline), default=0.0)
+    return {
+        "url": url,
+        "server_num_blocks": after.get("kv_blocks"),
+        "server_block_size": info.get("block_size"),
+        "server_dtype": info.get("dtype"),
+        "predicted_num_blocks": prediction["num_blocks"],
+        "num_blocks_match": after.get("kv_blocks") == prediction["num_blocks"],
+        "requests_ok": sum(r.success for r in results),
+        "predicted_peak_used_blocks": predicted_peak if prediction["load_fits"] else prediction["num_blocks"],
+        "observed_peak_used_blocks": observed_peak,
+        "preemptions": after.get("preemptions", 0.0) - before.get("preemptions", 0.0),
+        "samples": len(timeline),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    prediction = predict(args)
+    result = {"prediction": prediction}
+    if args.check:
+        result["check"] = check(prediction, args.check, args.output_tokens)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    p = prediction
+    print(f"model {p['model']}, {p['dtype']}, block size {p['block_size']}, budget {p['budget_bytes'] / 2**20:.1f} MiB")
+    print(f"KV bytes per token {p['kv_bytes_per_token']:,}; per block {p['bytes_per_block']:,}")
+    print(f"blocks {p['num_blocks']:,}; token capacity {p['token_capacity']:,}")
+    for length, blocks in zip(p["lengths"], p["blocks_per_sequence"]):
+        print(f"  length {length:>7,}: {blocks:>5} blocks; {p['max_concurrent_if_all_this_length'][length]:,} "
+              f"such sequences fit at once")
+    print(f"the load ({len(p['lengths'])} sequences) needs {p['load_blocks']:,} blocks: "
+          f"{'fits' if p['load_fits'] else 'does not fit'}; {p['sequences_that_fit_in_order']} fit in order")
+    print(f"slack from block granularity: {p['slack_slots']:,} slots ({p['slack_fraction']:.2%} of allocated)")
+    if "check" in result:
+        c = result["check"]
+        print(f"check against {c['url']}: server blocks {c['server_num_blocks']} vs predicted "
+              f"{c['predicted_num_blocks']} ({'match' if c['num_blocks_match'] else 'MISMATCH'}); "
+              f"peak used blocks observed {c['observed_peak_used_blocks']:.0f} vs predicted "
+              f"{c['predicted_peak_used_blocks']}; preemptions {c['preemptions']:.0f}; "
+              f"{c['requests_ok']}/{len(p['lengths'])} requests ok")
+    return 0
