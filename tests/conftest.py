@@ -74,6 +74,11 @@ def save_word_tokenizer(directory, vocab_size: int) -> None:
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0", eos_token="w1")
+    # A plain chat template: each message's words, then the assistant's turn marker.
+    fast.chat_template = (
+        "{% for message in messages %}w2 {{ message['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w3{% endif %}"
+    )
     fast.save_pretrained(directory)
 
 

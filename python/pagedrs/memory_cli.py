@@ -81,8 +81,9 @@ def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str,
     specs = []
     for index, length in enumerate(prediction["lengths"]):
         out = max(1, min(output_tokens, length - 1))
-        # Distinct first tokens: no two requests share a cached prefix block.
-        prompt = [1000 + index] + [2000 + (index * 7919 + i) % 10000 for i in range(length - out - 1)]
+        # Ids below 300 exist in every vocabulary; distinct first tokens keep any two requests
+        # from sharing a cached prefix block.
+        prompt = [4 + index % 296] + [4 + (index * 7919 + i) % 296 for i in range(length - out - 1)]
         specs.append(RequestSpec(prompt=prompt, output_len=out))
 
     async def load() -> tuple[list[Any], list[dict[str, float]]]:
