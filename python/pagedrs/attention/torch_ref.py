@@ -103,6 +103,12 @@ class AttentionMetadata:
             prefills=prefills,
         )
 
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """`paged_attention` with this step's layout (the interface every backend's
+        metadata offers the model)."""
+        return paged_attention(query, key, value, key_cache, value_cache, self, scale)
+
 
 def write_kv(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor

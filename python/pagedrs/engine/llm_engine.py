@@ -93,7 +93,8 @@ class LLMEngine:
             max_num_partial_prefills=config.max_num_partial_prefills,
             namespace=f"{self.model_name}|{self.dtype}",
         )
-        self.runner = ModelRunner(self.model, capacity.num_blocks, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, capacity.num_blocks, config.block_size, self.dtype, self.device,
+                                  config.attention_backend)
         self.sampler = Sampler(config.seed, self.device)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._requests: dict[str, _Request] = {}

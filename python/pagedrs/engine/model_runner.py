@@ -6,16 +6,23 @@ import numpy as np
 import torch
 
 from pagedrs._core import SchedulerOutput
-from pagedrs.attention.torch_ref import AttentionMetadata
+from pagedrs.attention import metadata_class, select_backend
 
 
 class ModelRunner:
     """Owns the model and its per-layer KV caches (``[num_blocks, block_size, KVH, D]``)."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, attention_backend: str = "auto"):
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.attention_backend = select_backend(attention_backend, device)
+        self._metadata = metadata_class(self.attention_backend)
+        if self.attention_backend == "cuda":
+            from pagedrs.attention.cuda_ops import load
+
+            load()  # build the kernels now, not in the first request's step
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -29,10 +36,15 @@ class ModelRunner:
         logprobs)."""
         if len(out.block_copies):
             copies = torch.from_numpy(out.block_copies).to(self.device)
-            for key_cache, value_cache in self.kv_caches:
-                key_cache[copies[:, 1]] = key_cache[copies[:, 0]]
-                value_cache[copies[:, 1]] = value_cache[copies[:, 0]]
-        meta = AttentionMetadata.build(
+            if self.attention_backend == "cuda":
+                from pagedrs.attention.cuda_backend import copy_blocks
+
+                copy_blocks(self.kv_caches, copies)
+            else:
+                for key_cache, value_cache in self.kv_caches:
+                    key_cache[copies[:, 1]] = key_cache[copies[:, 0]]
+                    value_cache[copies[:, 1]] = value_cache[copies[:, 0]]
+        meta = self._metadata.build(
             positions=out.positions,
             slot_mapping=out.slot_mapping,
             query_start_loc=out.query_start_loc,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrs.attention.torch_ref import AttentionMetadata, paged_attention
+from pagedrs.attention import AttentionMetadata
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta
@@ -42,7 +42,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
         return self.o_proj(out.reshape(-1, q_size))
 
 

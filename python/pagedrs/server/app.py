@@ -24,6 +24,8 @@ from pagedrs.server.serving import APIError, ClientDisconnected, Serving, error_
 
 logger = logging.getLogger("pagedrs.server")
 
+_QUIET_PATHS = ("/metrics", "/health")
+
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, kind, param), status_code=status)
@@ -68,12 +70,14 @@ class AccessMiddleware:
             else:
                 await self.app(scope, receive, send_logged)
         finally:
-            client = scope.get("client") or ("-", 0)
-            state = scope.get("state") or {}
-            logger.info(
-                '%s:%s "%s %s" %s %.3fs%s', client[0], client[1], scope["method"], scope["path"],
-                status or "disconnected", time.monotonic() - start, state.get("log_extra", ""),
-            )
+            # /metrics and /health are scraped and probed every few seconds: no line each.
+            if not (scope["path"] in _QUIET_PATHS and status == 200):
+                client = scope.get("client") or ("-", 0)
+                state = scope.get("state") or {}
+                logger.info(
+                    '%s:%s "%s %s" %s %.3fs%s', client[0], client[1], scope["method"], scope["path"],
+                    status or "disconnected", time.monotonic() - start, state.get("log_extra", ""),
+                )
 
     def _authorized(self, scope) -> bool:
         for name, value in scope["headers"]:

@@ -34,6 +34,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--max-num-partial-prefills", type=int, default=1)
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda"],
+                        help="auto: the CUDA kernels on a GPU, the torch reference elsewhere")
     engine.add_argument("--max-waiting-requests", type=int, default=512,
                         help="answer 503 to new requests while this many wait (0: no limit)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -61,7 +63,7 @@ def build_server(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, scheduling_policy=args.scheduling_policy,
-        seed=args.seed,
+        seed=args.seed, attention_backend=args.attention_backend,
     )
     name = served_name(args)
     metrics = ServerMetrics(name)

@@ -182,21 +182,23 @@ class Serving:
         return Run(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.served_model_name, n, prompts)
 
     async def start(self, run: Run, params: list[SamplingParams], body: _Generation) -> None:
-        """Queues one engine request per prompt; if one is refused, none stays queued."""
-        try:
-            for index, (prompt, param) in enumerate(zip(run.prompts, params)):
-                run.streams.append(
-                    await self.engine.add_request(
-                        f"{run.request_id}-{index}", prompt.token_ids, param,
-                        priority=body.priority, cache_salt=body.cache_salt,
-                    )
-                )
-        except ValueError as error:
+        """Queues one engine request per prompt (all in the same engine step); if one is
+        refused, none stays queued."""
+        results = await asyncio.gather(
+            *(
+                self.engine.add_request(f"{run.request_id}-{index}", prompt.token_ids, param,
+                                        priority=body.priority, cache_salt=body.cache_salt)
+                for index, (prompt, param) in enumerate(zip(run.prompts, params))
+            ),
+            return_exceptions=True,
+        )
+        run.streams = [result for result in results if not isinstance(result, BaseException)]
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if errors:
             run.abort()
-            raise APIError(400, str(error)) from error
-        except BaseException:
-            run.abort()
-            raise
+            if isinstance(errors[0], ValueError):
+                raise APIError(400, str(errors[0])) from errors[0]
+            raise errors[0]
         run.finals = [None] * len(run.streams)
 
     async def outputs(self, run: Run) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -207,6 +209,7 @@ class Serving:
                 yield 0, output
             return
         merged: asyncio.Queue = asyncio.Queue()
+        ended = object()
 
         async def pump(index: int, stream: RequestStream) -> None:
             try:
@@ -214,16 +217,19 @@ class Serving:
                     await merged.put((index, output))
             except Exception as error:  # noqa: BLE001 - re-raised by the reader below
                 await merged.put((index, error))
+            await merged.put((index, ended))
 
         tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(run.streams)]
         try:
             remaining = len(tasks)
             while remaining:
                 index, item = await merged.get()
+                if item is ended:
+                    remaining -= 1
+                    continue
                 if isinstance(item, Exception):
                     raise item
                 run.finals[index] = item
-                remaining -= item.finished
                 yield index, item
         finally:
             for task in tasks:
@@ -254,6 +260,8 @@ class Serving:
         log_usage(raw_request, run.request_id, run.usage(), run.finals)
         work.result()  # raises what the engine raised
         for final in run.finals:
+            if final is None or not final.finished:
+                raise APIError(500, "the request ended without finishing (aborted)", "InternalServerError")
             check_failed(final)
         return run.finals
 

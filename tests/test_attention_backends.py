@@ -1,0 +1,55 @@
+"""Choosing the attention backend, and the CUDA backend's per-step layout (plain numpy and
+torch, so it is checked on every machine; the kernels themselves in test_cuda_kernels.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedrs.attention import select_backend
+from pagedrs.attention.cuda_backend import CudaAttentionMetadata
+
+
+def test_select_backend():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert select_backend("auto", cpu) == "torch" and select_backend("auto", gpu) == "cuda"
+    assert select_backend("torch", gpu) == "torch"  # forced: the reference on a GPU
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("cuda", cpu)
+    with pytest.raises(ValueError, match="one of auto, torch, cuda"):
+        select_backend("triton", cpu)
+
+
+def test_engine_refuses_cuda_backend_without_a_gpu(tiny_llama):
+    from pagedrs import LLM
+
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        LLM(tiny_llama, device="cpu", attention_backend="cuda", kv_cache_memory="4MiB")
+
+
+def test_cuda_metadata_splits_decodes_and_prefill_chunks():
+    # Sequences: decode (ctx 20), prefill chunk of 3 over a 10-token prefix (ctx 13), decode
+    # (ctx 40): rows 0 | 1 2 3 | 4.
+    query_start_loc = np.array([0, 1, 4, 5], dtype=np.int32)
+    context_lens = np.array([20, 13, 40], dtype=np.int32)
+    block_tables = np.array([[5, 6, 0], [7, 0, 0], [1, 2, 3]], dtype=np.int32)
+    meta = CudaAttentionMetadata.build(
+        positions=np.array([19, 10, 11, 12, 39]), slot_mapping=np.arange(5), query_start_loc=query_start_loc,
+        context_lens=context_lens, block_tables=block_tables, block_size=16, sliding_window=None,
+        device=torch.device("cpu"),
+    )
+    decodes, prefills = meta.decodes, meta.prefills
+    assert decodes.rows.tolist() == [0, 4] and decodes.cu_seqlens_q.tolist() == [0, 1, 2]
+    assert decodes.context_lens.tolist() == [20, 40] and decodes.max_context_len == 40
+    assert decodes.block_tables.tolist() == [[5, 6, 0], [1, 2, 3]] and decodes.block_tables.dtype == torch.int32
+    assert prefills.rows.tolist() == [1, 2, 3] and prefills.cu_seqlens_q.tolist() == [0, 3]
+    assert prefills.block_tables.tolist() == [[7]] and prefills.num_rows == 3
+    assert meta.sliding_window == 0
+    # A batch of decodes only covers every row in order: no gather.
+    only = CudaAttentionMetadata.build(
+        positions=np.array([19, 39]), slot_mapping=np.arange(2), query_start_loc=np.array([0, 1, 2], dtype=np.int32),
+        context_lens=np.array([20, 40], dtype=np.int32), block_tables=block_tables[[0, 2]], block_size=16,
+        sliding_window=8, device=torch.device("cpu"),
+    )
+    assert only.decodes.rows is None and only.prefills is None and only.sliding_window == 8

@@ -1,0 +1,186 @@
+"""The CUDA kernels against the torch reference PagedAttention, on fresh random inputs, with
+outputs poisoned (NaN) before each run so any element a kernel fails to write shows.
+
+Without a CUDA device these skip: `make test` still compiles every kernel for sm_80 and
+sm_90 (`make cuda-check`), and `make gpu-check` runs this file on a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pagedrs.attention.torch_ref import AttentionMetadata, write_kv
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device here: `make test` compiles the kernels (make cuda-check); `make gpu-check` runs these",
+)
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from pagedrs.attention.cuda_ops import load
+
+    return load()
+
+
+class Batch:
+    """A scheduler-shaped step: sequences with context lengths, the last `query_lens` tokens of
+    each computed this step, scattered over a shuffled block pool."""
+
+    def __init__(self, context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        rng = np.random.default_rng(seed)
+        self.block_size, self.dtype = block_size, dtype
+        blocks_per_seq = [math.ceil(c / block_size) for c in context_lens]
+        num_blocks = sum(blocks_per_seq) + 5
+        pool = rng.permutation(num_blocks)
+        width = max(blocks_per_seq)
+        self.block_tables = np.zeros((len(context_lens), width), dtype=np.int32)
+        used = 0
+        for s, n in enumerate(blocks_per_seq):
+            self.block_tables[s, :n] = pool[used : used + n]
+            used += n
+        self.context_lens = np.asarray(context_lens, dtype=np.int32)
+        self.query_start_loc = np.zeros(len(context_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=self.query_start_loc[1:])
+        positions, slots = [], []
+        for s, (c, q) in enumerate(zip(context_lens, query_lens)):
+            for p in range(c - q, c):
+                positions.append(p)
+                slots.append(int(self.block_tables[s, p // block_size]) * block_size + p % block_size)
+        self.positions = np.asarray(positions, dtype=np.int64)
+        self.slot_mapping = np.asarray(slots, dtype=np.int64)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        rows = len(positions)
+
+        def rand(*size):
+            return torch.randn(*size, generator=gen).to(dtype).cuda()
+
+        self.key_cache, self.value_cache = rand(*shape), rand(*shape)
+        self.query = rand(rows, num_heads, head_dim)
+        self.key, self.value = rand(rows, num_kv_heads, head_dim), rand(rows, num_kv_heads, head_dim)
+        self.scale = head_dim**-0.5
+
+    def reference(self, sliding_window=None) -> torch.Tensor:
+        key_cache, value_cache = self.key_cache.clone(), self.value_cache.clone()
+        meta = AttentionMetadata.build(
+            positions=self.positions, slot_mapping=self.slot_mapping, query_start_loc=self.query_start_loc,
+            context_lens=self.context_lens, block_tables=self.block_tables, block_size=self.block_size,
+            sliding_window=sliding_window, device=torch.device("cuda"),
+        )
+        return meta.attend(self.query, self.key, self.value, key_cache, value_cache, self.scale)
+
+    def write(self, ops) -> None:
+        ops.reshape_and_cache(self.key, self.value, self.key_cache, self.value_cache,
+                              torch.from_numpy(self.slot_mapping).cuda())
+
+    def device_arrays(self):
+        cuda = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+        return cuda(self.block_tables), cuda(self.query_start_loc), cuda(self.context_lens)
+
+
+def _assert_close(actual, expected, dtype):
+    assert not torch.isnan(actual).any(), "the kernel left elements unwritten (NaN poison survived)"
+    tolerance = TOLERANCE[dtype]
+    error = ((actual.float() - expected.float()).abs() / (expected.float().abs() + 1)).max().item()
+    assert error <= tolerance, f"relative error {error:.2e} > {tolerance:.0e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (32, 8)], ids=["mha", "gqa4", "gqa4x8"])
+def test_decode_matches_reference(ops, dtype, head_dim, block_size, heads):
+    # Ragged contexts, including 1 token, a partial block, and contexts that take split-K.
+    contexts = [1, 17, 100, 512, 513, 1500]
+    batch = Batch(contexts, [1] * len(contexts), *heads, head_dim, block_size, dtype, seed=head_dim + block_size)
+    expected = batch.reference()
+    batch.write(ops)
+    block_tables, _, context_lens = batch.device_arrays()
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_attention(out, batch.query, batch.key_cache, batch.value_cache, block_tables, context_lens,
+                        int(batch.context_lens.max()), batch.scale, 0)
+    _assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_chunks_over_a_cached_prefix_match_reference(ops, dtype, head_dim, block_size):
+    # Whole prompts, chunks after a cached prefix, a one-row chunk, a long chunk (split-K).
+    contexts, query_lens = [40, 300, 77, 9, 1100], [40, 64, 1, 9, 700]
+    batch = Batch(contexts, query_lens, 8, 2, head_dim, block_size, dtype, seed=7)
+    expected = batch.reference()
+    batch.write(ops)
+    block_tables, cu_seqlens, context_lens = batch.device_arrays()
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_prefill_attention(out, batch.query, batch.key_cache, batch.value_cache, block_tables, cu_seqlens,
+                                context_lens, int(batch.context_lens.max()), batch.scale, 0)
+    _assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("window", [8, 100, 600])
+def test_sliding_window(ops, window):
+    contexts, query_lens = [30, 700, 1300], [30, 1, 200]
+    batch = Batch(contexts, query_lens, 8, 4, 64, 16, torch.float32, seed=window)
+    expected = batch.reference(sliding_window=window)
+    batch.write(ops)
+    block_tables, cu_seqlens, context_lens = batch.device_arrays()
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_prefill_attention(out, batch.query, batch.key_cache, batch.value_cache, block_tables, cu_seqlens,
+                                context_lens, int(batch.context_lens.max()), batch.scale, window)
+    _assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reshape_and_cache_and_copy_blocks(ops, dtype):
+    batch = Batch([50, 3, 33], [50, 1, 10], 4, 2, 128, 16, dtype, seed=3)
+    key_ref, value_ref = batch.key_cache.clone(), batch.value_cache.clone()
+    write_kv(batch.key, batch.value, key_ref, value_ref, torch.from_numpy(batch.slot_mapping).cuda())
+    batch.write(ops)
+    assert torch.equal(batch.key_cache, key_ref) and torch.equal(batch.value_cache, value_ref)
+    pairs = torch.tensor([[1, 6], [4, 0]], dtype=torch.long, device="cuda")
+    key_ref[pairs[:, 1]] = key_ref[pairs[:, 0]]
+    value_ref[pairs[:, 1]] = value_ref[pairs[:, 0]]
+    ops.copy_blocks(batch.key_cache, batch.value_cache, pairs)
+    assert torch.equal(batch.key_cache, key_ref) and torch.equal(batch.value_cache, value_ref)
+
+
+def test_mixed_step_through_the_backend_matches_reference(ops):
+    from pagedrs.attention.cuda_backend import CudaAttentionMetadata
+
+    batch = Batch([20, 700, 64, 1], [1, 300, 1, 1], 9, 3, 64, 16, torch.float32, seed=11)
+    expected = batch.reference()
+    meta = CudaAttentionMetadata.build(
+        positions=batch.positions, slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,
+        context_lens=batch.context_lens, block_tables=batch.block_tables, block_size=16, sliding_window=None,
+        device=torch.device("cuda"),
+    )
+    out = meta.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, batch.scale)
+    _assert_close(out, expected, torch.float32)
+
+
+def test_bad_inputs_fail_with_clear_messages(ops):
+    batch = Batch([20], [1], 8, 2, 64, 16, torch.float32)
+    block_tables, _, context_lens = batch.device_arrays()
+    out = torch.empty_like(batch.query)
+    with pytest.raises(RuntimeError, match="CUDA tensor"):
+        ops.reshape_and_cache(batch.key.cpu(), batch.value.cpu(), batch.key_cache.cpu(), batch.value_cache.cpu(),
+                              torch.zeros(1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="head sizes 64 and 128"):
+        cache = torch.zeros(4, 16, 2, 96, device="cuda")
+        ops.paged_attention(torch.zeros(1, 8, 96, device="cuda"), torch.zeros(1, 8, 96, device="cuda"), cache, cache,
+                            block_tables, context_lens, 20, 1.0, 0)
+    with pytest.raises(RuntimeError, match="differs from the cache"):
+        ops.paged_attention(out.half(), batch.query.half(), batch.key_cache, batch.value_cache, block_tables,
+                            context_lens, 20, 1.0, 0)
+    with pytest.raises(RuntimeError, match="block_tables must be Int"):
+        ops.paged_attention(out, batch.query, batch.key_cache, batch.value_cache, block_tables.long(), context_lens,
+                            20, 1.0, 0)
