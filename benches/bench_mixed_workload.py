@@ -136,7 +136,7 @@ def main() -> None:
     theirs_rate = theirs["useful_tokens"] / theirs["seconds"]
     record = {
         "pagedrs": pagedrs.__version__, "torch": torch.__version__, "threads": args.threads,
-        "cpu": platform.processor() or platform.machine(), "model": source.name, "dtype": "float32",
+        "cpu": platform.processor() or platform.machine(), "model": llm.engine.model_name, "dtype": "float32",
         "requests": args.requests, "output_lengths": "uniform 8..256", "seed": args.seed,
         "block_size": args.block_size,
         "pagedrs_useful_tok_s": round(ours_rate, 1), "pagedrs_seconds": round(ours["seconds"], 1),

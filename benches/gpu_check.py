@@ -112,7 +112,6 @@ def bandwidth() -> None:
     dst = torch.empty_like(src)
     copy_s = _time_cuda(lambda: dst.copy_(src))
     copy_bw = 2 * src.numel() / copy_s
-    del src, dst
     row("copy bandwidth", "ok", f"{copy_bw / 1e12:.2f} TB/s (device to device, read + write)")
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     for batch, context in [(64, 2048), (8, 32768)]:
@@ -133,7 +132,6 @@ def bandwidth() -> None:
         target = " (target >= 70%)" if (batch, context) == (64, 2048) else ""
         row(f"decode bandwidth b{batch} x ctx{context}", "ok" if fraction >= 0.7 or not target else "BELOW",
             f"{seconds * 1e6:.0f} us, {achieved / 1e12:.2f} TB/s = {fraction:.0%} of copy{target}")
-        del key_cache, value_cache
 
 
 def end_to_end() -> None:

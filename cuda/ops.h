@@ -29,7 +29,7 @@ void reshape_and_cache(DType dtype, const void* key, const void* value, void* ke
 void copy_blocks(DType dtype, void* key_cache, void* value_cache, const int64_t* block_mapping, int64_t num_pairs,
                  int64_t elements_per_block, cudaStream_t stream);
 
-// Context length up to which one partition of the split-K attention runs alone.
+// Tokens of context a thread block scores at once (its shared-memory logits).
 constexpr int kPartitionSize = 512;
 
 // Paged attention of query rows over their sequences' cached context (the step's own keys
@@ -37,10 +37,13 @@ constexpr int kPartitionSize = 512;
 // they are the last tokens of its context of context_lens[s] tokens, and each row attends to
 // the context up to and including its own position (causal), and, with sliding_window > 0,
 // only to the last sliding_window positions. A decode batch is the case of one row per
-// sequence. Contexts longer than kPartitionSize are split into partitions whose partial
-// softmax results are reduced afterwards (split-K); tmp_out / tmp_max / tmp_sum are the
-// workspace for that ([num_rows, num_heads, num_partitions, head_dim] and
-// [num_rows, num_heads, num_partitions] floats; may be null when num_partitions == 1).
+// sequence. With split_k, contexts longer than kPartitionSize are spread over one block per
+// partition and the partial softmax results merged afterwards; tmp_out / tmp_max / tmp_sum
+// are the workspace for that ([num_rows, num_heads, num_partitions, head_dim] and
+// [num_rows, num_heads, num_partitions] floats; null without split_k).
+// The caller guarantees (unchecked on the device): context_lens[s] >= the rows of s,
+// cu_seqlens_q[num_seqs] == num_rows, max_context_len >= every context_lens[s], and block
+// tables wide enough for their contexts.
 struct PagedAttentionArgs {
   DType dtype;
   void* out;
@@ -61,13 +64,21 @@ struct PagedAttentionArgs {
   int block_size;
   int max_blocks_per_seq;
   int num_partitions;
+  bool split_k;
   int sliding_window;
   float scale;
 };
 
-// How many partitions the split-K path uses for this longest context (1: single pass).
 inline int num_partitions_for(int max_context_len) {
   return max_context_len <= kPartitionSize ? 1 : (max_context_len + kPartitionSize - 1) / kPartitionSize;
+}
+
+// Split-K pays off when one block per (row, KV head) would leave the GPU idle; with more rows
+// than this, blocks walk their partitions instead (and need no workspace).
+constexpr long kSplitKMaxRowHeads = 2048;
+
+inline bool use_split_k(int num_rows, int num_kv_heads, int num_partitions) {
+  return num_partitions > 1 && static_cast<long>(num_rows) * num_kv_heads <= kSplitKMaxRowHeads;
 }
 
 void paged_attention(const PagedAttentionArgs& args, cudaStream_t stream);

@@ -2,14 +2,16 @@
 // (one row per sequence) and for prefill chunks over a cached prefix (several rows per
 // sequence, causal), with grouped-query attention and an optional sliding window.
 //
-// One thread block computes one (KV head, query row, context partition): the `group` query
-// heads that share the KV head are done together, so each key and value row is read once per
-// block. Three phases: (1) a warp per key row computes the scaled dot products with all the
-// group's queries; (2) softmax over the partition, a warp per query head; (3) each thread owns
-// one output dimension (and, for 64-wide heads, half the rows) and accumulates probabilities
-// times values. A context longer than kPartitionSize is split over blockIdx.z; a second
-// kernel then merges the partial results (split-K): out = sum_p w_p * out_p / sum_p w_p with
-// w_p = sum_p * exp(max_p - max), the usual log-sum-exp rescaling.
+// One thread block computes one (query row, KV head): the `group` query heads that share the
+// KV head are done together, so each key and value row is read once per block. The context is
+// taken kPartitionSize tokens at a time, in three phases: (1) a warp per key row computes the
+// scaled dot products with all the group's queries; (2) softmax numerators over the
+// partition, a warp per query head; (3) each thread owns one output dimension (and, for
+// 64-wide heads, half the rows) and accumulates numerators times values.
+// Two ways over a long context: the block walks its partitions with an online softmax
+// (rescaling to the running maximum), or, when there are too few rows to fill the GPU (a
+// decode batch), split-K: one block per partition (blockIdx.z) and a second kernel merging
+// the partial results, out = sum_p w_p * out_p / sum_p w_p with w_p = sum_p * exp(max_p - max).
 #include <cfloat>
 #include <cstdint>
 
@@ -55,42 +57,46 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentio
   constexpr int kPerLane = HEAD_DIM / 32;              // key elements per lane in phase 1
   constexpr int kRowsInParallel = kThreads / HEAD_DIM;  // value rows at once in phase 3
 
-  const int kv_head = blockIdx.x;
-  const int row = blockIdx.y;
-  const int partition = blockIdx.z;
+  const int row = blockIdx.x;
+  const int kv_head = blockIdx.y;
   const int group = args.num_heads / args.num_kv_heads;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const int dim = threadIdx.x % HEAD_DIM;
+  const int lane_row = threadIdx.x / HEAD_DIM;
 
   const int seq = sequence_of(args.cu_seqlens_q, args.num_seqs, row);
   const int query_len = args.cu_seqlens_q[seq + 1] - args.cu_seqlens_q[seq];
   // This row is the (context - query_len + i)-th token: it sees positions [0, context).
   const int context = args.context_lens[seq] - query_len + (row - args.cu_seqlens_q[seq]) + 1;
   const int window_start = args.sliding_window > 0 ? max(0, context - args.sliding_window) : 0;
-  const int part_start = args.num_partitions == 1 ? 0 : partition * kPartitionSize;
-  const int part_end = args.num_partitions == 1 ? context : min(part_start + kPartitionSize, context);
-  const int begin = max(part_start, window_start);
-  const int num_tokens = max(part_end - begin, 0);
-  const int64_t out_head0 = (static_cast<int64_t>(row) * args.num_heads + kv_head * group);
+  const int64_t out_head0 = static_cast<int64_t>(row) * args.num_heads + kv_head * group;
+  // Split-K: this block does partition blockIdx.z. Otherwise it walks every partition of the
+  // row, rescaling as it goes (online softmax).
+  const int first = args.split_k ? blockIdx.z : window_start / kPartitionSize;
+  const int last = args.split_k ? blockIdx.z : (context - 1) / kPartitionSize;
 
-  if (num_tokens == 0) {
-    // Only in split-K: an empty partition contributes nothing to the merge.
+  if (args.split_k && max(first * kPartitionSize, window_start) >= min((first + 1) * kPartitionSize, context)) {
+    // An empty partition (past this row's context, or before its window) weighs nothing in
+    // the merge. The whole block leaves together, before any barrier.
     for (int i = threadIdx.x; i < group * HEAD_DIM; i += kThreads) {
-      const int g = i / HEAD_DIM;
-      args.tmp_out[((out_head0 + g) * args.num_partitions + partition) * HEAD_DIM + i % HEAD_DIM] = 0.f;
+      args.tmp_out[((out_head0 + i / HEAD_DIM) * args.num_partitions + first) * HEAD_DIM + i % HEAD_DIM] = 0.f;
     }
     if (threadIdx.x < group) {
-      args.tmp_max[(out_head0 + threadIdx.x) * args.num_partitions + partition] = -FLT_MAX;
-      args.tmp_sum[(out_head0 + threadIdx.x) * args.num_partitions + partition] = 0.f;
+      args.tmp_max[(out_head0 + threadIdx.x) * args.num_partitions + first] = -FLT_MAX;
+      args.tmp_sum[(out_head0 + threadIdx.x) * args.num_partitions + first] = 0.f;
     }
     return;
   }
 
   extern __shared__ float shared[];
-  float* q_shared = shared;                                 // [group][HEAD_DIM]
-  float* logits = q_shared + group * HEAD_DIM;              // [group][kPartitionSize]
-  float* row_max = logits + group * kPartitionSize;         // [group]
-  float* row_sum = row_max + kMaxGroup;                     // [group]
+  float* q_shared = shared;                                // [group][HEAD_DIM]
+  float* logits = q_shared + group * HEAD_DIM;             // [group][kPartitionSize]
+  float* part_max = logits + group * kPartitionSize;       // [kMaxGroup]
+  float* part_sum = part_max + kMaxGroup;                  // [kMaxGroup]
+  float* run_max = part_sum + kMaxGroup;                   // [kMaxGroup]
+  float* run_sum = run_max + kMaxGroup;                    // [kMaxGroup]
+  float* scratch = run_sum + kMaxGroup;                    // [group][HEAD_DIM] when kRowsInParallel > 1
 
   const T* query = static_cast<const T*>(args.query);
   const T* key_cache = static_cast<const T*>(args.key_cache);
@@ -100,88 +106,126 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentio
   for (int i = threadIdx.x; i < group * HEAD_DIM; i += kThreads) {
     q_shared[i] = to_float(query[out_head0 * HEAD_DIM + i]);
   }
-  __syncthreads();
-
-  // Phase 1: scores. A warp per key row; each lane holds kPerLane consecutive elements.
-  for (int t = begin + warp; t < begin + num_tokens; t += kWarps) {
-    const int64_t block = block_table[t / args.block_size];
-    const int64_t slot = block * args.block_size + t % args.block_size;
-    const T* key = key_cache + (slot * args.num_kv_heads + kv_head) * HEAD_DIM + lane * kPerLane;
-    float k[kPerLane];
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) k[j] = to_float(key[j]);
-#pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g) {
-      if (g >= group) break;
-      const float* q = q_shared + g * HEAD_DIM + lane * kPerLane;
-      float dot = 0.f;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) dot += q[j] * k[j];
-      dot = warp_sum(dot);
-      if (lane == 0) logits[g * kPartitionSize + (t - begin)] = dot * args.scale;
-    }
+  if (threadIdx.x < kMaxGroup) {
+    run_max[threadIdx.x] = -FLT_MAX;
+    run_sum[threadIdx.x] = 0.f;
   }
-  __syncthreads();
-
-  // Phase 2: softmax over this partition, a warp per query head of the group.
-  for (int g = warp; g < group; g += kWarps) {
-    float* scores = logits + g * kPartitionSize;
-    float m = -FLT_MAX;
-    for (int i = lane; i < num_tokens; i += 32) m = fmaxf(m, scores[i]);
-    m = warp_max(m);
-    float sum = 0.f;
-    for (int i = lane; i < num_tokens; i += 32) {
-      const float e = expf(scores[i] - m);
-      scores[i] = e;
-      sum += e;
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) {
-      row_max[g] = m;
-      row_sum[g] = sum;
-    }
-  }
-  __syncthreads();
-
-  // Phase 3: probabilities times values. Thread -> (dimension, which of the parallel rows).
-  const int dim = threadIdx.x % HEAD_DIM;
-  const int lane_row = threadIdx.x / HEAD_DIM;
   float acc[kMaxGroup];
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) acc[g] = 0.f;
-  for (int t = begin + lane_row; t < begin + num_tokens; t += kRowsInParallel) {
-    const int64_t block = block_table[t / args.block_size];
-    const int64_t slot = block * args.block_size + t % args.block_size;
-    const float v = to_float(value_cache[(slot * args.num_kv_heads + kv_head) * HEAD_DIM + dim]);
+  __syncthreads();
+
+  for (int partition = first; partition <= last; ++partition) {
+    const int begin = max(partition * kPartitionSize, window_start);
+    const int num_tokens = min((partition + 1) * kPartitionSize, context) - begin;  // >= 1 here
+
+    // Phase 1: scores. A warp per key row; each lane holds kPerLane consecutive elements.
+    for (int t = begin + warp; t < begin + num_tokens; t += kWarps) {
+      const int64_t block = block_table[t / args.block_size];
+      const int64_t slot = block * args.block_size + t % args.block_size;
+      const T* key = key_cache + (slot * args.num_kv_heads + kv_head) * HEAD_DIM + lane * kPerLane;
+      float k[kPerLane];
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) k[j] = to_float(key[j]);
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g >= group) break;
+        const float* q = q_shared + g * HEAD_DIM + lane * kPerLane;
+        float dot = 0.f;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) dot += q[j] * k[j];
+        dot = warp_sum(dot);
+        if (lane == 0) logits[g * kPartitionSize + (t - begin)] = dot * args.scale;
+      }
+    }
+    __syncthreads();
+
+    // Phase 2: softmax numerators over this partition, a warp per query head of the group.
+    for (int g = warp; g < group; g += kWarps) {
+      float* scores = logits + g * kPartitionSize;
+      float m = -FLT_MAX;
+      for (int i = lane; i < num_tokens; i += 32) m = fmaxf(m, scores[i]);
+      m = warp_max(m);
+      float sum = 0.f;
+      for (int i = lane; i < num_tokens; i += 32) {
+        const float e = expf(scores[i] - m);
+        scores[i] = e;
+        sum += e;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        part_max[g] = m;
+        part_sum[g] = sum;
+      }
+    }
+    __syncthreads();
+
+    // Phase 3: numerators times values. Thread -> (dimension, which of the parallel rows).
+    float part[kMaxGroup];
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) part[g] = 0.f;
+    for (int t = begin + lane_row; t < begin + num_tokens; t += kRowsInParallel) {
+      const int64_t block = block_table[t / args.block_size];
+      const int64_t slot = block * args.block_size + t % args.block_size;
+      const float v = to_float(value_cache[(slot * args.num_kv_heads + kv_head) * HEAD_DIM + dim]);
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g >= group) break;
+        part[g] += logits[g * kPartitionSize + (t - begin)] * v;
+      }
+    }
+    if (kRowsInParallel > 1) {
+      // Sum the parallel rows into lane_row 0 (kThreads / HEAD_DIM is 2 here: heads of 64).
+      if (lane_row == 1) {
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) { if (g >= group) break; scratch[g * HEAD_DIM + dim] = part[g]; }
+      }
+      __syncthreads();
+      if (lane_row == 0) {
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) { if (g >= group) break; part[g] += scratch[g * HEAD_DIM + dim]; }
+      }
+    }
+
+    if (args.split_k) {
+      if (lane_row == 0) {
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) {
+          if (g >= group) break;
+          const int64_t head_part = (out_head0 + g) * args.num_partitions + partition;
+          args.tmp_out[head_part * HEAD_DIM + dim] = part[g] / part_sum[g];
+          if (dim == 0) {
+            args.tmp_max[head_part] = part_max[g];
+            args.tmp_sum[head_part] = part_sum[g];
+          }
+        }
+      }
+      return;  // one partition per block in split-K
+    }
+
+    // Online softmax: rescale what came before and this partition to their common maximum.
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) {
       if (g >= group) break;
-      acc[g] += logits[g * kPartitionSize + (t - begin)] * v;
+      const float m = fmaxf(run_max[g], part_max[g]);
+      acc[g] = acc[g] * expf(run_max[g] - m) + part[g] * expf(part_max[g] - m);
     }
-  }
-  if (kRowsInParallel > 1) {
-    // Sum the parallel rows' partial results (q_shared is free again: reuse it).
-    __syncthreads();
-    float* partial = q_shared;  // [group][HEAD_DIM]: room for the second row's sums
-    if (lane_row == 1) {
-      for (int g = 0; g < group; ++g) partial[g * HEAD_DIM + dim] = acc[g];
+    __syncthreads();  // every thread has read run_max; the next partition may overwrite logits
+    if (threadIdx.x < group) {
+      const int g = threadIdx.x;
+      const float m = fmaxf(run_max[g], part_max[g]);
+      run_sum[g] = run_sum[g] * expf(run_max[g] - m) + part_sum[g] * expf(part_max[g] - m);
+      run_max[g] = m;
     }
     __syncthreads();
-    if (lane_row != 0) return;
-    for (int g = 0; g < group; ++g) acc[g] += partial[g * HEAD_DIM + dim];
   }
 
-  if (args.num_partitions == 1) {
+  if (lane_row == 0) {
     T* out = static_cast<T*>(args.out);
-    for (int g = 0; g < group; ++g) out[(out_head0 + g) * HEAD_DIM + dim] = from_float<T>(acc[g] / row_sum[g]);
-  } else {
-    for (int g = 0; g < group; ++g) {
-      const int64_t head_part = (out_head0 + g) * args.num_partitions + partition;
-      args.tmp_out[head_part * HEAD_DIM + dim] = acc[g] / row_sum[g];
-      if (dim == 0) {
-        args.tmp_max[head_part] = row_max[g];
-        args.tmp_sum[head_part] = row_sum[g];
-      }
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      if (g >= group) break;
+      out[(out_head0 + g) * HEAD_DIM + dim] = from_float<T>(acc[g] / run_sum[g]);
     }
   }
 }
@@ -189,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentio
 // Merges the partitions of one (row, head): a thread per output dimension.
 template <typename T, int HEAD_DIM>
 __global__ void merge_partitions_kernel(PagedAttentionArgs args) {
-  const int64_t head = static_cast<int64_t>(blockIdx.y) * args.num_heads + blockIdx.x;
+  const int64_t head = static_cast<int64_t>(blockIdx.x) * args.num_heads + blockIdx.y;
   const int dim = threadIdx.x;
   const float* maxes = args.tmp_max + head * args.num_partitions;
   const float* sums = args.tmp_sum + head * args.num_partitions;
@@ -206,16 +250,20 @@ __global__ void merge_partitions_kernel(PagedAttentionArgs args) {
 
 template <typename T, int HEAD_DIM>
 void launch(const PagedAttentionArgs& args, cudaStream_t stream) {
+  constexpr int kRowsInParallel = kThreads / HEAD_DIM;
   const int group = args.num_heads / args.num_kv_heads;
-  const size_t shared_bytes = sizeof(float) * (group * (HEAD_DIM + kPartitionSize) + 2 * kMaxGroup);
-  const dim3 grid(args.num_kv_heads, args.num_rows, args.num_partitions);
+  const size_t shared_bytes =
+      sizeof(float) * (group * (HEAD_DIM + kPartitionSize + (kRowsInParallel > 1 ? HEAD_DIM : 0)) + 4 * kMaxGroup);
+  // Rows on x (up to 2^31 - 1 of them), KV heads on y, split-K partitions on z.
+  const dim3 grid(args.num_rows, args.num_kv_heads, args.split_k ? args.num_partitions : 1);
   if (shared_bytes > 48 * 1024) {
-    cudaFuncSetAttribute(paged_attention_kernel<T, HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(shared_bytes));
+    const cudaError_t error = cudaFuncSetAttribute(
+        paged_attention_kernel<T, HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
+    if (error != cudaSuccess) return;  // skip the launch: the caller's launch check reports the error
   }
   paged_attention_kernel<T, HEAD_DIM><<<grid, kThreads, shared_bytes, stream>>>(args);
-  if (args.num_partitions > 1) {
-    merge_partitions_kernel<T, HEAD_DIM><<<dim3(args.num_heads, args.num_rows), HEAD_DIM, 0, stream>>>(args);
+  if (args.split_k) {
+    merge_partitions_kernel<T, HEAD_DIM><<<dim3(args.num_rows, args.num_heads), HEAD_DIM, 0, stream>>>(args);
   }
 }
 

@@ -75,8 +75,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                              value_cache.data_ptr(), slot_mapping.contiguous().data_ptr<int64_t>(), key.size(0),
                              static_cast<int>(num_kv_heads), static_cast<int>(head_dim), key.stride(0),
                              value.stride(0), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The pairs run in parallel: no block may be both a source and a destination in one call (the
+// scheduler's copy-on-write copies into freshly allocated blocks only).
 void copy_blocks(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& block_mapping) {
   check_cache(key_cache, value_cache);
   check_index(block_mapping, at::kLong, 2, "block_mapping");
@@ -87,6 +90,7 @@ void copy_blocks(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tenso
   pagedrs::copy_blocks(dtype_of(key_cache), key_cache.data_ptr(), value_cache.data_ptr(),
                        block_mapping.contiguous().data_ptr<int64_t>(), block_mapping.size(0), elements_per_block,
                        at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Shared by the decode and prefill entry points: rows of sequence s are
@@ -128,8 +132,10 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   if (num_rows == 0) return;
   const at::cuda::CUDAGuard guard(key_cache.device());
   const int num_partitions = pagedrs::num_partitions_for(static_cast<int>(max_context_len));
+  const bool split_k =
+      pagedrs::use_split_k(static_cast<int>(num_rows), static_cast<int>(num_kv_heads), num_partitions);
   at::Tensor tmp_out, tmp_max, tmp_sum;
-  if (num_partitions > 1) {
+  if (split_k) {
     const auto options = query.options().dtype(at::kFloat);
     tmp_out = at::empty({num_rows, num_heads, num_partitions, head_dim}, options);
     tmp_max = at::empty({num_rows, num_heads, num_partitions}, options);
@@ -144,9 +150,9 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   args.block_tables = block_tables.data_ptr<int>();
   args.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
   args.context_lens = context_lens.data_ptr<int>();
-  args.tmp_out = num_partitions > 1 ? tmp_out.data_ptr<float>() : nullptr;
-  args.tmp_max = num_partitions > 1 ? tmp_max.data_ptr<float>() : nullptr;
-  args.tmp_sum = num_partitions > 1 ? tmp_sum.data_ptr<float>() : nullptr;
+  args.tmp_out = split_k ? tmp_out.data_ptr<float>() : nullptr;
+  args.tmp_max = split_k ? tmp_max.data_ptr<float>() : nullptr;
+  args.tmp_sum = split_k ? tmp_sum.data_ptr<float>() : nullptr;
   args.num_seqs = static_cast<int>(num_seqs);
   args.num_rows = static_cast<int>(num_rows);
   args.num_heads = static_cast<int>(num_heads);
@@ -155,6 +161,7 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   args.block_size = static_cast<int>(block_size);
   args.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
   args.num_partitions = num_partitions;
+  args.split_k = split_k;
   args.sliding_window = static_cast<int>(sliding_window);
   args.scale = static_cast<float>(scale);
   pagedrs::paged_attention(args, at::cuda::getCurrentCUDAStream());

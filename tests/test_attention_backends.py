@@ -19,6 +19,12 @@ def test_select_backend():
         select_backend("cuda", cpu)
     with pytest.raises(ValueError, match="one of auto, torch, cuda"):
         select_backend("triton", cpu)
+    # Shapes the kernels do not take: auto falls back to the reference, a forced "cuda" says why.
+    assert select_backend("auto", gpu, head_dim=96, num_heads=32, num_kv_heads=32) == "torch"
+    assert select_backend("auto", gpu, head_dim=128, num_heads=32, num_kv_heads=1) == "torch"
+    assert select_backend("auto", gpu, head_dim=128, num_heads=32, num_kv_heads=2) == "cuda"
+    with pytest.raises(ValueError, match="head size 96"):
+        select_backend("cuda", gpu, head_dim=96, num_heads=8, num_kv_heads=8)
 
 
 def test_engine_refuses_cuda_backend_without_a_gpu(tiny_llama):

@@ -90,8 +90,9 @@ def test_parse_metrics_reads_pagedrs_and_vllm_names():
         'vllm:num_preemptions_total{model_name="m",engine="0"} 2.0\n'
         'vllm:num_preemptions_total{model_name="m",engine="1"} 1.0\n'
         "process_cpu_seconds_total 4.0\n"
+        "process_open_fds 9.0\n"
     )
-    assert parse_metrics(page) == {"running": 3.0, "prefix_hits": 16.0, "preemptions": 3.0}
+    assert parse_metrics(page) == {"running": 3.0, "prefix_hits": 16.0, "preemptions": 3.0, "server_cpu_seconds": 4.0}
 
 
 def test_a_short_real_run_writes_a_complete_record(tiny_llama, tmp_path, capsys):
@@ -129,6 +130,7 @@ def test_a_short_real_run_writes_a_complete_record(tiny_llama, tmp_path, capsys)
     assert warm["prefix_cache_hits"] == 6 * 48 and warm["prefix_cache_hit_rate"] > cold["prefix_cache_hit_rate"]
     assert len(record["requests"]) == 12 and record["timeline"]
     assert record["headline"]["failed"] == 0
+    assert cold["server_cpu_seconds"] > 0 and cold["client_cpu_seconds"] > 0
 
 
 def test_memory_prediction_and_check(tiny_llama, tmp_path):

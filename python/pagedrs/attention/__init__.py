@@ -19,14 +19,32 @@ class AttentionMetadata(Protocol):
                value_cache: torch.Tensor, scale: float) -> torch.Tensor: ...
 
 
-def select_backend(name: str, device: torch.device) -> str:
-    """``"auto"``: the CUDA kernels on a CUDA device, the torch reference elsewhere."""
+CUDA_HEAD_SIZES = (64, 128)
+CUDA_MAX_GROUP = 16
+
+
+def cuda_supports(head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why the CUDA kernels cannot run this model's attention, or ``None`` if they can."""
+    if head_dim not in CUDA_HEAD_SIZES:
+        return f"head size {head_dim} (the kernels take {' and '.join(map(str, CUDA_HEAD_SIZES))})"
+    if num_heads // num_kv_heads > CUDA_MAX_GROUP:
+        return f"{num_heads // num_kv_heads} query heads per KV head (the kernels take at most {CUDA_MAX_GROUP})"
+    return None
+
+
+def select_backend(name: str, device: torch.device, head_dim: int = 64, num_heads: int = 1,
+                   num_kv_heads: int = 1) -> str:
+    """``"auto"``: the CUDA kernels on a CUDA device when they support the model's attention
+    shape, the torch reference otherwise."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    unsupported = cuda_supports(head_dim, num_heads, num_kv_heads)
     if name == "auto":
-        return "cuda" if device.type == "cuda" else "torch"
+        return "cuda" if device.type == "cuda" and unsupported is None else "torch"
     if name == "cuda" and device.type != "cuda":
         raise ValueError(f"attention_backend 'cuda' needs a CUDA device, the engine runs on {device}")
+    if name == "cuda" and unsupported is not None:
+        raise ValueError(f"attention_backend 'cuda' does not support {unsupported}; use 'torch'")
     return name
 
 

@@ -28,6 +28,8 @@ METRICS = {
     "prompt_tokens": "prompt_tokens_total",
     "generation_tokens": "generation_tokens_total",
 }
+# Unprefixed names read as they are.
+PLAIN_METRICS = {"process_cpu_seconds_total": "server_cpu_seconds"}
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -36,6 +38,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     for key, name in METRICS.items():
         wanted[f"pagedrs:{name}"] = key
         wanted[f"vllm:{name}"] = key
+    wanted.update(PLAIN_METRICS)
     values: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):

@@ -171,6 +171,7 @@ def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": (hits / queries) if queries else None,
         "preemptions": delta("preemptions"),
+        "server_cpu_seconds": delta("server_cpu_seconds"),
         "prompt_tokens": delta("prompt_tokens"),
         "generation_tokens": delta("generation_tokens"),
     }
@@ -199,11 +200,14 @@ async def measure(endpoint: Endpoint, settings: dict[str, Any], specs: list[Requ
         for phase in settings["phases"]:
             phase_specs = [spec for spec in specs if spec.phase == phase] or specs
             before = await asyncio.to_thread(endpoint.metrics)
-            start = time.perf_counter()
+            start, client_cpu = time.perf_counter(), time.process_time()
             phase_results = await run_requests(endpoint, phase_specs, t0=t0, progress=bar, **common)
-            duration = time.perf_counter() - start
+            duration, client_cpu = time.perf_counter() - start, time.process_time() - client_cpu
             after = await asyncio.to_thread(endpoint.metrics)
-            phases[phase] = {"summary": summarize(phase_results, duration, slo), "server": metric_deltas(before, after)}
+            server = metric_deltas(before, after)
+            # The load generator's own CPU time: on a small machine it competes with the server.
+            server["client_cpu_seconds"] = client_cpu
+            phases[phase] = {"summary": summarize(phase_results, duration, slo), "server": server}
             results += [(phase, result) for result in phase_results]
             if phase_specs is specs:
                 break
@@ -330,6 +334,9 @@ def report(record: dict[str, Any]) -> str:
         rate = server.get("prefix_cache_hit_rate")
         lines.append(f"  prefix-cache hit rate {'-' if rate is None else f'{rate:.1%}'}, "
                      f"preemptions {server.get('preemptions')}")
+        cpu = server.get("server_cpu_seconds")
+        lines.append(f"  CPU seconds: server {'-' if cpu is None else f'{cpu:.1f}'}, "
+                     f"this load generator {server['client_cpu_seconds']:.1f} (wall {s['duration_s']:.1f})")
     if record.get("peak_kv_usage") is not None:
         lines.append(f"peak KV usage {record['peak_kv_usage']:.1%}")
     if "hf_baseline" in record:

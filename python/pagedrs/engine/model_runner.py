@@ -17,7 +17,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.attention_backend = select_backend(attention_backend, device)
+        self.attention_backend = select_backend(attention_backend, device, model.head_dim, model.num_heads,
+                                                model.num_kv_heads)
         self._metadata = metadata_class(self.attention_backend)
         if self.attention_backend == "cuda":
             from pagedrs.attention.cuda_ops import load

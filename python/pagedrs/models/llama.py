@@ -91,6 +91,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(head_dim, rope_theta(config))
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
+        self.num_heads = self.layers[0].self_attn.num_heads
         self.head_dim = head_dim
         self.sliding_window = getattr(config, "sliding_window", None) if self._uses_sliding_window(config) else None
 

@@ -7,7 +7,14 @@ engine thread as outputs leave it (prometheus_client is thread-safe).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagedrs.outputs import RequestOutput
@@ -60,6 +67,8 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
+        # process_cpu_seconds_total and friends: what the server process itself costs.
+        ProcessCollector(registry=self.registry)
         self.model_name = model_name
         labels = ["model_name"]
 
