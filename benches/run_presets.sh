@@ -49,8 +49,8 @@ for step in $STEPS; do
         stop_server ;;
     memory-check)  # the memory model against a server with a 64 MiB cache under the same load
         start_server "$OUT/server-64mib.log" --kv-cache-memory 64MiB
-        $PAGEDRS memory --budget 64MiB --lengths 300,600,900,1200 --check "$URL" --json > "$OUT/memory-check.json"
-        $PAGEDRS memory --budget 64MiB --lengths 300,600,900,1200 --check "$URL"
+        $PAGEDRS memory --budget 64MiB --lengths 100,250,400,600 --check "$URL" --json > "$OUT/memory-check.json"
+        $PAGEDRS memory --budget 64MiB --lengths 100,250,400,600 --check "$URL"
         stop_server ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
     esac

@@ -77,14 +77,16 @@ def plot(records: list[dict[str, Any]], out_dir: str) -> list[str]:
 
     figure, left = plt.subplots(figsize=(6, 4))
     left.plot(positions, [s["output_throughput"] for s in first_phase], "o-", label="output tokens/s")
+    left.plot(positions, [s["total_token_throughput"] for s in first_phase], "o:", color="tab:green",
+              label="prompt + output tokens/s")
     left.set_xlabel("max concurrency")
-    left.set_ylabel("output tokens/s")
+    left.set_ylabel("tokens/s")
     right = left.twinx()
     right.plot(positions, [s["request_throughput"] for s in first_phase], "s--", color="tab:orange", label="requests/s")
     right.set_ylabel("requests/s")
     left.set_xticks(positions, labels)
     left.set_title(f"{preset}: throughput vs concurrency")
-    figure.legend(loc="upper left")
+    figure.legend(loc="upper left", bbox_to_anchor=(0.14, 0.86), fontsize="small")
     save(figure, "throughput")
 
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -96,6 +98,7 @@ def plot(records: list[dict[str, Any]], out_dir: str) -> list[str]:
         axis.set_ylabel("ms")
         axis.set_title(title)
         axis.legend()
+    figure.suptitle(f"{preset}: latency vs concurrency")
     save(figure, "latency")
 
     figure, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)

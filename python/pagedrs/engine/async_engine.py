@@ -1,9 +1,14 @@
-"""`AsyncLLMEngine`: the engine loop on its own thread, requests as async streams.
+"""`AsyncLLMEngine`: the engine loop on a thread of its own, requests as async streams.
 
 The `LLMEngine` is not thread-safe, so one thread owns it: it takes commands (add, abort)
 between steps, steps while there is work, and hands each request's outputs to the asyncio
 loop that asked for them. The event loop never waits for a step; an add or abort waits at
 most for the step in progress to end. While the stream's consumer reads, the engine goes on.
+
+Which thread: by default a background one. `pagedrs serve` instead runs the loop on the
+process's main thread (`run`) and the HTTP server on a background one, because on the CPU
+torch's small matrix products run ~30% slower from a non-main thread (measured in
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -124,6 +129,7 @@ class AsyncLLMEngine:
         *,
         max_waiting_requests: int | None = None,
         stat_logger: StatLogger | None = None,
+        start_thread: bool = True,
     ):
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
@@ -133,11 +139,14 @@ class AsyncLLMEngine:
         self._pending_adds = 0
         self._pending_lock = threading.Lock()
         self._stopping = False
+        self._stopped = False
         self._dead: BaseException | None = None
         self.stats = engine.scheduler.stats()
         """The scheduler's counters after the last step (published by the engine thread)."""
-        self._thread = threading.Thread(target=self._run, name="pagedrs-engine", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if start_thread:
+            self._thread = threading.Thread(target=self.run, name="pagedrs-engine", daemon=True)
+            self._thread.start()
 
     # -- called from the event loop ------------------------------------------------------
 
@@ -146,7 +155,7 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._dead is None
+        return not self._stopped and self._dead is None
 
     def num_waiting(self) -> int:
         """Requests queued but not running: the engine's waiting queue and adds in flight."""
@@ -205,16 +214,26 @@ class AsyncLLMEngine:
         """Ends a request at the next step boundary and frees its blocks."""
         self._commands.put(("abort", request_id))
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def stop(self) -> None:
+        """Makes `run` return after the step in progress (safe from any thread or a signal
+        handler)."""
         self._stopping = True
         self._commands.put(("wake",))
-        self._thread.join(timeout)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     # -- the engine thread -----------------------------------------------------------------
 
-    def _run(self) -> None:
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """The engine loop, on the calling thread, until `stop` (or until ``until()`` is
+        true: checked at least once a second)."""
         try:
             while not self._stopping:
+                if until is not None and until():
+                    break
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self._stopping or not self.engine.has_unfinished_requests():
                     continue
@@ -230,11 +249,15 @@ class AsyncLLMEngine:
                 stream.put(EngineDeadError(f"the engine stopped: {error}"))
             self._streams.clear()
             self._fail_pending_commands(error)
+            if isinstance(error, KeyboardInterrupt):
+                raise
+        finally:
+            self._stopped = True
 
     def _drain_commands(self, block: bool) -> None:
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=1.0 if block else None)
             except queue.Empty:
                 return
             block = False

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -48,8 +50,9 @@ def served_name(args: argparse.Namespace) -> str:
     return DEFAULT_SERVED_NAME if args.model is None else args.model
 
 
-def build_server(args: argparse.Namespace):
-    """Loads the model and returns ``(app, async engine)``."""
+def build_server(args: argparse.Namespace, start_engine_thread: bool = True):
+    """Loads the model and returns ``(app, async engine)``. Without ``start_engine_thread``
+    the caller runs the engine loop (`AsyncLLMEngine.run`)."""
     from pagedrs.config import EngineConfig
     from pagedrs.engine.async_engine import AsyncLLMEngine
     from pagedrs.engine.llm_engine import LLMEngine
@@ -68,7 +71,7 @@ def build_server(args: argparse.Namespace):
     name = served_name(args)
     metrics = ServerMetrics(name)
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=args.max_waiting_requests or None,
-                            stat_logger=metrics)
+                            stat_logger=metrics, start_thread=start_engine_thread)
     metrics.attach(engine)
     app = build_app(engine, served_model_name=name, metrics=metrics, api_key=args.api_key,
                     scheduling_policy=args.scheduling_policy)
@@ -79,16 +82,25 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app, engine = build_server(args)
+    app, engine = build_server(args, start_engine_thread=False)
     logging.getLogger("pagedrs.server").info(
         "serving %s on http://%s:%d (API key %s)", served_name(args), args.host, args.port,
         "required" if args.api_key else "off",
     )
+    # HTTP on a background thread, the engine loop on this (main) thread: see async_engine.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False))
+    http = threading.Thread(target=server.run, name="pagedrs-http", daemon=True)
+    http.start()
+    signal.signal(signal.SIGTERM, lambda *_: engine.stop())
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        engine.run(until=lambda: not http.is_alive())  # also ends if the server could not start
+    except KeyboardInterrupt:
+        pass
     finally:
-        engine.shutdown()
-    return 0
+        server.should_exit = True
+        http.join(10)
+    return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:
