@@ -125,3 +125,24 @@ def test_queue_limit(tiny_llama):
         assert wait_for(lambda: engine.stats.num_used_blocks == 0 and engine.stats.num_waiting == 0)
     finally:
         engine.shutdown()
+
+
+def test_stopping_the_engine_ends_waiting_streams(tiny_llama):
+    from pagedrs.engine.async_engine import EngineDeadError
+
+    engine = AsyncLLMEngine(LLMEngine(model=tiny_llama, device="cpu", kv_cache_memory="8MiB"))
+
+    async def run():
+        stream = await engine.add_request("long", [5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
+        outputs = 0
+        with pytest.raises(EngineDeadError, match="stopped"):
+            async for _ in stream:
+                outputs += 1
+                if outputs == 2:
+                    engine.stop()
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("late", [5], SamplingParams())
+
+    asyncio.run(run())
+    engine.shutdown()
+    assert not engine.is_alive()

@@ -183,8 +183,8 @@ class AsyncLLMEngine:
         with self._pending_lock:
             self._pending_adds += 1
         self._commands.put(("add", request_id, prompt, params, priority, cache_salt, stream, added))
-        if self._dead is not None:  # died after the check above: nobody will read the command
-            self._fail_pending_commands(self._dead)
+        if not self.is_alive():  # stopped after the check above: nobody will read the command
+            self._fail_pending_commands(EngineDeadError("the engine has stopped"))
         try:
             await added
         except asyncio.CancelledError:
@@ -242,17 +242,19 @@ class AsyncLLMEngine:
                 if self.stat_logger is not None:
                     self.stat_logger.record_step(self.engine)
                 self._deliver(outputs)
+        except KeyboardInterrupt:
+            raise
         except BaseException as error:  # noqa: BLE001 - every waiting stream must hear of it
             logger.exception("the engine loop died")
             self._dead = error
-            for stream in self._streams.values():
-                stream.put(EngineDeadError(f"the engine stopped: {error}"))
-            self._streams.clear()
-            self._fail_pending_commands(error)
-            if isinstance(error, KeyboardInterrupt):
-                raise
         finally:
             self._stopped = True
+            # Whoever still waits hears why: a dead engine, or a server shutting down.
+            reason = EngineDeadError(f"the engine stopped: {self._dead}" if self._dead else "the engine was stopped")
+            for stream in self._streams.values():
+                stream.put(reason)
+            self._streams.clear()
+            self._fail_pending_commands(reason)
 
     def _drain_commands(self, block: bool) -> None:
         while True:
@@ -308,7 +310,7 @@ class AsyncLLMEngine:
                 if self.stat_logger is not None:
                     self.stat_logger.record_finished(output, now - stream.arrival)
 
-    def _fail_pending_commands(self, error: BaseException) -> None:
+    def _fail_pending_commands(self, reason: EngineDeadError) -> None:
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -316,7 +318,7 @@ class AsyncLLMEngine:
                 return
             if command[0] == "add":
                 stream, added = command[6], command[7]
-                _call_soon(stream.loop, _set_exception, added, EngineDeadError(f"the engine stopped: {error}"))
+                _call_soon(stream.loop, _set_exception, added, reason)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> bool:
