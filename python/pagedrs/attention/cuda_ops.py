@@ -79,7 +79,6 @@ def find_nvcc() -> str:
     if shutil.which("nvcc"):
         candidates.append(shutil.which("nvcc"))
     candidates += sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "*", "bin", "nvcc")))
-    candidates += sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "cuda_nvcc", "bin", "nvcc")))
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             return candidate

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -90,7 +91,10 @@ async def create_completion(serving: Serving, body: CompletionRequest, raw_reque
     extra = {"logprobs": body.logprobs}
     if body.echo and body.logprobs is not None:
         extra["prompt_logprobs"] = body.logprobs
-    params = [serving.sampling_params(body, limit, **extra) for limit in max_tokens]
+    # One validation (and one unknown-fields warning) per request; prompts differ only in
+    # how many tokens they may still generate.
+    base = serving.sampling_params(body, max_tokens[0], **extra)
+    params = [base if limit == base.max_tokens else dataclasses.replace(base, max_tokens=limit) for limit in max_tokens]
     run = serving.new_run("cmpl", body.n, prompts)
     await serving.start(run, params, body)
     if body.stream:

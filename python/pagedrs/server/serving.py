@@ -312,10 +312,6 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-def logprob_value(entry: dict[int, Logprob], token: int) -> float:
-    return finite(entry[token].logprob)
-
-
 def top_entries(entry: dict[int, Logprob], count: int) -> list[tuple[int, Logprob]]:
     """The ``count`` most likely tokens of a position, best first."""
     ranked = sorted(entry.items(), key=lambda item: item[1].rank)
