@@ -3,8 +3,9 @@
 Each timed round is one decode step with N running requests of 512-token prompts (prefix
 caching on, no shared prefix): ``schedule()``, every output array turned into a torch tensor
 (``torch.from_numpy``, no copy), and ``update_from_output()`` with the sampled tokens as a
-torch tensor's numpy view. Requests are prefilled before timing and replaced (untimed) every
-128 steps, so contexts stay within 512..640 tokens, as in the criterion bench.
+torch tensor's numpy view (it returns the step's updates as numpy columns, ``StepUpdates``).
+Requests are prefilled before timing and replaced (untimed) every 128 steps, so contexts stay
+within 512..640 tokens, as in the criterion bench.
 
     make bench-python
 """
@@ -27,6 +28,7 @@ ARRAYS = [
     "block_tables",
     "logits_indices",
     "logits_request_indices",
+    "logits_choice_indices",
     "num_scheduled_tokens",
     "block_copies",
 ]

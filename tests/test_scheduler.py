@@ -12,7 +12,8 @@ import random
 import numpy as np
 import pytest
 
-from pagedrs import DuplicateRequestError, InvalidArgumentError, Scheduler, UnknownRequestError
+from pagedrs import DuplicateRequestError, InvalidArgumentError, Scheduler, StepUpdates, UnknownRequestError
+from pagedrs._core import FINISH_REASONS
 
 
 class FakeModel:
@@ -68,7 +69,8 @@ class FakeModel:
             self.computed[(request_id, int(out.choice_indices[row]))] += int(out.num_scheduled_tokens[row])
         sampled = np.array([self.rng.randrange(self.vocab) for _ in out.logits_indices], dtype=np.int64)
         updates = self.scheduler.update_from_output(sampled)
-        self.apply(updates, out, sampled)
+        check_columns(updates, out, sampled)
+        self.apply(updates.to_list())
         self.scheduler.check_invariants()
         return updates
 
@@ -125,7 +127,7 @@ class FakeModel:
     def row_of(self, out, token_row: int) -> int:
         return int(np.searchsorted(out.query_start_loc, token_row, side="right")) - 1
 
-    def apply(self, updates, out, sampled) -> None:
+    def apply(self, updates: list[tuple]) -> None:
         for request_id, index, token, reason in updates:
             key = (request_id, index)
             if request_id in self.unforked:  # choice 0's prompt is done: forks appear
@@ -140,6 +142,33 @@ class FakeModel:
                 self.finished[key] = reason
                 del self.tokens[key]
                 del self.computed[key]
+
+
+def check_columns(updates: StepUpdates, out, sampled: np.ndarray) -> None:
+    """The columns agree with ``to_list()``, and each token's logits row is the row of the
+    last schedule that sampled it, for the same request and choice."""
+    assert updates.choice_indices.dtype == np.int32 and updates.token_ids.dtype == np.int64
+    assert updates.logits_rows.dtype == np.int32 and updates.finish_codes.dtype == np.uint8
+    rows = list(
+        zip(
+            updates.request_ids,
+            updates.choice_indices.tolist(),
+            updates.token_ids.tolist(),
+            updates.logits_rows.tolist(),
+            updates.finish_codes.tolist(),
+        )
+    )
+    assert len(updates) == len(rows) == len(updates.to_list())
+    for (request_id, index, token, row, code), listed in zip(rows, updates.to_list()):
+        reason = FINISH_REASONS[code - 1] if code else None
+        assert listed == (request_id, index, None if token == -1 else token, reason)
+        assert (token == -1) == (row == -1), "a token always comes from a logits row"
+        if row != -1:
+            assert token == sampled[row]
+            assert out.request_ids[out.logits_request_indices[row]] == request_id
+            assert out.logits_choice_indices[row] == index
+    sampled_rows = sorted(row for *_, row, _ in rows if row != -1)
+    assert sampled_rows == sorted(set(sampled_rows)), "one update per logits row at most"
 
 
 def test_arrays_match_a_pure_python_recomputation_under_a_random_workload():
@@ -193,7 +222,7 @@ def test_n_choices_share_the_prompt_and_copy_the_partial_block():
     out = scheduler.schedule()
     assert out.num_scheduled_tokens.tolist() == [6]
     assert out.logits_indices.tolist() == [5, 5, 5]
-    updates = scheduler.update_from_output(np.array([1, 2, 3]))
+    updates = scheduler.update_from_output(np.array([1, 2, 3])).to_list()
     assert sorted((index, token) for _, index, token, _ in updates) == [(0, 1), (1, 2), (2, 3)]
     out = scheduler.schedule()
     assert out.request_ids == ["r", "r", "r"]
@@ -203,7 +232,7 @@ def test_n_choices_share_the_prompt_and_copy_the_partial_block():
     assert len(set(out.block_tables[:, 1].tolist())) == 3, "partial blocks were copied"
     scheduler.update_from_output([4, 4, 4])
     out = scheduler.schedule()
-    reasons = scheduler.update_from_output([0, 0, 0])
+    reasons = scheduler.update_from_output([0, 0, 0]).to_list()
     assert [reason for *_, reason in reasons] == ["length"] * 3
     assert scheduler.stats().num_used_blocks == 0
 
@@ -224,23 +253,23 @@ def test_stop_conditions_and_python_side_finish():
     scheduler.add_request("string", [1, 2], max_tokens=10)
     scheduler.schedule()
     assert scheduler.request_status("string") == "running"
-    updates = scheduler.update_from_output([9, 7, 3])
+    updates = scheduler.update_from_output([9, 7, 3]).to_list()
     assert [(rid, reason) for rid, _, _, reason in updates] == [
         ("eos", "stop"),
         ("stop-id", "stop"),
         ("string", None),
     ]
     scheduler.finish_request("string", "stop")
+    assert not scheduler.has_unfinished_requests()
     out = scheduler.schedule()
     assert len(out) == 0
-    assert scheduler.update_from_output([]) == [("string", 0, None, "stop")]
-    assert not scheduler.has_unfinished_requests()
+    assert len(scheduler.update_from_output([])) == 0, "the caller's own finish is not echoed"
     # Ended ids are forgotten: they can't be aborted any more, and can be used again.
     with pytest.raises(UnknownRequestError):
         scheduler.abort_request("eos")
     scheduler.add_request("eos", [4, 5], max_tokens=1)
     scheduler.schedule()
-    assert scheduler.update_from_output([1]) == [("eos", 0, 1, "length")]
+    assert scheduler.update_from_output([1]).to_list() == [("eos", 0, 1, "length")]
 
 
 def test_request_too_big_for_the_cache_ends_with_capacity_not_a_hang():
@@ -251,7 +280,7 @@ def test_request_too_big_for_the_cache_ends_with_capacity_not_a_hang():
     assert scheduler.request_status("huge") == "waiting"
     for _ in range(5):
         out = scheduler.schedule()
-        for rid, _, _, reason in scheduler.update_from_output([0] * len(out.logits_indices)):
+        for rid, _, _, reason in scheduler.update_from_output([0] * len(out.logits_indices)).to_list():
             if reason:
                 finished[rid] = reason
     assert finished == {"huge": "capacity", "ok": "length"}
@@ -293,5 +322,72 @@ def test_bad_input_raises_value_errors_and_leaves_the_scheduler_healthy():
     assert scheduler.num_waiting + scheduler.num_running == 1
     scheduler.update_from_output([4])
     scheduler.schedule()
-    assert scheduler.update_from_output(np.array([5], dtype=np.int32))[0][3] == "length"
+    assert scheduler.update_from_output(np.array([5], dtype=np.int32)).to_list()[0][3] == "length"
+    assert scheduler.stats().num_used_blocks == 0
+
+
+def test_step_updates_are_columns_that_name_each_tokens_logits_row():
+    scheduler = Scheduler(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    single, multi = "single", "multi"
+    scheduler.add_request(single, [1, 2, 3], max_tokens=2)
+    scheduler.add_request(multi, [4, 5, 6, 7, 8], n=3, max_tokens=1)
+    out = scheduler.schedule()
+    assert out.logits_indices.tolist() == [2, 7, 7, 7]
+    assert out.logits_request_indices.tolist() == [0, 1, 1, 1]
+    assert out.logits_choice_indices.dtype == np.int32
+    assert out.logits_choice_indices.tolist() == [0, 0, 1, 2]
+    sampled = np.array([10, 11, 12, 13])
+    updates = scheduler.update_from_output(sampled)
+    assert isinstance(updates, StepUpdates) and len(updates) == 4
+    assert updates.request_ids[0] is single and updates.request_ids[1] is multi, "ids are not copied"
+    assert updates.choice_indices.tolist() == [0, 0, 1, 2]
+    assert updates.token_ids.tolist() == [10, 11, 12, 13]
+    # The forks' tokens come from the rows after their parent's, in choice order.
+    assert updates.logits_rows.tolist() == [0, 1, 2, 3]
+    length = 1 + FINISH_REASONS.index("length")
+    assert updates.finish_codes.tolist() == [0, length, length, length]
+    assert updates.to_list() == [
+        ("single", 0, 10, None),
+        ("multi", 0, 11, "length"),
+        ("multi", 1, 12, "length"),
+        ("multi", 2, 13, "length"),
+    ]
+    check_columns(updates, out, sampled)
+    # A sequence the scheduler ends itself gets no token: no logits row either.
+    scheduler = Scheduler(num_blocks=2, block_size=4)
+    scheduler.add_request("huge", list(range(20)), max_tokens=5)
+    scheduler.add_request("small", [1], max_tokens=3)
+    out = scheduler.schedule()
+    updates = scheduler.update_from_output([20] * len(out.logits_indices))
+    assert updates.to_list() == [("huge", 0, None, "capacity"), ("small", 0, 20, None)]
+    assert updates.token_ids.tolist() == [-1, 20] and updates.logits_rows.tolist() == [-1, 0]
+    assert updates.finish_codes.tolist() == [1 + FINISH_REASONS.index("capacity"), 0]
+    assert FINISH_REASONS == ("stop", "length", "abort", "capacity")
+
+
+def test_a_finish_the_caller_decided_is_not_echoed():
+    scheduler = Scheduler(num_blocks=32, block_size=4)
+    scheduler.add_request("r", [1, 2, 3], n=2, max_tokens=10)
+    scheduler.add_request("other", [4, 5], max_tokens=10)
+    out = scheduler.schedule()
+    scheduler.update_from_output([0] * len(out.logits_indices))
+    # Between steps: choice 1 ends, choice 0 runs on.
+    scheduler.finish_request("r", "stop", index=1)
+    out = scheduler.schedule()
+    assert sorted(zip(out.request_ids, out.choice_indices.tolist())) == [("other", 0), ("r", 0)]
+    updates = scheduler.update_from_output([0] * len(out.logits_indices)).to_list()
+    assert sorted((rid, index) for rid, index, *_ in updates) == [("other", 0), ("r", 0)]
+    assert all(reason is None for *_, reason in updates)
+    # Between schedule and update: its sampled row is dropped, and nothing is reported.
+    out = scheduler.schedule()
+    scheduler.finish_request("r", "stop", index=0)
+    updates = scheduler.update_from_output([0] * len(out.logits_indices))
+    assert updates.request_ids == ["other"]
+    with pytest.raises(UnknownRequestError):
+        scheduler.request_status("r")
+    scheduler.abort_request("other")
+    assert not scheduler.has_unfinished_requests()
+    scheduler.add_request("r", [1], max_tokens=1)  # the id is free again
+    out = scheduler.schedule()
+    assert scheduler.update_from_output([0] * len(out.logits_indices)).to_list() == [("r", 0, 0, "length")]
     assert scheduler.stats().num_used_blocks == 0

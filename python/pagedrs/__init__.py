@@ -6,6 +6,7 @@ from pagedrs._core import (
     Scheduler,
     SchedulerOutput,
     SchedulerStats,
+    StepUpdates,
 )
 from pagedrs._core import __version__ as _core_version
 from pagedrs.errors import (
@@ -54,6 +55,7 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "SchedulerStats",
+    "StepUpdates",
     "UnknownRequestError",
     "__version__",
 ]

@@ -122,7 +122,11 @@ class SchedulerOutput:
         """Input rows to sample from; a prompt with ``n > 1`` appears ``n`` times."""
     @property
     def logits_request_indices(self) -> npt.NDArray[np.int32]:
-        """For each logits row, its sequence's row in ``request_ids``."""
+        """For each logits row, its sequence's row in ``request_ids``. ``[num_logits]``"""
+    @property
+    def logits_choice_indices(self) -> npt.NDArray[np.int32]:
+        """For each logits row, the choice (0..n-1) its token goes to: the ``n`` rows of a
+        prompt with ``n > 1`` are for choices ``0..n-1``, in order. ``[num_logits]``"""
     @property
     def block_copies(self) -> npt.NDArray[np.int64]:
         """Copy-on-write ``(src, dst)`` block copies to do before the forward pass. ``[k, 2]``"""
@@ -158,9 +162,41 @@ class SchedulerStats:
     num_prefill_tokens_total: int
     num_generated_tokens_total: int
 
+FINISH_REASONS: tuple[str, ...]
+"""``("stop", "length", "abort", "capacity")``: ``StepUpdates.finish_codes`` code ``c > 0``
+is ``FINISH_REASONS[c - 1]``."""
+
 RequestUpdate = tuple[str, int, int | None, str | None]
 """``(request_id, choice_index, new_token_id, finish_reason)``; ``finish_reason`` is one of
-``"stop"``, ``"length"``, ``"abort"``, ``"capacity"`` or ``None``."""
+``"stop"``, ``"length"``, ``"capacity"`` or ``None``."""
+
+class StepUpdates:
+    """What ``update_from_output`` did, as columns of ``k`` rows: first the sequences
+    ``schedule`` ended on its own (no token), then one row per sequence that got a token, in
+    logits-row order. Finishes the caller decided (``abort_request``, ``finish_request``)
+    are never reported. The engine reads the columns; ``to_list()`` is for tests and
+    debugging."""
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Request id of each row (the very string given to ``add_request``)."""
+    @property
+    def choice_indices(self) -> npt.NDArray[np.int32]:
+        """Choice index (0..n-1) of each row. ``[k]``"""
+    @property
+    def token_ids(self) -> npt.NDArray[np.int64]:
+        """The token appended this step; -1 where none. ``[k]``"""
+    @property
+    def logits_rows(self) -> npt.NDArray[np.int32]:
+        """Row of ``sampled_token_ids`` (and of the last schedule's ``logits_indices``) the
+        token came from, to index the sampler's other outputs (logprobs); -1 where the
+        sequence got no token (``schedule`` ended it, e.g. for capacity). ``[k]``"""
+    @property
+    def finish_codes(self) -> npt.NDArray[np.uint8]:
+        """0 while running, else ``1 + FINISH_REASONS.index(reason)``. ``[k]``"""
+    def __len__(self) -> int: ...
+    def to_list(self) -> list[RequestUpdate]:
+        """The rows as ``(request_id, choice_index, token | None, reason | None)`` tuples."""
 
 class Scheduler:
     """The per-step scheduler: continuous batching, chunked prefill, preemption.
@@ -205,14 +241,20 @@ class Scheduler:
     def abort_request(self, request_id: str) -> None:
         """Ends the request and all its choices now, freeing every block."""
     def finish_request(self, request_id: str, reason: str = "stop", index: int = 0) -> None:
-        """Ends one choice (e.g. a stop string matched); reported by the next update."""
+        """Ends one choice for a reason the caller decided (e.g. a stop string matched),
+        freeing its blocks. Not reported back: ``update_from_output`` says nothing more of
+        this choice. ``reason`` must be one of ``FINISH_REASONS``."""
     def schedule(self) -> SchedulerOutput: ...
     def update_from_output(
         self, sampled_token_ids: npt.NDArray[np.integer] | list[int]
-    ) -> list[RequestUpdate]: ...
+    ) -> StepUpdates:
+        """Appends one sampled token per ``logits_indices`` row of the last ``schedule`` (row
+        ``i`` goes to choice ``logits_choice_indices[i]`` of sequence
+        ``logits_request_indices[i]``), applies stop conditions, frees what finished.
+        ``InvalidArgumentError`` when the count does not match."""
     def request_status(self, request_id: str, index: int = 0) -> str:
         """``"waiting"``, ``"running"`` or ``"preempted"``; ``UnknownRequestError`` once the
-        request has ended (its finish reason was reported by ``update_from_output``)."""
+        request has ended, ``InvalidArgumentError`` once that choice has."""
     def has_unfinished_requests(self) -> bool: ...
     @property
     def num_running(self) -> int: ...

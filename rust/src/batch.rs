@@ -11,6 +11,15 @@
 //!   block_tables      [[A0, 0, 0], [B0, B1, B2]]  (padded with 0 past each row's blocks)
 //!   logits_indices    [2, 3]   rows whose hidden state is sampled (a request that caught
 //!                              up with its tokens; a prompt with n > 1 appears n times)
+//!   logits_request_indices [0, 1]     logits_choice_indices [0, 0]
+//! ```
+//!
+//! Had A asked for n = 2, its last prompt row would be sampled twice, once per choice (the
+//! choice 1 sequence is forked off A when `update_from_output` gets its token):
+//!
+//! ```text
+//!   logits_indices    [2, 2, 3]    logits_request_indices [0, 0, 1]
+//!   logits_choice_indices [0, 1, 0]
 //! ```
 //!
 //! NOTE (the runner's contract): do `block_copies` first; then, in every layer, write all
@@ -32,6 +41,9 @@ pub struct RequestUpdate {
     pub choice_index: usize,
     /// The token sampled for it this step, if any.
     pub new_token_id: Option<u32>,
+    /// The logits row (of the last schedule's `logits_indices`, and of the sampled tokens)
+    /// that token came from; `None` when it got no token (ended by `schedule` itself).
+    pub logits_row: Option<usize>,
     /// Set when the sequence ended; its blocks are already free.
     pub finish_reason: Option<FinishReason>,
 }
@@ -67,6 +79,10 @@ pub struct SchedulerOutput {
     pub logits_indices: Vec<i64>,
     /// For each logits row, the index of its sequence in `request_ids`. `[num_logits]`
     pub logits_request_indices: Vec<i32>,
+    /// For each logits row, the choice (0..n) its token goes to: a prompt with `n > 1`
+    /// has rows for choices 0..n, in order, though only choice 0 is scheduled.
+    /// `[num_logits]`
+    pub logits_choice_indices: Vec<i32>,
     /// Copy-on-write block copies to do before the forward pass.
     pub block_copies: Vec<BlockCopy>,
     /// Tokens of prompts (or recomputed sequences) in this batch.
@@ -137,6 +153,7 @@ impl SchedulerOutput {
             block_table_width: width,
             logits_indices: Vec::with_capacity(num_logits),
             logits_request_indices: Vec::with_capacity(num_logits),
+            logits_choice_indices: Vec::with_capacity(num_logits),
             ..Default::default()
         }
     }
@@ -172,9 +189,10 @@ impl SchedulerOutput {
             *slot = block.0 as i32;
         }
         let last_row = (first_row + seq.num_tokens - 1) as i64;
-        for _ in 0..seq.num_samples {
+        for k in 0..seq.num_samples {
             self.logits_indices.push(last_row);
             self.logits_request_indices.push(row as i32);
+            self.logits_choice_indices.push((seq.choice_index + k) as i32);
         }
         if seq.is_decode {
             self.num_decode_tokens += seq.num_tokens;

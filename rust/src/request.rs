@@ -20,6 +20,27 @@ pub enum FinishReason {
 }
 
 impl FinishReason {
+    /// Every reason, in code order: `ALL[code - 1]` is the reason of `code`. Python sees
+    /// their names as `pagedrs._core.FINISH_REASONS`.
+    pub const ALL: [FinishReason; 4] =
+        [FinishReason::Stop, FinishReason::Length, FinishReason::Abort, FinishReason::Capacity];
+
+    /// The reason as one byte for columnar outputs: 1 + its index in `ALL`, so that 0 can
+    /// mean "still running".
+    pub fn code(self) -> u8 {
+        match self {
+            FinishReason::Stop => 1,
+            FinishReason::Length => 2,
+            FinishReason::Abort => 3,
+            FinishReason::Capacity => 4,
+        }
+    }
+
+    /// The reason of a code from `code` (`None` for 0 or an unknown code).
+    pub fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.get(usize::from(code).checked_sub(1)?).copied()
+    }
+
     /// The name Python sees (`"stop"`, `"length"`, `"abort"`, `"capacity"`).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -204,6 +225,17 @@ mod tests {
         assert_eq!(stop.check(1, 4, 10, 100), Some(FinishReason::Length));
         assert_eq!(stop.check(1, 1, 100, 100), Some(FinishReason::Length));
         assert_eq!(stop.check(9, 4, 10, 100), Some(FinishReason::Stop));
+    }
+
+    #[test]
+    fn finish_codes_index_all_reasons_and_zero_means_running() {
+        for (index, reason) in FinishReason::ALL.into_iter().enumerate() {
+            assert_eq!(usize::from(reason.code()), index + 1);
+            assert_eq!(FinishReason::from_code(reason.code()), Some(reason));
+            assert_eq!(FinishReason::parse(reason.as_str()), Some(reason));
+        }
+        assert_eq!(FinishReason::from_code(0), None);
+        assert_eq!(FinishReason::from_code(5), None);
     }
 
     #[test]

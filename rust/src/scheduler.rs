@@ -67,8 +67,9 @@ pub struct Scheduler {
     /// Sequences of the last schedule that sample, with their number of logits rows (1,
     /// or `n` for a prompt that forks), in row order.
     last_logits_owners: Vec<(RequestId, usize)>,
-    /// Updates decided outside `update_from_output` (requests ended by `schedule`),
-    /// delivered by the next `update_from_output`.
+    /// Sequences `schedule` ended on its own (capacity), delivered by the next
+    /// `update_from_output`. Finishes the caller decided (aborts, stop strings) are not
+    /// queued: the caller already knows.
     pending_updates: Vec<RequestUpdate>,
     /// Next group handle.
     next_group: u64,
@@ -187,23 +188,21 @@ impl Scheduler {
         let members = self.groups[&group].members.clone();
         for id in members {
             if self.requests.contains(id) {
-                self.finish(id, FinishReason::Abort)?;
+                self.release(id)?;
             }
         }
-        // Forks that never happened die with the group.
+        // Forks that never happened die with the group, and so does news of choices
+        // `schedule` ended: nothing about an aborted request is reported any more.
         self.remove_group(group);
+        self.pending_updates.retain(|update| update.group != group);
         Ok(())
     }
 
-    /// Ends one choice of a request for a reason decided outside the core (a stop string).
-    pub fn finish_request(
-        &mut self,
-        external_id: &str,
-        choice_index: usize,
-        reason: FinishReason,
-    ) -> Result<()> {
+    /// Ends one choice of a request for a reason decided outside the core (a stop string),
+    /// freeing its blocks. Not reported back by `update_from_output`: the caller decided it.
+    pub fn finish_request(&mut self, external_id: &str, choice_index: usize) -> Result<()> {
         let id = self.live_choice(external_id, choice_index)?;
-        self.finish(id, reason)
+        self.release(id)
     }
 
     /// Where one choice of a live request is: waiting, running or preempted.
@@ -371,6 +370,10 @@ impl Scheduler {
     /// order) to its sequence, forks `n > 1` requests whose prompt just finished, applies
     /// stop conditions and frees what finished. Call it after every `schedule`, even an
     /// empty one: it also delivers requests `schedule` ended on its own.
+    ///
+    /// Returns those requests first (no token, no logits row), then one update per
+    /// sequence that got a token, in logits-row order. A sequence aborted or finished by
+    /// the caller since `schedule` gets nothing: its rows are dropped.
     pub fn update_from_output(&mut self, sampled_token_ids: &[u32]) -> Result<Vec<RequestUpdate>> {
         let num_rows: usize = self.last_logits_owners.iter().map(|&(_, rows)| rows).sum();
         if sampled_token_ids.len() != num_rows {
@@ -383,20 +386,22 @@ impl Scheduler {
         let mut owners = std::mem::take(&mut self.last_logits_owners);
         let mut updates = std::mem::take(&mut self.pending_updates);
         updates.reserve(owners.len());
-        let mut row = 0;
+        let mut next_row = 0;
         for &(id, num_rows) in &owners {
-            let tokens = &sampled_token_ids[row..row + num_rows];
-            row += num_rows;
+            let first_row = next_row;
+            next_row += num_rows;
             // A sequence aborted (or finished) since `schedule` drops its rows.
             if !self.requests.contains(id) {
                 continue;
             }
-            if num_rows > 1 {
-                for (child, &token) in self.fork(id, num_rows - 1)?.into_iter().zip(&tokens[1..]) {
-                    updates.push(self.append_token(child, token)?);
-                }
+            // NOTE: fork before the parent's token is appended: the children start from
+            // the prompt alone and take rows `first_row + 1..`, in choice order.
+            let children = if num_rows > 1 { self.fork(id, num_rows - 1)? } else { Vec::new() };
+            updates.push(self.append_token(id, sampled_token_ids[first_row], first_row)?);
+            for (offset, child) in children.into_iter().enumerate() {
+                let row = first_row + 1 + offset;
+                updates.push(self.append_token(child, sampled_token_ids[row], row)?);
             }
-            updates.push(self.append_token(id, tokens[0])?);
         }
         self.stats.num_generated_tokens_total += sampled_token_ids.len() as u64;
         // Keep the allocation for the next step.
@@ -440,7 +445,7 @@ impl Scheduler {
             let victim = *self.running.last().expect("id is running");
             if victim == id && self.running.len() == 1 {
                 // Alone, with every other block free or evictable: it can never fit.
-                self.finish(id, FinishReason::Capacity)?;
+                self.end_for_capacity(id)?;
                 return Ok(false);
             }
             if victim == id {
@@ -480,7 +485,7 @@ impl Scheduler {
             let Some(copies) = self.kv.allocate_slots(id, num_new)? else {
                 if self.running.is_empty() {
                     // Every block is free and the first chunk still does not fit.
-                    self.finish(id, FinishReason::Capacity)?;
+                    self.end_for_capacity(id)?;
                     continue;
                 }
                 break;
@@ -546,8 +551,14 @@ impl Scheduler {
         Ok(children)
     }
 
-    /// Appends one sampled token to a sequence and ends it if a stop condition holds.
-    fn append_token(&mut self, id: RequestId, token: u32) -> Result<RequestUpdate> {
+    /// Appends the token sampled from logits row `logits_row` to a sequence and ends it if
+    /// a stop condition holds.
+    fn append_token(
+        &mut self,
+        id: RequestId,
+        token: u32,
+        logits_row: usize,
+    ) -> Result<RequestUpdate> {
         self.kv.append_token_ids(id, &[token])?;
         let max_model_len = self.config.max_model_len;
         let request = self.requests.get_mut(id).expect("live");
@@ -562,6 +573,7 @@ impl Scheduler {
             group: request.group,
             choice_index: request.choice_index,
             new_token_id: Some(token),
+            logits_row: Some(logits_row),
             finish_reason,
         };
         if finish_reason.is_some() {
@@ -570,19 +582,17 @@ impl Scheduler {
         Ok(update)
     }
 
-    /// Ends a sequence outside `update_from_output`; its update is delivered by the next
-    /// `update_from_output` (except aborts, which the caller asked for).
-    fn finish(&mut self, id: RequestId, reason: FinishReason) -> Result<()> {
+    /// Ends a sequence that can never fit the KV cache, from `schedule`; the next
+    /// `update_from_output` reports it.
+    fn end_for_capacity(&mut self, id: RequestId) -> Result<()> {
         let request = &self.requests[id];
-        let update = RequestUpdate {
+        self.pending_updates.push(RequestUpdate {
             group: request.group,
             choice_index: request.choice_index,
             new_token_id: None,
-            finish_reason: Some(reason),
-        };
-        if reason != FinishReason::Abort {
-            self.pending_updates.push(update);
-        }
+            logits_row: None,
+            finish_reason: Some(FinishReason::Capacity),
+        });
         self.release(id)
     }
 

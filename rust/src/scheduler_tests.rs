@@ -290,13 +290,90 @@ fn stop_conditions_end_requests_and_free_their_blocks() {
 #[test]
 fn finish_request_ends_one_choice_for_a_python_side_stop() {
     let mut s = Scheduler::new(config(64, 64)).unwrap();
-    s.add_request("r", &prompt(3, 0), params(10)).unwrap();
+    s.add_request("r", &prompt(3, 0), RequestParams { n: 2, ..params(10) }).unwrap();
     step(&mut s, 1);
-    s.finish_request("r", 0, FinishReason::Stop).unwrap();
-    let (out, updates) = step(&mut s, 1);
-    assert!(out.is_empty());
-    assert_eq!(updates[0].finish_reason, Some(FinishReason::Stop));
+    s.finish_request("r", 1).unwrap();
+    assert!(matches!(s.status("r", 1), Err(Error::InvalidArgument(_))), "choice 1 ended");
+    let (out, _) = step(&mut s, 1);
+    assert_eq!(out.choice_indices, vec![0], "choice 0 runs on");
+    s.finish_request("r", 0).unwrap();
     assert!(!s.has_unfinished_requests());
+    assert_eq!(s.kv_cache().num_free_blocks(), 64);
+    assert!(matches!(s.finish_request("r", 0), Err(Error::UnknownRequest(_))));
+}
+
+#[test]
+fn a_finish_the_caller_decided_is_not_echoed() {
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    s.add_request("stopped", &prompt(3, 0), params(10)).unwrap();
+    s.add_request("other", &prompt(3, 10), params(10)).unwrap();
+    step(&mut s, 1);
+    // Between steps, and between `schedule` and `update_from_output` (its row is dropped).
+    s.finish_request("stopped", 0).unwrap();
+    let (out, updates) = step(&mut s, 1);
+    assert_eq!(out.request_ids.len(), 1);
+    let names: Vec<&str> =
+        updates.iter().map(|u| s.external_id(u.group).unwrap().as_ref()).collect();
+    assert_eq!(names, vec!["other"]);
+    let out = s.schedule().unwrap();
+    s.finish_request("other", 0).unwrap();
+    let updates = s.update_from_output(&vec![1; out.logits_indices.len()]).unwrap();
+    assert!(updates.is_empty());
+    assert!(!s.has_unfinished_requests());
+}
+
+#[test]
+fn nothing_more_is_reported_about_an_aborted_request() {
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    s.add_request("r", &prompt(3, 0), RequestParams { n: 2, ..params(10) }).unwrap();
+    step(&mut s, 1);
+    // As if `schedule` had ended choice 1 for capacity while choice 0 lives on.
+    let child = s.groups.values().next().unwrap().members[1];
+    s.end_for_capacity(child).unwrap();
+    s.abort_request("r").unwrap();
+    assert!(!s.has_unfinished_requests());
+    assert!(s.update_from_output(&[]).unwrap().is_empty());
+}
+
+#[test]
+fn updates_name_the_logits_row_of_their_token() {
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    s.add_request("single", &prompt(3, 0), params(10)).unwrap();
+    s.add_request("multi", &prompt(5, 20), RequestParams { n: 3, ..params(10) }).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.logits_indices, vec![2, 7, 7, 7]);
+    assert_eq!(out.logits_request_indices, vec![0, 1, 1, 1]);
+    assert_eq!(out.logits_choice_indices, vec![0, 0, 1, 2]);
+    let updates = s.update_from_output(&[10, 11, 12, 13]).unwrap();
+    let rows: Vec<_> =
+        updates.iter().map(|u| (u.choice_index, u.new_token_id, u.logits_row)).collect();
+    assert_eq!(
+        rows,
+        vec![
+            (0, Some(10), Some(0)),
+            (0, Some(11), Some(1)),
+            (1, Some(12), Some(2)),
+            (2, Some(13), Some(3))
+        ]
+    );
+    // Forks decode as sequences of their own, one row each.
+    let out = s.schedule().unwrap();
+    assert_eq!(
+        out.logits_choice_indices,
+        out.choice_indices.iter().map(|&c| c as i32).collect::<Vec<_>>()
+    );
+    let updates = s.update_from_output(&[20, 21, 22, 23]).unwrap();
+    for update in &updates {
+        let row = update.logits_row.unwrap();
+        assert_eq!(update.new_token_id, Some(20 + row as u32));
+        assert_eq!(out.logits_choice_indices[row], update.choice_index as i32);
+        assert_eq!(out.groups[out.logits_request_indices[row] as usize], update.group);
+    }
+    // A sequence `schedule` ends on its own got no token, so it has no row.
+    let mut s = Scheduler::new(config(4, 64)).unwrap();
+    s.add_request("huge", &prompt(30, 0), params(4)).unwrap();
+    let (_, updates) = step(&mut s, 1);
+    assert_eq!((updates[0].new_token_id, updates[0].logits_row), (None, None));
 }
 
 #[test]

@@ -1,4 +1,6 @@
-"""`LLMEngine`: one step = schedule (Rust), run the model, sample, update, detokenize."""
+"""`LLMEngine`: one step = schedule (Rust) -> execute (forward pass and sampler: arrays in,
+sampled arrays out) -> update_from_output (Rust, columns out) -> apply (detokenize, stop
+strings, logprobs, outputs)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedrs._core import Scheduler
+from pagedrs._core import FINISH_REASONS, Scheduler, SchedulerOutput, StepUpdates
 from pagedrs.config import EngineConfig, resolve_dtype
 from pagedrs.engine.detokenizer import IncrementalDetokenizer
 from pagedrs.engine.model_runner import ModelRunner
@@ -19,7 +21,7 @@ from pagedrs.memory import kv_cache_capacity
 from pagedrs.models import architecture_of, build_model
 from pagedrs.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedrs.sampler import Sampler, SamplingRow
+from pagedrs.sampler import Sampler, SamplerOutput, SamplingRow
 from pagedrs.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedrs")
@@ -31,7 +33,10 @@ class _Choice:
 
     output: CompletionOutput
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
+    sampling: SamplingRow
+    """Its parameters, seeded generator and penalty slot, as the sampler takes them."""
+    banned_token_ids: list[int]
+    """Tokens it may not sample while it has fewer than ``min_tokens`` (EOS, stop tokens)."""
 
 
 @dataclass
@@ -95,9 +100,10 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, capacity.num_blocks, config.block_size, self.dtype, self.device,
                                   config.attention_backend)
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(self.hf_config.vocab_size, config.seed, self.device)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._requests: dict[str, _Request] = {}
+        self._token_texts: dict[int, str] = {}
         self.last_schedule = None
         """The last step's batch (`SchedulerOutput`), for metrics and benchmarks."""
         logger.info(
@@ -154,16 +160,23 @@ class LLMEngine:
             priority=priority,
             cache_salt=cache_salt,
         )
+        banned = []
+        if params.min_tokens:
+            banned = list(stop_token_ids)
+            if not params.ignore_eos and self.eos_token_id is not None:
+                banned.append(self.eos_token_id)
         choices = []
         for index in range(params.n):
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed + index * 1_000_003)
+            penalty_slot = self.sampler.penalties.acquire(token_ids) if params.uses_penalties else None
             choices.append(
                 _Choice(
                     output=CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None),
                     detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
-                    generator=generator,
+                    sampling=SamplingRow(params, generator, penalty_slot),
+                    banned_token_ids=banned,
                 )
             )
         request = _Request(request_id, text, token_ids, params, choices)
@@ -173,10 +186,19 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; unknown ids are ignored."""
-        request = self._requests.pop(request_id, None)
+        request = self._requests.get(request_id)
         if request is None:
             return
+        self._forget(request)
         self.scheduler.abort_request(request_id)
+
+    def _forget(self, request: _Request) -> None:
+        """The one place a request leaves the engine: its sampler state goes with it."""
+        del self._requests[request.request_id]
+        for choice in request.choices:
+            if choice.sampling.penalty_slot is not None:
+                self.sampler.penalties.release(choice.sampling.penalty_slot)
+                choice.sampling.penalty_slot = None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -194,45 +216,57 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.last_schedule = out
         touched: dict[str, _Request] = {}
-        sampled, token_ids, row_of = None, np.zeros(len(out.logits_indices), dtype=np.int64), {}
-        if len(out):
-            try:
-                rows, row_of = self._sampling_rows(out)
-                prompt_rows = self._prompt_logprob_rows(out)
-                extra_rows = np.array([row for row, _, _ in prompt_rows], dtype=np.int64)
-                logits, prompt_logits = self.runner.execute(out, extra_rows)
-                self._record_prompt_logprobs(prompt_rows, prompt_logits)
-                sampled = self.sampler(logits, rows)
-                token_ids = sampled.token_ids.cpu().numpy()
-            except Exception as error:  # noqa: BLE001 - the batch fails, the engine lives on
-                logger.exception("step failed; failing the %d requests of its batch", len(out.request_ids))
-                for request_id in set(out.request_ids):
-                    self._fail(request_id, error, touched)
-        for request_id, index, token, finish_reason in self.scheduler.update_from_output(token_ids):
+        sampled = self._execute(out, touched) if len(out) else None
+        token_ids = sampled.token_ids if sampled is not None else np.zeros(len(out.logits_indices), np.int64)
+        self._apply(self.scheduler.update_from_output(token_ids), sampled, touched)
+        outputs = [request.to_output() for request in touched.values()]
+        for request in touched.values():
+            if request.finished():
+                self._forget(request)
+        return outputs
+
+    def _execute(self, out: SchedulerOutput, touched: dict[str, _Request]) -> SamplerOutput | None:
+        """Arrays in, sampled arrays out: the forward pass and the sampler. If either fails,
+        every request of the batch fails (and ``None`` is returned)."""
+        try:
+            rows, banned = self._sampling_rows(out)
+            prompt_rows = self._prompt_logprob_rows(out)
+            extra_rows = np.array([row for row, _, _ in prompt_rows], dtype=np.int64)
+            logits, prompt_logits = self.runner.execute(out, extra_rows)
+            self._record_prompt_logprobs(prompt_rows, prompt_logits)
+            return self.sampler(logits, rows, banned)
+        except Exception as error:  # noqa: BLE001 - the batch fails, the engine lives on
+            logger.exception("step failed; failing the %d requests of its batch", len(out.request_ids))
+            for request_id in set(out.request_ids):
+                self._fail(request_id, error, touched)
+            return None
+
+    def _apply(self, updates: StepUpdates, sampled: SamplerOutput | None, touched: dict[str, _Request]) -> None:
+        """The core's columns into outputs: each new token detokenized and checked against
+        stop strings, logprobs recorded, finish reasons set."""
+        request_ids = updates.request_ids
+        columns = zip(updates.choice_indices.tolist(), updates.token_ids.tolist(), updates.logits_rows.tolist(),
+                      updates.finish_codes.tolist())
+        for request_id, (index, token, row, finish_code) in zip(request_ids, columns):
             request = self._requests.get(request_id)
             if request is None:
-                continue  # aborted, failed, or ended by a stop string earlier
+                continue  # aborted since schedule
             choice = request.choices[index]
             if choice.output.finished():
-                continue  # a stop string already ended it; this is the core's echo
+                continue  # failed in this step's execute
             try:
-                if token is not None:
-                    core_finished = finish_reason is not None
-                    self._append(request, choice, token, sampled, row_of[(request_id, index)], core_finished)
-                if finish_reason is not None and not choice.output.finished():
-                    choice.output.finish_reason = finish_reason
-                    if finish_reason == "stop" and token is not None and token != self.eos_token_id:
+                if row >= 0:
+                    self._append(request, choice, token, sampled, row, core_finished=finish_code != 0)
+                if finish_code and not choice.output.finished():
+                    reason = FINISH_REASONS[finish_code - 1]
+                    choice.output.finish_reason = reason
+                    if reason == "stop" and row >= 0 and token != self.eos_token_id:
                         choice.output.stop_reason = token
             except Exception as error:  # noqa: BLE001 - this request fails, the others go on
                 logger.exception("request %s failed", request_id)
                 self._fail(request_id, error, touched)
                 continue
             touched[request_id] = request
-        outputs = [request.to_output() for request in touched.values()]
-        for output in outputs:
-            if output.finished:
-                self._requests.pop(output.request_id, None)
-        return outputs
 
     def _fail(self, request_id: str, error: Exception, touched: dict[str, _Request]) -> None:
         """Ends a request with finish reason ``"error"`` and frees its blocks."""
@@ -267,57 +301,59 @@ class LLMEngine:
         return rows
 
     def _record_prompt_logprobs(self, prompt_rows, logits: torch.Tensor) -> None:
+        """Batched: each prompt token's log-probability, rank and the top tokens at its
+        position, copied to the host once."""
         if not prompt_rows:
             return
-        logprobs = logits.log_softmax(dim=-1)
-        for (_, request, position), row_logprobs in zip(prompt_rows, logprobs):
-            token = request.prompt_token_ids[position + 1]
-            value = row_logprobs[token]
-            entry = {token: Logprob(float(value), int((row_logprobs > value).sum()) + 1, self.tokenizer.decode([token]))}
-            if request.params.prompt_logprobs:
-                top_values, top_ids = row_logprobs.topk(request.params.prompt_logprobs)
-                for rank, (top_id, top_value) in enumerate(zip(top_ids.tolist(), top_values.tolist()), start=1):
-                    entry.setdefault(top_id, Logprob(top_value, rank, self.tokenizer.decode([top_id])))
+        logprobs = logits.float().log_softmax(dim=-1)
+        targets = torch.tensor([request.prompt_token_ids[position + 1] for _, request, position in prompt_rows],
+                               device=logprobs.device)
+        values = logprobs.gather(1, targets.unsqueeze(1))
+        ranks = (logprobs > values).sum(dim=-1) + 1
+        num_top = max(request.params.prompt_logprobs for _, request, _ in prompt_rows)
+        top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (values[:, :0], values[:, :0])
+        columns = zip(targets.tolist(), values.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(),
+                      top_values.tolist())
+        for (_, request, _), (token, value, rank, row_top_ids, row_top_values) in zip(prompt_rows, columns):
+            entry = {token: Logprob(value, rank, self._token_text(token))}
+            num_wanted = request.params.prompt_logprobs
+            for top_rank, (top_id, top_value) in enumerate(zip(row_top_ids[:num_wanted], row_top_values), start=1):
+                entry.setdefault(int(top_id), Logprob(top_value, top_rank, self._token_text(int(top_id))))
             request.prompt_logprobs.append(entry)
 
-    def _sampling_rows(self, out) -> tuple[list[SamplingRow], dict[tuple[str, int], int]]:
-        """One `SamplingRow` per logits row; a prompt with n > 1 has rows for choices 0..n-1."""
-        rows, row_of = [], {}
-        previous_seq, choice_offset = -1, 0
-        for row, seq in enumerate(out.logits_request_indices.tolist()):
-            choice_offset = choice_offset + 1 if seq == previous_seq else 0
-            previous_seq = seq
-            request_id = out.request_ids[seq]
-            index = int(out.choice_indices[seq]) + choice_offset
-            request = self._requests[request_id]
-            choice = request.choices[index]
-            params = request.params
-            banned = []
-            if len(choice.output.token_ids) < params.min_tokens:
-                banned = list(params.stop_token_ids or [])
-                if not params.ignore_eos and self.eos_token_id is not None:
-                    banned.append(self.eos_token_id)
-            rows.append(
-                SamplingRow(params, choice.generator, request.prompt_token_ids, choice.output.token_ids, banned)
-            )
-            row_of[(request_id, index)] = row
-        return rows, row_of
+    def _token_text(self, token_id: int) -> str:
+        """One token decoded on its own (for logprobs), remembered."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
-    def _append(
-        self, request: _Request, choice: _Choice, token: int, sampled, row: int, core_finished: bool
-    ) -> None:
+    def _sampling_rows(self, out: SchedulerOutput) -> tuple[list[SamplingRow], list[tuple[int, list[int]]]]:
+        """Each logits row's `SamplingRow` (the core says whose row it is), and the tokens
+        banned per row for choices still short of ``min_tokens``."""
+        request_ids = out.request_ids
+        rows, banned = [], []
+        for row, (seq, index) in enumerate(zip(out.logits_request_indices.tolist(),
+                                                out.logits_choice_indices.tolist())):
+            choice = self._requests[request_ids[seq]].choices[index]
+            rows.append(choice.sampling)
+            if choice.banned_token_ids and len(choice.output.token_ids) < choice.sampling.params.min_tokens:
+                banned.append((row, choice.banned_token_ids))
+        return rows, banned
+
+    def _append(self, request: _Request, choice: _Choice, token: int, sampled: SamplerOutput, row: int,
+                core_finished: bool) -> None:
         output = choice.output
         output.token_ids.append(token)
-        if sampled is not None and sampled.logprobs is not None and output.logprobs is not None:
-            entry = {token: Logprob(float(sampled.logprobs[row]), int(sampled.ranks[row]), self.tokenizer.decode([token]))}
-            for rank, (top_id, top_logprob) in enumerate(
-                zip(sampled.top_token_ids[row, : request.params.logprobs].tolist(),
-                    sampled.top_logprobs[row, : request.params.logprobs].tolist()),
-                start=1,
-            ):
-                entry.setdefault(top_id, Logprob(top_logprob, rank, self.tokenizer.decode([top_id])))
+        if output.logprobs is not None and sampled.logprobs is not None:
+            logprob = float(sampled.logprobs[row])
+            entry = {token: Logprob(logprob, int(sampled.ranks[row]), self._token_text(token))}
+            num_top = request.params.logprobs
+            top = zip(sampled.top_token_ids[row, :num_top].tolist(), sampled.top_logprobs[row, :num_top].tolist())
+            for rank, (top_id, top_logprob) in enumerate(top, start=1):
+                entry.setdefault(top_id, Logprob(top_logprob, rank, self._token_text(top_id)))
             output.logprobs.append(entry)
-            output.cumulative_logprob = (output.cumulative_logprob or 0.0) + float(sampled.logprobs[row])
+            output.cumulative_logprob = (output.cumulative_logprob or 0.0) + logprob
         previous_length = len(output.text)
         output.text += choice.detokenizer.add(token)
         self._check_stop_strings(request, choice, previous_length, core_finished)

@@ -7,9 +7,10 @@ mod scheduler;
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::PyType;
+use pyo3::types::{PyTuple, PyType};
 
 use crate::error::Error;
+use crate::request::FinishReason;
 
 /// Raises `Error` as the matching `pagedrs.errors` class.
 pub(super) fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
@@ -68,6 +69,10 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<scheduler::PyScheduler>()?;
     module.add_class::<scheduler::PySchedulerOutput>()?;
     module.add_class::<scheduler::PySchedulerStats>()?;
+    module.add_class::<scheduler::PyStepUpdates>()?;
+    // `StepUpdates.finish_codes` index this: code `c > 0` is `FINISH_REASONS[c - 1]`.
+    let finish_reasons = FinishReason::ALL.map(FinishReason::as_str);
+    module.add("FINISH_REASONS", PyTuple::new(module.py(), finish_reasons)?)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -3,9 +3,9 @@
 use std::collections::HashMap;
 
 use ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString, PyTuple};
+use pyo3::types::{PyList, PyString};
 
 use super::{name_request, to_count, to_py_err, to_token_ids};
 use crate::batch::RequestUpdate;
@@ -39,6 +39,9 @@ pub(super) struct PySchedulerOutput {
     logits_indices: Py<PyArray1<i64>>,
     /// Sequence (row of `request_ids`) each logits row samples for. `int32 [num_logits]`
     logits_request_indices: Py<PyArray1<i32>>,
+    /// Choice (0..n) each logits row samples for; a prompt with `n > 1` has rows for
+    /// choices 0..n. `int32 [num_logits]`
+    logits_choice_indices: Py<PyArray1<i32>>,
     /// Copy-on-write copies `(src, dst)` to do before the forward pass. `int64 [k, 2]`
     block_copies: Py<PyArray2<i64>>,
     /// Sequences in the batch.
@@ -66,6 +69,66 @@ impl PySchedulerOutput {
             self.num_seqs, self.num_batched_tokens, self.num_prefill_tokens, self.num_decode_tokens
         )
     }
+}
+
+/// What `update_from_output` did, one row per sequence that got a token or ended, as
+/// columns: the engine indexes its sampler's outputs with `logits_rows` instead of building
+/// a dict, and reads the rest without a Python object per row (the ids excepted).
+#[pyclass(name = "StepUpdates", module = "pagedrs._core", frozen, get_all)]
+pub(super) struct PyStepUpdates {
+    /// Request id of each row (the string object given to `add_request`). `list[str]`
+    request_ids: Py<PyList>,
+    /// Choice index (0..n) of each row. `int32 [k]`
+    choice_indices: Py<PyArray1<i32>>,
+    /// The token appended this step, -1 where none. `int64 [k]`
+    token_ids: Py<PyArray1<i64>>,
+    /// Row of the sampled tokens (and of the last schedule's `logits_indices`) the token
+    /// came from, -1 where none (a sequence `schedule` ended itself). `int32 [k]`
+    logits_rows: Py<PyArray1<i32>>,
+    /// 0 while running, else 1 + the reason's index in `FINISH_REASONS`. `uint8 [k]`
+    finish_codes: Py<PyArray1<u8>>,
+}
+
+#[pymethods]
+impl PyStepUpdates {
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.request_ids.bind(py).len()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!("StepUpdates(len={})", self.__len__(py))
+    }
+
+    /// The rows as `(request_id, choice_index, token | None, reason | None)` tuples, for
+    /// tests and debugging (the engine reads the columns).
+    fn to_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let choice_indices = self.choice_indices.bind(py).readonly();
+        let token_ids = self.token_ids.bind(py).readonly();
+        let finish_codes = self.finish_codes.bind(py).readonly();
+        let rows = self
+            .request_ids
+            .bind(py)
+            .iter()
+            .zip(choice_indices.as_slice()?)
+            .zip(token_ids.as_slice()?)
+            .zip(finish_codes.as_slice()?)
+            .map(|(((request_id, &choice_index), &token), &code)| {
+                let reason = finish_reason_name(code).map_err(|err| to_py_err(py, err))?;
+                Ok((request_id, choice_index, (token >= 0).then_some(token), reason))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, rows)
+    }
+}
+
+/// The name of a `finish_codes` entry: `None` while running.
+fn finish_reason_name(code: u8) -> Result<Option<&'static str>, Error> {
+    if code == 0 {
+        return Ok(None);
+    }
+    let reason = FinishReason::from_code(code)
+        .ok_or_else(|| Error::InvalidArgument(format!("unknown finish code {code}")))?;
+    Ok(Some(reason.as_str()))
 }
 
 /// A snapshot of the scheduler's counters.
@@ -132,6 +195,9 @@ pub(super) struct PyScheduler {
     inner: Scheduler,
     /// Each live request's id as a Python string, so outputs reuse one object.
     group_to_py_id: HashMap<u64, Py<PyString>>,
+    /// Requests the caller finished (`finish_request`) since the last `update_from_output`,
+    /// whose ids are forgotten there.
+    finished_groups: Vec<u64>,
 }
 
 impl PyScheduler {
@@ -142,21 +208,39 @@ impl PyScheduler {
         }
     }
 
-    fn update_tuple<'py>(
-        &self,
-        py: Python<'py>,
-        update: &RequestUpdate,
-    ) -> PyResult<Bound<'py, PyTuple>> {
-        let reason = update.finish_reason.map(FinishReason::as_str);
-        (self.py_id(py, update.group), update.choice_index, update.new_token_id, reason)
-            .into_pyobject(py)
+    /// The updates as columns.
+    fn step_updates(&self, py: Python<'_>, updates: &[RequestUpdate]) -> PyResult<PyStepUpdates> {
+        let num_rows = updates.len();
+        let mut choice_indices = Vec::with_capacity(num_rows);
+        let mut token_ids = Vec::with_capacity(num_rows);
+        let mut logits_rows = Vec::with_capacity(num_rows);
+        let mut finish_codes = Vec::with_capacity(num_rows);
+        for update in updates {
+            choice_indices.push(update.choice_index as i32);
+            token_ids.push(update.new_token_id.map_or(-1, i64::from));
+            logits_rows.push(update.logits_row.map_or(-1, |row| row as i32));
+            finish_codes.push(update.finish_reason.map_or(0, FinishReason::code));
+        }
+        let request_ids = updates.iter().map(|update| self.py_id(py, update.group));
+        Ok(PyStepUpdates {
+            request_ids: PyList::new(py, request_ids)?.unbind(),
+            choice_indices: choice_indices.into_pyarray(py).unbind(),
+            token_ids: token_ids.into_pyarray(py).unbind(),
+            logits_rows: logits_rows.into_pyarray(py).unbind(),
+            finish_codes: finish_codes.into_pyarray(py).unbind(),
+        })
     }
 
-    /// Forgets the Python ids of requests that ended with these updates.
+    /// Forgets the Python ids of requests that ended, once nothing left to report names
+    /// them: those that ended with these updates, and those the caller finished since the
+    /// last `update_from_output` (a capacity update of another choice may still have been
+    /// pending then).
     fn forget_finished(&mut self, updates: &[RequestUpdate]) {
-        for update in updates.iter().filter(|update| update.finish_reason.is_some()) {
-            if self.inner.external_id(update.group).is_none() {
-                self.group_to_py_id.remove(&update.group);
+        let finished = updates.iter().filter(|update| update.finish_reason.is_some());
+        let ended = finished.map(|update| update.group).chain(self.finished_groups.drain(..));
+        for group in ended {
+            if self.inner.external_id(group).is_none() {
+                self.group_to_py_id.remove(&group);
             }
         }
     }
@@ -233,7 +317,7 @@ impl PyScheduler {
             })
         };
         let inner = build().map_err(|err| to_py_err(py, err))?;
-        Ok(PyScheduler { inner, group_to_py_id: HashMap::new() })
+        Ok(PyScheduler { inner, group_to_py_id: HashMap::new(), finished_groups: Vec::new() })
     }
 
     /// Queues a request.
@@ -304,8 +388,9 @@ impl PyScheduler {
         Ok(())
     }
 
-    /// Ends one choice of a request (e.g. a stop string matched); reported by the next
-    /// `update_from_output`.
+    /// Ends one choice of a request for a reason the caller decided (e.g. a stop string
+    /// matched), freeing its blocks. `reason` is validated but not reported back: the next
+    /// `update_from_output` says nothing of this choice.
     #[pyo3(signature = (request_id, reason = "stop", index = 0))]
     fn finish_request(
         &mut self,
@@ -314,15 +399,18 @@ impl PyScheduler {
         reason: &str,
         index: i64,
     ) -> PyResult<()> {
+        let group = self.inner.group(request_id);
         let result = (|| {
-            let reason = FinishReason::parse(reason).ok_or_else(|| {
-                Error::InvalidArgument(format!(
+            if FinishReason::parse(reason).is_none() {
+                return Err(Error::InvalidArgument(format!(
                     "reason must be one of stop, length, abort, capacity; got {reason:?}"
-                ))
-            })?;
-            self.inner.finish_request(request_id, to_count(index, "index")?, reason)
+                )));
+            }
+            self.inner.finish_request(request_id, to_count(index, "index")?)
         })();
-        result.map_err(|err| to_py_err(py, err))
+        result.map_err(|err| to_py_err(py, err))?;
+        self.finished_groups.extend(group);
+        Ok(())
     }
 
     /// Decides this step's batch.
@@ -362,6 +450,7 @@ impl PyScheduler {
             block_tables: block_tables.into_pyarray(py).unbind(),
             logits_indices: out.logits_indices.into_pyarray(py).unbind(),
             logits_request_indices: out.logits_request_indices.into_pyarray(py).unbind(),
+            logits_choice_indices: out.logits_choice_indices.into_pyarray(py).unbind(),
             block_copies: block_copies.into_pyarray(py).unbind(),
             num_prefill_tokens: out.num_prefill_tokens,
             num_decode_tokens: out.num_decode_tokens,
@@ -370,22 +459,18 @@ impl PyScheduler {
     }
 
     /// Appends the sampled tokens (one per `logits_indices` row of the last `schedule`) and
-    /// returns `(request_id, index, new_token_id | None, finish_reason | None)` per
-    /// sequence that got a token or ended.
-    fn update_from_output<'py>(
+    /// returns, as columns, one row per sequence that got a token or that `schedule` ended.
+    fn update_from_output(
         &mut self,
-        py: Python<'py>,
-        sampled_token_ids: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
+        py: Python<'_>,
+        sampled_token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<PyStepUpdates> {
         let sampled = sampled_tokens(sampled_token_ids)?;
         let sampled = to_token_ids(sampled).map_err(|err| to_py_err(py, err))?;
         let updates = self.inner.update_from_output(&sampled).map_err(|err| to_py_err(py, err))?;
-        let list = PyList::empty(py);
-        for update in &updates {
-            list.append(self.update_tuple(py, update)?)?;
-        }
+        let step_updates = self.step_updates(py, &updates)?;
         self.forget_finished(&updates);
-        Ok(list)
+        Ok(step_updates)
     }
 
     /// `"waiting"`, `"running"` or `"preempted"` for one choice of a live request.
