@@ -69,11 +69,13 @@ DISTRIBUTION_CASES = [
 
 
 @pytest.mark.parametrize("params", DISTRIBUTION_CASES, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
-@pytest.mark.parametrize("window", ["wide", "narrow"])
-def test_draws_follow_the_exact_distribution(params, window, monkeypatch):
-    # "narrow": top-p rows see only 3 candidates first, so most fall back to the full path.
-    if window == "narrow":
-        monkeypatch.setattr(sampler_module, "TOP_P_WINDOW", 3)
+@pytest.mark.parametrize("path", ["as chosen", "fallbacks"])
+def test_draws_follow_the_exact_distribution(params, path, monkeypatch):
+    # "fallbacks": top-k rows are sorted instead of windowed, and top-p rows that a first
+    # draw did not settle are sorted instead of drawn again.
+    if path == "fallbacks":
+        monkeypatch.setattr(sampler_module, "MAX_TOP_K_WINDOW", 1)
+        monkeypatch.setattr(sampler_module, "MAX_REJECTION_ROUNDS", 0)
     num_draws = 20_000
     logits = LOGITS.repeat(num_draws, 1)
     tokens = torch.from_numpy(Sampler(VOCAB, seed=11)(logits, [row(params)] * num_draws).token_ids)
@@ -165,7 +167,7 @@ def test_penalties_match_a_per_row_reference():
         (SamplingParams(temperature=0, presence_penalty=-0.3, frequency_penalty=1.0, repetition_penalty=0.8), [1, 2]),
         (SamplingParams(temperature=0), [9]),
     ]
-    rows = [row(params, slot=sampler.penalties.acquire(prompt) if params.uses_penalties else None)
+    rows = [row(params, slot=sampler.penalties.acquire(prompt, params) if params.uses_penalties else None)
             for params, prompt in cases]
     outputs: list[list[int]] = [[] for _ in cases]
     for _ in range(12):
@@ -187,8 +189,8 @@ def test_penalties_match_a_per_row_reference():
         if sampling_row.penalty_slot is not None:
             sampler.penalties.release(sampling_row.penalty_slot)
     assert sampler.penalties.num_slots_in_use == 0
-    slot = sampler.penalties.acquire([0])
-    assert sampler.penalties.output_counts[slot].sum() == 0 and sampler.penalties.prompt_mask[slot].sum() == 1
+    slot = sampler.penalties.acquire([0], SamplingParams(presence_penalty=1.0))
+    assert sampler.penalties.bias[slot].sum() == 0 and sampler.penalties.seen[slot].sum() == 1
 
 
 def test_logprobs_ranks_and_top_logprobs_match_log_softmax():
@@ -198,7 +200,7 @@ def test_logprobs_ranks_and_top_logprobs_match_log_softmax():
               SamplingParams(temperature=1.0, logprobs=0), SamplingParams(temperature=0.7, top_k=5, logprobs=5),
               SamplingParams(temperature=0), SamplingParams(temperature=1.0, repetition_penalty=1.5, logprobs=1)]
     sampler = Sampler(40, seed=0)
-    rows = [row(p, slot=sampler.penalties.acquire([0, 1]) if p.uses_penalties else None) for p in params]
+    rows = [row(p, slot=sampler.penalties.acquire([0, 1], p) if p.uses_penalties else None) for p in params]
     out = sampler(logits, rows)
     expected = logits.log_softmax(-1)  # the raw distribution, before penalties and temperature
     for i, p in enumerate(params):
@@ -237,3 +239,21 @@ def test_logprobs_ranks_and_top_logprobs_match_log_softmax():
 def test_invalid_sampling_params_raise_value_error(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
+                                    SamplingParams(temperature=1.2, min_p=0.05)])
+def test_draws_over_a_vocabulary_of_many_blocks_stay_exact(params):
+    # 2,600 tokens: two full 1,024-token blocks of the two-level inverse CDF and a partial one.
+    torch.manual_seed(4)
+    vocab = 2_600
+    logits = torch.randn(vocab) * 1.5
+    sampler = Sampler(vocab, seed=9)
+    tokens = torch.cat([torch.from_numpy(sampler(logits.repeat(4_000, 1), [row(params)] * 4_000).token_ids)
+                        for _ in range(10)])
+    expected = reference_probs(logits, params)
+    bins = torch.arange(vocab) // 100  # 26 bins, so every bin expects plenty of draws
+    counts = torch.zeros(26).index_add_(0, bins[tokens], torch.ones(len(tokens)))
+    assert counts[expected.reshape(26, 100).sum(-1) == 0].sum() == 0
+    assert bool((expected[tokens] > 0).all()), "a filtered-out token was sampled"
+    assert chi_square_p_value(counts, torch.zeros(26, dtype=torch.float64).index_add_(0, bins, expected)) > 1e-4

@@ -3,19 +3,20 @@
 Per step, rows are split by what they ask for, and each group pays only for its own rules:
 
 - **greedy** rows (``temperature == 0``): one ``argmax``;
-- **windowed** rows (a ``top_k`` up to `MAX_TOP_K_WINDOW`, or a ``top_p`` whose nucleus fits in
-  the `TOP_P_WINDOW` most likely tokens): one ``topk`` over all of them, then top-k, top-p and
-  min-p on the small ``[rows, window]`` tensor and an exponential race (``argmax(p / q)`` with
-  ``q ~ Exp(1)``, i.e. the Gumbel-max trick) to draw;
-- **full** rows (temperature alone, min-p, or a nucleus wider than the window): softmax,
-  min-p by a threshold against the row's maximum (no sort), inverse-CDF draw with one uniform
-  per row; only a row whose top-p or top-k did not fit the window is sorted.
+- **top-k** rows (``top_k`` up to `MAX_TOP_K_WINDOW`): one ``topk`` over all of them, then
+  temperature, top-p and min-p on the small ``[rows, k]`` tensor, and an exponential race
+  (``argmax(p / q)`` with ``q ~ Exp(1)``, the Gumbel-max trick) to draw;
+- **full** rows (everything else): ``e = exp((x - max) / T)`` is each token's probability
+  relative to the most likely one, so min-p is a threshold on it (no sort); an inverse-CDF draw
+  (one uniform per row) picks a token, and with top-p the draw is kept only if the tokens more
+  likely than it hold less than ``top_p`` of the mass (else drawn again: rejection sampling, on
+  average ``1 / top_p`` draws, exact). Only a row with a ``top_k`` past the window is sorted.
 
-Unseeded rows share one batched draw from the engine's generator. A seeded row draws from its
-own generator, and how much it draws depends only on its own parameters and logits, so a
-seeded request gives the same text alone or in any batch.
+Unseeded rows share batched draws from the engine's generator. A seeded row draws from its own
+generator, and how much it draws depends only on its own parameters and logits, so a seeded
+request gives the same text alone or in any batch.
 
-Filtering order, as in Hugging Face: temperature, then top-k, then top-p on the distribution
+Filtering, as in Hugging Face: temperature, then top-k, then top-p on the distribution
 renormalized over the top-k survivors, then min-p (relative to the most likely token, so its
 place in the order does not matter).
 
@@ -36,8 +37,8 @@ from pagedrs.sampling_params import SamplingParams
 
 MAX_TOP_K_WINDOW = 1024
 """Largest ``top_k`` served by ``torch.topk``; a larger one sorts its row."""
-TOP_P_WINDOW = 256
-"""Candidates a top-p row (without a smaller top-k) looks at before falling back to a sort."""
+MAX_REJECTION_ROUNDS = 16
+"""Top-p draws per row before the rare row still rejected is sorted instead."""
 
 
 @dataclass(eq=False)
@@ -52,13 +53,9 @@ class SamplingRow:
     """Its row in the sampler's `PenaltyState`, when the choice uses penalties."""
 
     def window(self, vocab_size: int) -> int:
-        """Candidates this row's top-k / top-p look at; 0: the whole vocabulary."""
+        """Candidates this row draws from by ``topk`` (its top-k); 0: the whole vocabulary."""
         top_k = self.params.top_k if 0 < self.params.top_k < vocab_size else 0
-        if top_k > MAX_TOP_K_WINDOW:
-            return 0
-        if top_k:
-            return top_k
-        return min(TOP_P_WINDOW, vocab_size) if self.params.top_p < 1 else 0
+        return top_k if top_k <= MAX_TOP_K_WINDOW else 0
 
 
 @dataclass
@@ -79,56 +76,76 @@ class SamplerOutput:
 
 
 class PenaltyState:
-    """Per choice that uses penalties: how often it generated each token, and which tokens its
-    prompt holds. Lives on the device; a slot is taken when the choice is added, freed when it
-    ends, and each step adds the sampled tokens with one ``index_put_``."""
+    """Per choice that uses penalties, on the device: the additive presence/frequency penalty
+    of every token so far, and which tokens it has seen (prompt and output, for the
+    repetition penalty). A slot is taken when the choice is added and freed when it ends;
+    each step's sampled tokens update it with a few ``[rows]``-sized ops, never a rebuild."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
-        self.output_counts = torch.zeros(0, vocab_size, device=device)
-        """``float32 [slots, vocab]`` (exact counts up to 2**24)"""
-        self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
-        """``bool [slots, vocab]``"""
+        self.bias = torch.zeros(0, vocab_size, device=device)
+        """``-(frequency * count + presence * (count > 0))`` per token. ``float32 [slots, vocab]``"""
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        """In the prompt or generated. ``bool [slots, vocab]``"""
+        self.generated = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        """Generated at least once. ``bool [slots, vocab]``"""
+        self.presence = torch.zeros(0, device=device)
+        self.frequency = torch.zeros(0, device=device)
         self._free_slots: list[int] = []
 
     @property
     def num_slots_in_use(self) -> int:
-        return len(self.output_counts) - len(self._free_slots)
+        return len(self.bias) - len(self._free_slots)
 
-    def acquire(self, prompt_token_ids: list[int]) -> int:
+    def acquire(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         if not self._free_slots:
-            old = len(self.output_counts)
-            new = max(8, 2 * old)
-            self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(new - old, self.vocab_size)])
-            self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(new - old, self.vocab_size)])
-            self._free_slots.extend(range(new - 1, old - 1, -1))
+            self._grow()
         slot = self._free_slots.pop()
-        self.output_counts[slot] = 0
-        self.prompt_mask[slot] = False
-        self.prompt_mask[slot, torch.tensor(prompt_token_ids, dtype=torch.long, device=self.device)] = True
+        self.bias[slot] = 0
+        self.generated[slot] = False
+        self.seen[slot] = False
+        self.seen[slot, torch.tensor(prompt_token_ids, dtype=torch.long, device=self.device)] = True
+        self.presence[slot] = params.presence_penalty
+        self.frequency[slot] = params.frequency_penalty
         return slot
+
+    def _grow(self) -> None:
+        old = len(self.bias)
+        extra = max(8, old)
+
+        def grown(tensor: torch.Tensor) -> torch.Tensor:
+            return torch.cat([tensor, tensor.new_zeros(extra, *tensor.shape[1:])])
+
+        self.bias, self.seen, self.generated = grown(self.bias), grown(self.seen), grown(self.generated)
+        self.presence, self.frequency = grown(self.presence), grown(self.frequency)
+        self._free_slots.extend(range(old + extra - 1, old - 1, -1))
 
     def release(self, slot: int) -> None:
         self._free_slots.append(slot)
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, presence: torch.Tensor,
-              frequency: torch.Tensor, repetition: torch.Tensor | None) -> None:
-        """Penalizes ``logits[rows]`` in place. Repetition (Hugging Face's rule, over prompt and
-        output tokens) shrinks positive logits and pushes negative ones further down; presence
-        and frequency (OpenAI's rule) subtract over generated tokens."""
-        counts = self.output_counts[slots]
-        selected = logits[rows]
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor,
+              repetition: torch.Tensor | None) -> None:
+        """Penalizes ``logits[rows]`` (every row when ``rows`` is ``None``) in place.
+        Repetition (Hugging Face's rule, over prompt and output tokens) divides positive
+        logits by the penalty and multiplies the others; presence and frequency (OpenAI's
+        rule) subtract over generated tokens."""
+        selected = logits if rows is None else logits.index_select(0, rows)
         if repetition is not None:
-            seen = self.prompt_mask[slots] | (counts > 0)
             factor = repetition.unsqueeze(1)
-            selected = torch.where(seen, torch.where(selected > 0, selected / factor, selected * factor), selected)
-        selected -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0)
-        logits[rows] = selected
+            scale = torch.where(selected > 0, 1 / factor, factor)
+            scale.masked_fill_(~self.seen.index_select(0, slots), 1.0)
+            selected.mul_(scale)
+        selected.add_(self.bias.index_select(0, slots))
+        if rows is not None:
+            logits.index_copy_(0, rows, selected)
 
     def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        ones = torch.ones(len(slots), device=self.device)
-        self.output_counts.index_put_((slots, token_ids), ones, accumulate=True)
+        """Adds one sampled token per slot (each slot at most once)."""
+        first = ~self.generated[slots, token_ids]
+        self.bias[slots, token_ids] -= self.frequency[slots] + self.presence[slots] * first
+        self.generated[slots, token_ids] = True
+        self.seen[slots, token_ids] = True
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
@@ -161,20 +178,24 @@ class _Batch:
         self.top_p = torch.tensor([p.top_p for p in self.params], device=device)
         if self.windowed:
             self.windowed_index = _index(self.windowed, device)
-            windowed_params = [self.params[j] for j in self.windowed]
             self.windowed_width = [windows[j] for j in self.windowed]
             self.row_window = torch.tensor(self.windowed_width, device=device).unsqueeze(1)
-            has_top_k = [0 < p.top_k < vocab_size for p in windowed_params]
-            self.has_top_k = torch.tensor(has_top_k, device=device)
-            self.all_top_k = all(has_top_k)
-            self.any_top_p = any(p.top_p < 1 for p in windowed_params)
+            self.windowed_temperature = self.temperature[self.windowed_index]
+            self.windowed_any_top_p = any(self.params[j].top_p < 1 for j in self.windowed)
+        self.full_index = _index(self.full, device)
+        self.full_temperature = self.temperature[self.full_index]
+        self.full_unit_temperature = all(self.params[j].temperature == 1 for j in self.full)
+        self.full_min_p = self.log_min_p[self.full_index].exp().unsqueeze(1)
+        self.full_top_p = [self.params[j].top_p < 1 for j in self.full]
+        self.full_top_p_values = self.top_p[self.full_index]
+        self.full_sorted = [self.params[j].top_k > 0 and windows[j] == 0 for j in self.full]
 
         penalized = [i for i, row in enumerate(rows) if row.penalty_slot is not None]
-        self.penalty_rows = _index(penalized, device) if penalized else None
+        self.any_penalties = bool(penalized)
         if penalized:
+            self.penalty_rows = _index(penalized, device)
+            self.all_penalized = len(penalized) == len(rows)
             self.penalty_slots = _index([rows[i].penalty_slot for i in penalized], device)
-            self.presence = torch.tensor([params[i].presence_penalty for i in penalized], device=device)
-            self.frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=device)
             repetition = [params[i].repetition_penalty for i in penalized]
             self.repetition = torch.tensor(repetition, device=device) if any(r != 1 for r in repetition) else None
 
@@ -209,11 +230,11 @@ class Sampler:
         batch = self._batch(rows)
         raw = logits.float()
         logits = raw
-        if batch.penalty_rows is not None or banned:
+        if batch.any_penalties or banned:
             logits = raw.clone()  # the raw logits give the logprobs
-            if batch.penalty_rows is not None:
-                self.penalties.apply(logits, batch.penalty_rows, batch.penalty_slots, batch.presence,
-                                     batch.frequency, batch.repetition)
+            if batch.any_penalties:
+                self.penalties.apply(logits, None if batch.all_penalized else batch.penalty_rows,
+                                     batch.penalty_slots, batch.repetition)
             if banned:
                 ban_rows = [row for row, token_ids in banned for _ in token_ids]
                 ban_ids = [token for _, token_ids in banned for token in token_ids]
@@ -225,105 +246,117 @@ class Sampler:
         else:
             token_ids = logits.argmax(dim=-1)
             token_ids[batch.random_index] = self._sample(logits[batch.random_index], batch)
-        if batch.penalty_rows is not None:
+        if batch.any_penalties:
             self.penalties.record(batch.penalty_slots, token_ids[batch.penalty_rows])
         return self._to_host(raw, token_ids, batch)
 
     def _sample(self, logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
         """Draws one token per row of ``logits`` (the batch's random rows)."""
-        scaled = logits / batch.temperature
-        token_ids = torch.empty(len(scaled), dtype=torch.long, device=scaled.device)
-        full = list(batch.full)
-        if batch.windowed:
-            index = batch.windowed_index
-            chosen, misfits = self._sample_windowed(scaled[index] if batch.full else scaled, batch)
-            token_ids[index] = chosen
-            full = sorted(full + misfits)
-        if full:
-            index = _index(full, scaled.device)
-            token_ids[index] = self._sample_full(scaled[index] if len(full) < len(scaled) else scaled, full, batch)
+        if not batch.full:
+            return self._sample_windowed(logits, batch)
+        if not batch.windowed:
+            return self._sample_full(logits, batch)
+        token_ids = torch.empty(len(logits), dtype=torch.long, device=logits.device)
+        token_ids[batch.windowed_index] = self._sample_windowed(logits[batch.windowed_index], batch)
+        token_ids[batch.full_index] = self._sample_full(logits[batch.full_index], batch)
         return token_ids
 
-    def _sample_windowed(self, scaled: torch.Tensor, batch: _Batch) -> tuple[torch.Tensor, list[int]]:
-        """Rows whose candidates are their ``window`` most likely tokens. Returns the drawn
-        tokens and the rows whose nucleus did not fit (to be drawn again over everything)."""
-        index = batch.windowed_index
-        values, token_ids = scaled.topk(batch.window, dim=-1)  # sorted, most likely first
-        ranks = torch.arange(batch.window, device=scaled.device).unsqueeze(0)
-        keep = ranks < batch.row_window  # a row's window is its top-k when it has one
-        misfits: list[int] = []
-        if batch.any_top_p:
-            # top-p over the top-k survivors, or over the whole vocabulary without a top-k.
-            normalizer = values.masked_fill(~keep, float("-inf")).logsumexp(dim=-1)
-            if not batch.all_top_k:
-                normalizer = torch.where(batch.has_top_k, normalizer, scaled.logsumexp(dim=-1))
-            probs = (values - normalizer.unsqueeze(1)).exp().masked_fill(~keep, 0.0)
+    def _sample_windowed(self, logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """Rows with a top-k: candidates are their ``k`` most likely tokens."""
+        values, token_ids = logits.topk(batch.window, dim=-1)  # most likely first
+        values = values / batch.windowed_temperature  # a positive scale keeps the order
+        ranks = torch.arange(batch.window, device=logits.device).unsqueeze(0)
+        keep = ranks < batch.row_window
+        # Probabilities relative to the most likely token; masked ones are 0.
+        relative = (values - values[:, :1]).exp_().masked_fill_(~keep, 0.0)
+        if batch.windowed_any_top_p:
+            probs = relative / relative.sum(dim=-1, keepdim=True)
             before = probs.cumsum(dim=-1) - probs
-            top_p = batch.top_p[index].unsqueeze(1)
-            keep &= ~((before >= top_p) & (ranks > 0))
-            if not batch.all_top_k:
-                # NOTE: without a top-k, the window holds the whole nucleus iff its mass reaches
-                # top_p (every token past it then has at least top_p before it).
-                fits = batch.has_top_k | (probs.sum(dim=-1) >= top_p.squeeze(1))
-                if not bool(fits.all()):
-                    misfits = [batch.windowed[j] for j in torch.nonzero(~fits).flatten().tolist()]
+            keep &= ~((before >= batch.top_p[batch.windowed_index].unsqueeze(1)) & (ranks > 0))
         if batch.any_min_p:
-            keep &= values >= values[:, :1] + batch.log_min_p[index].unsqueeze(1)
+            keep &= relative >= batch.log_min_p[batch.windowed_index].exp().unsqueeze(1)
         race = torch.empty_like(values).exponential_(generator=self.generator)
         if batch.any_seeded:
-            # A seeded row draws its own window's worth, whatever the batch's window is.
+            # A seeded row draws its own k, whatever the batch's widest window is.
             for row, position in enumerate(batch.windowed):
                 generator = batch.generators[position]
                 if generator is not None:
                     race[row, : batch.windowed_width[row]].exponential_(generator=generator)
         race.clamp_(min=torch.finfo(race.dtype).tiny)
-        chosen = (values - values[:, :1]).exp_().masked_fill_(~keep, 0.0).div_(race).argmax(dim=-1)
-        return token_ids.gather(1, chosen.unsqueeze(1)).squeeze(1), misfits
+        chosen = relative.masked_fill_(~keep, 0.0).div_(race).argmax(dim=-1)
+        return token_ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
 
-    def _sample_full(self, scaled: torch.Tensor, positions: list[int], batch: _Batch) -> torch.Tensor:
-        """Rows drawn over the whole vocabulary by inverse CDF (min-p by a threshold against
-        the row's maximum; a sort only for a row whose top-k / top-p did not fit a window)."""
-        index = _index(positions, scaled.device)
-        sort_rows = [row for row, position in enumerate(positions)
-                     if batch.params[position].top_p < 1 or batch.params[position].top_k > 0]
-        if sort_rows:
-            rows = _index(sort_rows, scaled.device)
-            scaled[rows] = _sort_filtered(scaled[rows], batch.top_k[index[rows]], batch.top_p[index[rows]])
+    def _sample_full(self, logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """Rows drawn over the whole vocabulary by inverse CDF, with top-p by rejection."""
+        temperature = batch.full_temperature
+        sorted_rows = [row for row, is_sorted in enumerate(batch.full_sorted) if is_sorted]
+        if sorted_rows:
+            # A top-k past the window (rare): top-k and top-p by a full sort, up front.
+            rows = _index(sorted_rows, logits.device)
+            positions = batch.full_index[rows]
+            logits = logits.clone()
+            logits[rows] = _sort_filtered(logits[rows] / temperature[rows], batch.top_k[positions],
+                                          batch.top_p[positions]) * temperature[rows]
+        # Each token's probability relative to the row's most likely one.
+        relative = logits - logits.amax(dim=-1, keepdim=True)
+        if not batch.full_unit_temperature:
+            relative.div_(temperature)
+        relative.exp_()
+        candidates = relative
         if batch.any_min_p:
-            threshold = scaled.amax(dim=-1) + batch.log_min_p[index]
-            scaled = scaled.masked_fill(scaled < threshold.unsqueeze(1), float("-inf"))
-        probs = scaled.softmax(dim=-1)
-        cdf = probs.cumsum(dim=-1)
-        uniform = torch.rand(len(positions), device=scaled.device, generator=self.generator)
-        if batch.any_seeded:
-            for row, position in enumerate(positions):
-                generator = batch.generators[position]
-                if generator is not None:
-                    uniform[row] = torch.rand(1, device=scaled.device, generator=generator)[0]
-        target = (uniform * cdf[:, -1]).unsqueeze(1)
-        token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
-        # NOTE: float32 rounding may put the target at (or past) the end, or on a masked
-        # token's flat stretch of the CDF; such a draw takes the row's most likely token.
-        token_ids.clamp_(max=scaled.shape[-1] - 1)
-        masked = probs.gather(1, token_ids.unsqueeze(1)).squeeze(1) == 0
-        if bool(masked.any()):
-            token_ids[masked] = probs[masked].argmax(dim=-1)
+            candidates = relative.masked_fill(relative < batch.full_min_p, 0.0)
+        generators = [batch.generators[position] for position in batch.full] if batch.any_seeded else None
+        sampler = _InverseCdf(candidates)
+        token_ids = sampler.draw(self._uniforms(range(len(candidates)), generators))
+        presorted = set(sorted_rows)
+        pending = [row for row, top_p in enumerate(batch.full_top_p) if top_p and row not in presorted]
+        for _ in range(MAX_REJECTION_ROUNDS):
+            if not pending:
+                return token_ids
+            rows = None if len(pending) == len(relative) else _index(pending, logits.device)
+            # NOTE: the draw is in the nucleus iff the tokens strictly more likely than it hold
+            # less than top_p of the mass; a rejected row draws again (rejection sampling).
+            row_relative = relative if rows is None else relative[rows]
+            drawn = row_relative.gather(1, (token_ids if rows is None else token_ids[rows]).unsqueeze(1))
+            before = torch.where(row_relative > drawn, row_relative, 0.0).sum(dim=-1)
+            top_p = batch.full_top_p_values if rows is None else batch.full_top_p_values[rows]
+            rejected = (before >= top_p * row_relative.sum(dim=-1)).tolist()
+            pending = [row for row, reject in zip(pending, rejected) if reject]
+            if pending:
+                token_ids[_index(pending, logits.device)] = sampler.draw(self._uniforms(pending, generators), pending)
+        # Still rejected after many rounds (a tiny top_p over a flat distribution): sort.
+        rows = _index(pending, logits.device)
+        positions = batch.full_index[rows]
+        filtered = _sort_filtered(logits[rows] / temperature[rows], batch.top_k[positions], batch.top_p[positions])
+        filtered = filtered.masked_fill(candidates[rows] == 0, float("-inf"))
+        token_ids[rows] = torch.multinomial(filtered.softmax(dim=-1), 1, generator=self.generator).squeeze(1)
         return token_ids
+
+    def _uniforms(self, rows, generators: list[torch.Generator | None] | None) -> torch.Tensor:
+        """One ``U(0, 1)`` per row: the engine's generator, or the row's own when seeded."""
+        rows = list(rows)
+        uniform = torch.rand(len(rows), device=self.device, generator=self.generator)
+        for i, row in enumerate(rows if generators is not None else ()):
+            if generators[row] is not None:
+                uniform[i] = torch.rand(1, device=self.device, generator=generators[row])[0]
+        return uniform
 
     def _to_host(self, raw: torch.Tensor, token_ids: torch.Tensor, batch: _Batch) -> SamplerOutput:
         """Logprobs of the rows that asked, and one device-to-host copy of everything."""
         if batch.logprob_rows is None:
             return SamplerOutput(token_ids.cpu().numpy())
         rows = None if batch.all_logprobs else batch.logprob_rows
-        logprobs = (raw if rows is None else raw[rows]).log_softmax(dim=-1)
-        sampled_ids = token_ids if rows is None else token_ids[rows]
-        sampled = logprobs.gather(1, sampled_ids.unsqueeze(1))
-        ranks = (logprobs > sampled).sum(dim=-1, keepdim=True) + 1
+        # Log-probabilities are logits minus the row's logsumexp: ranks and the top tokens
+        # come from the logits themselves, so no [rows, vocab] log-softmax is written.
+        logits = raw if rows is None else raw[rows]
+        normalizer = logits.logsumexp(dim=-1, keepdim=True)
+        sampled_logits = logits.gather(1, (token_ids if rows is None else token_ids[rows]).unsqueeze(1))
+        ranks = (logits > sampled_logits).sum(dim=-1, keepdim=True) + 1
         num_top = batch.num_top_logprobs
-        columns = [sampled.double(), ranks.double()]
+        columns = [(sampled_logits - normalizer).double(), ranks.double()]
         if num_top:
-            top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
-            columns += [top_ids.double(), top_logprobs.double()]
+            top_logits, top_ids = logits.topk(num_top, dim=-1)
+            columns += [top_ids.double(), (top_logits - normalizer).double()]
         packed = torch.zeros(batch.num_rows, 3 + 2 * num_top, dtype=torch.float64, device=raw.device)
         packed[:, 0] = token_ids
         packed[slice(None) if rows is None else rows, 1:] = torch.cat(columns, dim=1)
@@ -335,6 +368,45 @@ class Sampler:
             top_token_ids=host[:, 3 : 3 + num_top].astype(np.int64),
             top_logprobs=host[:, 3 + num_top :],
         )
+
+
+class _InverseCdf:
+    """Draws from rows of unnormalized probabilities ``[N, V]`` by inverse CDF in two
+    levels: a cumulative sum over blocks of `BLOCK` tokens picks the block, one over the
+    block's tokens picks the token, so no ``[N, V]`` cumulative sum is ever written."""
+
+    BLOCK = 1024
+
+    def __init__(self, weights: torch.Tensor):
+        self.weights = weights
+        num_rows, vocab = weights.shape
+        num_full = vocab // self.BLOCK
+        sums = [weights[:, : num_full * self.BLOCK].view(num_rows, num_full, self.BLOCK).sum(dim=-1)]
+        if vocab % self.BLOCK:
+            sums.append(weights[:, num_full * self.BLOCK :].sum(dim=-1, keepdim=True))
+        self.block_cdf = torch.cat(sums, dim=1).cumsum(dim=-1)
+
+    def draw(self, uniform: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """One token per row (``rows`` of the weights, or all) for these uniforms."""
+        weights, block_cdf = self.weights, self.block_cdf
+        if rows is not None:
+            index = _index(rows, weights.device)
+            weights, block_cdf = weights[index], block_cdf[index]
+        vocab = weights.shape[-1]
+        target = (uniform * block_cdf[:, -1]).unsqueeze(1)
+        block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[-1] - 1)
+        below = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+        columns = block * self.BLOCK + torch.arange(self.BLOCK, device=weights.device).unsqueeze(0)
+        in_vocab = columns < vocab
+        block_weights = weights.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(~in_vocab, 0.0)
+        inner_cdf = block_weights.cumsum(dim=-1)
+        offset = torch.searchsorted(inner_cdf, target - below, right=True).clamp_(max=self.BLOCK - 1)
+        # NOTE: float32 rounding (block sums and the inner cumulative sum add in different
+        # orders) may land a draw on a zero-weight token; it then takes the block's most
+        # likely token instead.
+        zero = block_weights.gather(1, offset) == 0
+        offset = torch.where(zero, block_weights.argmax(dim=-1, keepdim=True), offset)
+        return (block * self.BLOCK + offset).squeeze(1)
 
 
 def _sort_filtered(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

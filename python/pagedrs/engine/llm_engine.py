@@ -15,6 +15,7 @@ import torch
 from pagedrs._core import FINISH_REASONS, Scheduler, SchedulerOutput, StepUpdates
 from pagedrs.config import EngineConfig, resolve_dtype
 from pagedrs.engine.detokenizer import IncrementalDetokenizer
+from pagedrs.engine.host_memory import retain_freed_host_memory
 from pagedrs.engine.model_runner import ModelRunner
 from pagedrs.errors import DuplicateRequestError
 from pagedrs.memory import kv_cache_capacity
@@ -72,6 +73,7 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
+        retain_freed_host_memory()
         source = resolve_model(config.model)
         self.model_name = source.name
         self.hf_config = load_config(source)
@@ -170,7 +172,7 @@ class LLMEngine:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed + index * 1_000_003)
-            penalty_slot = self.sampler.penalties.acquire(token_ids) if params.uses_penalties else None
+            penalty_slot = self.sampler.penalties.acquire(token_ids, params) if params.uses_penalties else None
             choices.append(
                 _Choice(
                     output=CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None),
