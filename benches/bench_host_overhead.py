@@ -37,9 +37,9 @@ SETTINGS = {
     "temperature 1.0": SamplingParams(temperature=1.0),
     "t0.8 top_p0.95 top_k50": SamplingParams(temperature=0.8, top_p=0.95, top_k=50),
     "t1.0 top_p0.95": SamplingParams(temperature=1.0, top_p=0.95),
-    "penalties (t0.8, presence 0.5, frequency 0.5, repetition 1.1)": SamplingParams(
+    "t0.8 + presence/frequency 0.5 + repetition 1.1": SamplingParams(
         temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
-    "logprobs=5 (t1.0)": SamplingParams(temperature=1.0, logprobs=5),
+    "t1.0 logprobs=5": SamplingParams(temperature=1.0, logprobs=5),
 }
 PHASES = ("schedule", "forward", "sampler", "update", "apply")
 
@@ -158,7 +158,7 @@ def main() -> None:
         clock = instrument(engine)
         results = []
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-        print(f"{'batch':>5}  {'setting':<62} {'step ms':>8} {'x greedy':>8} "
+        print(f"{'batch':>5}  {'setting':<48} {'step ms':>8} {'x greedy':>8} "
               + " ".join(f"{name:>9}" for name in PHASES) + f" {'own ms':>8}")
         for batch_size in batch_sizes:
             greedy_ms = None
@@ -167,7 +167,7 @@ def main() -> None:
                 greedy_ms = greedy_ms or result["step_ms"]
                 result.update(batch_size=batch_size, setting=name, ratio_to_greedy=result["step_ms"] / greedy_ms)
                 results.append(result)
-                print(f"{batch_size:>5}  {name:<62} {result['step_ms']:>8.2f} {result['ratio_to_greedy']:>8.2f} "
+                print(f"{batch_size:>5}  {name:<48} {result['step_ms']:>8.2f} {result['ratio_to_greedy']:>8.2f} "
                       + " ".join(f"{result[f'{phase}_ms']:>9.2f}" for phase in PHASES)
                       + f" {result['engine_own_ms']:>8.2f}", flush=True)
     if args.json:

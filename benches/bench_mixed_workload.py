@@ -2,15 +2,16 @@
 Hugging Face transformers `generate` with static batches, in one run.
 
 Workload: N chat prompts (fixed seed), each asking for a fixed number of new tokens drawn
-uniformly from 8..256, greedy, `ignore_eos` (HF: `min_new_tokens`) so both systems produce
-exactly the requested lengths. Useful tokens = tokens a request asked for. HF pads each
-static batch to its longest request, so it computes tokens nobody asked for.
+uniformly from 8..256, `ignore_eos` (HF: `min_new_tokens`) so both systems produce exactly
+the requested lengths; run greedy and sampled (temperature 1.0, top_p 0.95 by default: what
+clients send) on both sides. Useful tokens = tokens a request asked for. HF pads each static
+batch to its longest request, so it computes tokens nobody asked for.
 
 Also: pagedrs decode step time versus batch size, the runner's own per-step Python overhead
 (everything but the model's forward and the sampler's math), and KV slack from block
 granularity over the run.
 
-    .venv/bin/python benches/bench_mixed_workload.py [--requests 64] [--hf-batch 8]
+    .venv/bin/python benches/bench_mixed_workload.py [--requests 64] [--hf-batch 8] [--temperature 1.0 --top-p 0.95]
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ def workload(llm: LLM, num_requests: int, seed: int) -> tuple[list[list[int]], l
     return prompts, [rng.randint(8, 256) for _ in prompts]
 
 
-def run_pagedrs(llm: LLM, prompts, lengths) -> dict:
+def run_pagedrs(llm: LLM, prompts, lengths, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     engine = llm.engine
     for i, (prompt, length) in enumerate(zip(prompts, lengths)):
-        engine.add_request(f"mix-{i}", prompt, SamplingParams(temperature=0, max_tokens=length, ignore_eos=True))
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=length, ignore_eos=True)
+        engine.add_request(f"mix-{temperature}-{i}", prompt, params)
     allocated = unused = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -72,6 +74,9 @@ class _Timed:
             return self.function(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - start
+
+    def __getattr__(self, name):
+        return getattr(self.function, name)
 
 
 def decode_step_times(llm: LLM, batch_sizes: list[int], steps: int = 12) -> dict:
@@ -117,37 +122,42 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true", help="only the pagedrs side")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the sampled run's temperature")
+    parser.add_argument("--top-p", type=float, default=0.95, help="the sampled run's top_p")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     llm = LLM(kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=1024, block_size=args.block_size)
     prompts, lengths = workload(llm, args.requests, args.seed)
-    ours = run_pagedrs(llm, prompts, lengths)
+    settings = {"greedy": (0.0, 1.0), f"t{args.temperature} top_p{args.top_p}": (args.temperature, args.top_p)}
+    ours = {name: run_pagedrs(llm, prompts, lengths, *sampling) for name, sampling in settings.items()}
     steps = decode_step_times(llm, [1, 8, 16, 32, 64])
-    if args.skip_hf:
-        print(json.dumps({"block_size": args.block_size, "pagedrs_useful_tok_s": round(ours["useful_tokens"] / ours["seconds"], 1),
-                          "kv_slack_fraction": round(ours["slack_fraction"], 4), "decode_steps": steps}, indent=2))
-        return
-
-    hf_model, _ = load_hf_model()
-    theirs = run_static_batches(hf_model, llm.get_tokenizer(), prompts, lengths, args.hf_batch)
-
-    ours_rate = ours["useful_tokens"] / ours["seconds"]
-    theirs_rate = theirs["useful_tokens"] / theirs["seconds"]
     record = {
         "pagedrs": pagedrs.__version__, "torch": torch.__version__, "threads": args.threads,
         "cpu": platform.processor() or platform.machine(), "model": llm.engine.model_name, "dtype": "float32",
         "requests": args.requests, "output_lengths": "uniform 8..256", "seed": args.seed,
-        "block_size": args.block_size,
-        "pagedrs_useful_tok_s": round(ours_rate, 1), "pagedrs_seconds": round(ours["seconds"], 1),
-        "kv_slack_fraction": round(ours["slack_fraction"], 4),
-        "hf_useful_tok_s": round(theirs_rate, 1), "hf_seconds": round(theirs["seconds"], 1),
-        "hf_batch": args.hf_batch, "hf_useful_share": round(theirs["useful_tokens"] / theirs["generated_tokens"], 3),
-        "ratio": round(ours_rate / theirs_rate, 2), "decode_steps": steps,
+        "block_size": args.block_size, "useful_tokens": sum(lengths),
+        "kv_slack_fraction": round(ours["greedy"]["slack_fraction"], 4), "decode_steps": steps, "settings": {},
     }
+    for name, run in ours.items():
+        record["settings"][name] = {"pagedrs_useful_tok_s": round(run["useful_tokens"] / run["seconds"], 1),
+                                    "pagedrs_seconds": round(run["seconds"], 1)}
+    if not args.skip_hf:
+        hf_model, _ = load_hf_model()
+        for name, (temperature, top_p) in settings.items():
+            theirs = run_static_batches(hf_model, llm.get_tokenizer(), prompts, lengths, args.hf_batch,
+                                        temperature=temperature, top_p=top_p)
+            entry = record["settings"][name]
+            entry.update(hf_useful_tok_s=round(theirs["useful_tok_s"], 1), hf_seconds=round(theirs["seconds"], 1),
+                         hf_batch=args.hf_batch, hf_useful_share=round(theirs["useful_share"], 3),
+                         ratio=round(entry["pagedrs_useful_tok_s"] / theirs["useful_tok_s"], 2))
     print(json.dumps(record, indent=2))
-    print(f"\nuseful tok/s: pagedrs {ours_rate:.1f}, HF static batches of {args.hf_batch} {theirs_rate:.1f} "
-          f"({record['ratio']}x); HF useful share {record['hf_useful_share']:.0%}; KV slack {ours['slack_fraction']:.2%}")
+    greedy_rate = record["settings"]["greedy"]["pagedrs_useful_tok_s"]
+    print(f"\n{'setting':<22} {'pagedrs tok/s':>14} {'vs greedy':>10} {'HF tok/s':>9} {'ratio':>6}")
+    for name, entry in record["settings"].items():
+        print(f"{name:<22} {entry['pagedrs_useful_tok_s']:>14.1f} {entry['pagedrs_useful_tok_s'] / greedy_rate:>10.2f} "
+              f"{entry.get('hf_useful_tok_s', float('nan')):>9.1f} {entry.get('ratio', float('nan')):>6}")
+    print(f"KV slack {ours['greedy']['slack_fraction']:.2%}")
     print("batch | pagedrs step ms | runner overhead ms")
     for size, numbers in steps.items():
         print(f"{size:5d} | {numbers['step_ms']:15.1f} | {numbers['overhead_ms']:18.2f}")

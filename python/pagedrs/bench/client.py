@@ -98,12 +98,14 @@ class Endpoint:
         return self.model
 
     async def send(self, spec: RequestSpec, t0: float, *, ignore_eos: bool, temperature: float = 0.0,
-                   seed: int | None = None) -> RequestResult:
+                   top_p: float = 1.0, seed: int | None = None) -> RequestResult:
         """Streams one request; times its first token and every text chunk after ``t0``."""
         result = RequestResult(prompt_tokens=spec.prompt_len or 0, expected_output_tokens=spec.output_len if ignore_eos else None)
         extra = {"ignore_eos": True} if ignore_eos else {}
         common = dict(model=self.model, max_tokens=spec.output_len, temperature=temperature, stream=True,
                       stream_options={"include_usage": True}, extra_body=extra)
+        if top_p != 1.0:
+            common["top_p"] = top_p
         if seed is not None:
             common["seed"] = seed
         result.start = time.perf_counter() - t0
@@ -179,6 +181,7 @@ async def run_requests(
     ignore_eos: bool,
     temperature: float,
     seed: int,
+    top_p: float = 1.0,
     progress=None,
 ) -> list[RequestResult]:
     """Sends ``specs`` open-loop: arrivals at ``request_rate`` per second (Poisson; ``inf``
@@ -189,10 +192,10 @@ async def run_requests(
     async def one(spec: RequestSpec, delay: float) -> RequestResult:
         await asyncio.sleep(delay)
         if limit is None:
-            result = await endpoint.send(spec, t0, ignore_eos=ignore_eos, temperature=temperature)
+            result = await endpoint.send(spec, t0, ignore_eos=ignore_eos, temperature=temperature, top_p=top_p)
         else:
             async with limit:
-                result = await endpoint.send(spec, t0, ignore_eos=ignore_eos, temperature=temperature)
+                result = await endpoint.send(spec, t0, ignore_eos=ignore_eos, temperature=temperature, top_p=top_p)
         if progress is not None:
             progress.update(1)
         return result

@@ -1,5 +1,6 @@
 """The baseline continuous batching is measured against: Hugging Face transformers
-`generate` with static batches, greedy, every request asked for its own output length."""
+`generate` with static batches, every request asked for its own output length: greedy, or
+sampled with the same temperature / top-p as the pagedrs run."""
 
 from __future__ import annotations
 
@@ -20,11 +21,15 @@ def load_hf_model(model: str | None = None, dtype: torch.dtype = torch.float32):
     return hf_model, tokenizer
 
 
-def run_static_batches(model, tokenizer, prompts: list[list[int]], lengths: list[int], batch_size: int) -> dict:
+def run_static_batches(model, tokenizer, prompts: list[list[int]], lengths: list[int], batch_size: int,
+                       temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Runs the prompts in arrival order, ``batch_size`` at a time (left-padded). A batch
     runs until its longest request is done, so shorter ones waste their slots: only each
     request's own ``length`` counts as useful. ``min_new_tokens`` keeps EOS from ending a
     batch early, matching ``ignore_eos`` on the server."""
+    sampling = {"do_sample": False}
+    if temperature > 0:
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
     useful = generated = 0
     start = time.perf_counter()
     for first in range(0, len(prompts), batch_size):
@@ -37,7 +42,7 @@ def run_static_batches(model, tokenizer, prompts: list[list[int]], lengths: list
         with torch.no_grad():
             model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                do_sample=False, pad_token_id=pad,
+                pad_token_id=pad, **sampling,
             )
         useful += sum(wanted)
         generated += longest * len(batch)
@@ -45,4 +50,5 @@ def run_static_batches(model, tokenizer, prompts: list[list[int]], lengths: list
     return {
         "seconds": elapsed, "useful_tokens": useful, "generated_tokens": generated,
         "useful_tok_s": useful / elapsed, "useful_share": useful / generated, "batch_size": batch_size,
+        "temperature": temperature, "top_p": top_p,
     }

@@ -52,7 +52,9 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                         help="every request generates exactly its output length (default: on for generated prompts)")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every request (0: greedy, the default; OpenAI's is 1.0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of every request (with --temperature > 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=2, help="requests sent first and left out of the results")
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -86,6 +88,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency if args.max_concurrency is not None else preset.max_concurrency,
         "ignore_eos": args.ignore_eos if args.ignore_eos is not None else args.dataset is None,
         "temperature": args.temperature,
+        "top_p": args.top_p,
         "seed": args.seed,
         "warmup_requests": args.warmup,
         "launched_server": args.launch,
@@ -184,7 +187,7 @@ async def measure(endpoint: Endpoint, settings: dict[str, Any], specs: list[Requ
 
     rate = float(settings["request_rate"])
     common = dict(request_rate=rate, max_concurrency=settings["max_concurrency"], ignore_eos=settings["ignore_eos"],
-                  temperature=settings["temperature"], seed=settings["seed"])
+                  temperature=settings["temperature"], top_p=settings.get("top_p", 1.0), seed=settings["seed"])
     if settings["warmup_requests"]:
         low, _, high = settings["token_range"].partition(":")
         warmup = generate(settings["warmup_requests"], Lengths(16), Lengths(8), settings["seed"] + 10**6,
@@ -295,7 +298,7 @@ def hf_baseline(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str,
     model, tokenizer = load_hf_model(args.server_model)
     print(f"HF transformers generate, static batches of {args.hf_batch} ...", flush=True)
     return run_static_batches(model, tokenizer, [spec.prompt for spec in specs], [spec.output_len for spec in specs],
-                              args.hf_batch)
+                              args.hf_batch, temperature=args.temperature, top_p=args.top_p)
 
 
 def _fill_headline(record: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from pagedrs._core import SchedulerOutput
 from pagedrs.attention import metadata_class, select_backend
+from pagedrs.engine.staging import StagedInputs
 
 
 class ModelRunner:
@@ -24,6 +25,7 @@ class ModelRunner:
             from pagedrs.attention.cuda_ops import load
 
             load()  # build the kernels now, not in the first request's step
+        self.inputs = StagedInputs(device)
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -58,12 +60,7 @@ class ModelRunner:
         rows = out.logits_indices
         if extra_rows is not None and len(extra_rows):
             rows = np.concatenate([rows, extra_rows.astype(np.int64)])
-        logits = self.model(
-            torch.from_numpy(out.input_token_ids).to(self.device),
-            torch.from_numpy(out.positions).to(self.device),
-            self.kv_caches,
-            meta,
-            torch.from_numpy(np.ascontiguousarray(rows)).to(self.device),
-        )
+        input_token_ids, positions, rows = self.inputs.upload(out.input_token_ids, out.positions, rows)
+        logits = self.model(input_token_ids, positions, self.kv_caches, meta, rows)
         num_sampled = len(out.logits_indices)
         return logits[:num_sampled], logits[num_sampled:]
