@@ -12,7 +12,7 @@ CUDA_DEPS_STAMP := $(VENV)/.pagedrs-cuda-deps
 EXTENSION := python/pagedrs/_core.abi3.so
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) rust/Cargo.toml $(wildcard rust/src/*.rs)
 
-.PHONY: setup build test test-rust test-python cuda-check gpu-check bench bench-rust bench-python bench-model \
+.PHONY: setup build test test-rust test-python cpu-kernels cuda-check gpu-check bench bench-rust bench-python bench-model \
 	bench-presets serve wheel clean
 
 setup: $(EXTENSION)
@@ -49,8 +49,14 @@ test: test-rust cuda-check test-python
 test-rust:
 	cargo test --locked --quiet
 
-test-python: $(EXTENSION) $(MODEL_DEPS_STAMP)
+test-python: $(EXTENSION) $(MODEL_DEPS_STAMP) cpu-kernels
 	$(PY) -m pytest -q
+
+# Builds the CPU attention kernel (cpu/, the default attention on the CPU) into
+# ~/.cache/pagedrs before the tests, so no test pays the compile (~20 s the first time,
+# instant after) and a kernel that does not build fails here, not as a silent fallback.
+cpu-kernels: $(EXTENSION) $(MODEL_DEPS_STAMP)
+	$(PY) -m pagedrs.attention.cpu_ops
 
 # Compiles every CUDA kernel for sm_80 and sm_90 and the torch binding against torch's
 # headers (no GPU needed); fails when a kernel does not build.

@@ -7,17 +7,21 @@ import numpy as np
 import pytest
 import torch
 
-from pagedrs.attention import select_backend
+from pagedrs.attention import cpu_ops, select_backend
 from pagedrs.attention.cuda_backend import CudaAttentionMetadata
 
 
 def test_select_backend():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert select_backend("auto", cpu) == "torch" and select_backend("auto", gpu) == "cuda"
-    assert select_backend("torch", gpu) == "torch"  # forced: the reference on a GPU
+    # auto on the CPU: the compiled kernel where it builds (make test builds it first).
+    assert select_backend("auto", cpu) == ("cpu" if cpu_ops.available() else "torch")
+    assert select_backend("auto", gpu) == "cuda"
+    assert select_backend("torch", gpu) == "torch" and select_backend("torch", cpu) == "torch"  # the reference
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_backend("cuda", cpu)
-    with pytest.raises(ValueError, match="one of auto, torch, cuda"):
+    with pytest.raises(ValueError, match="'cpu' runs on the CPU"):
+        select_backend("cpu", gpu)
+    with pytest.raises(ValueError, match="one of auto, torch, cpu, cuda"):
         select_backend("triton", cpu)
     # Shapes the kernels do not take: auto falls back to the reference, a forced "cuda" says why.
     assert select_backend("auto", gpu, head_dim=96, num_heads=32, num_kv_heads=32) == "torch"
@@ -25,6 +29,25 @@ def test_select_backend():
     assert select_backend("auto", gpu, head_dim=128, num_heads=32, num_kv_heads=2) == "cuda"
     with pytest.raises(ValueError, match="head size 96"):
         select_backend("cuda", gpu, head_dim=96, num_heads=8, num_kv_heads=8)
+
+
+def test_auto_falls_back_to_the_reference_when_the_cpu_kernel_cannot_build(monkeypatch, caplog):
+    def no_compiler():
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(cpu_ops, "load", no_compiler)
+    cpu_ops.available.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="pagedrs"):
+            assert select_backend("auto", torch.device("cpu")) == "torch"
+            assert select_backend("auto", torch.device("cpu")) == "torch"
+        assert [r.getMessage() for r in caplog.records] == [
+            "the CPU attention kernel did not build (c++: command not found); using the torch reference"
+        ]  # once, however often the engine asks
+        with pytest.raises(RuntimeError, match="'cpu': the CPU kernel did not build"):
+            select_backend("cpu", torch.device("cpu"))
+    finally:
+        cpu_ops.available.cache_clear()
 
 
 def test_engine_refuses_cuda_backend_without_a_gpu(tiny_llama):

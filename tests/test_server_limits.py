@@ -96,10 +96,10 @@ def test_a_request_failing_in_the_engine_fails_alone(tiny_llama):
     append = engine._append
     poison = engine.tokenizer.encode("w13")[0]
 
-    def append_or_fail(request, choice, token, *args):
+    def append_or_fail(request, choice, token, *args, **kwargs):
         if poison in request.prompt_token_ids and len(choice.output.token_ids) == 2:
             raise RuntimeError("injected failure")
-        return append(request, choice, token, *args)
+        return append(request, choice, token, *args, **kwargs)
 
     engine._append = append_or_fail
     try:

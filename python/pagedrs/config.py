@@ -57,8 +57,8 @@ class EngineConfig:
     seed: int | None = 0
     """Seed of the generator used by requests without their own seed."""
     attention_backend: str = "auto"
-    """``"auto"`` (the CUDA kernels on a GPU, the torch reference elsewhere), ``"torch"`` or
-    ``"cuda"``."""
+    """``"auto"`` (the CUDA kernels on a GPU, the compiled CPU kernel on the CPU, the torch
+    reference where neither can run), ``"torch"``, ``"cpu"`` or ``"cuda"``."""
 
     def torch_device(self) -> torch.device:
         if self.device is None:

@@ -1,7 +1,7 @@
-"""Attention backends over the paged KV cache: the torch reference (every device; the oracle)
-and the CUDA kernels. `select_backend` picks one; both build per-step metadata with the same
-``build(...)`` arguments and attend through ``meta.attend(q, k, v, key_cache, value_cache,
-scale)``."""
+"""Attention backends over the paged KV cache: the torch reference (every device; the oracle),
+the compiled CPU kernel and the CUDA kernels. `select_backend` picks one; all build per-step
+metadata with the same ``build(...)`` arguments and attend through ``meta.attend(q, k, v,
+key_cache, value_cache, scale)``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from pagedrs.attention.torch_ref import AttentionMetadata as TorchAttentionMetadata
 
-BACKENDS = ("auto", "torch", "cuda")
+BACKENDS = ("auto", "torch", "cpu", "cuda")
 
 
 class AttentionMetadata(Protocol):
@@ -34,13 +34,30 @@ def cuda_supports(head_dim: int, num_heads: int, num_kv_heads: int) -> str | Non
 
 def select_backend(name: str, device: torch.device, head_dim: int = 64, num_heads: int = 1,
                    num_kv_heads: int = 1) -> str:
-    """``"auto"``: the CUDA kernels on a CUDA device when they support the model's attention
-    shape, the torch reference otherwise."""
+    """``"auto"``: on a CUDA device the CUDA kernels when they support the model's attention
+    shape; on the CPU the compiled CPU kernel when it builds here (any shape); the torch
+    reference otherwise. A forced ``"cpu"`` or ``"cuda"`` builds its kernels now, so a model
+    never starts on kernels that cannot run."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     unsupported = cuda_supports(head_dim, num_heads, num_kv_heads)
     if name == "auto":
-        return "cuda" if device.type == "cuda" and unsupported is None else "torch"
+        if device.type == "cuda":
+            return "cuda" if unsupported is None else "torch"
+        if device.type == "cpu":
+            from pagedrs.attention.cpu_ops import available
+
+            return "cpu" if available() else "torch"
+        return "torch"
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on the CPU, the engine runs on {device}; use 'auto'")
+    if name == "cpu":
+        from pagedrs.attention.cpu_ops import load
+
+        try:
+            load()  # build now, not in the first request's step
+        except Exception as error:  # noqa: BLE001 -- the compiler's own message, one level up
+            raise RuntimeError(f"attention_backend 'cpu': the CPU kernel did not build ({error}); use 'torch'") from error
     if name == "cuda" and device.type != "cuda":
         raise ValueError(f"attention_backend 'cuda' needs a CUDA device, the engine runs on {device}")
     if name == "cuda" and unsupported is not None:
@@ -49,6 +66,10 @@ def select_backend(name: str, device: torch.device, head_dim: int = 64, num_head
 
 
 def metadata_class(backend: str) -> type:
+    if backend == "cpu":
+        from pagedrs.attention.cpu_backend import CpuAttentionMetadata
+
+        return CpuAttentionMetadata
     if backend == "cuda":
         from pagedrs.attention.cuda_backend import CudaAttentionMetadata
 

@@ -36,8 +36,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--max-num-partial-prefills", type=int, default=1)
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda"],
-                        help="auto: the CUDA kernels on a GPU, the torch reference elsewhere")
+    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"],
+                        help="auto: the CUDA kernels on a GPU, the compiled CPU kernel on the CPU")
     engine.add_argument("--max-waiting-requests", type=int, default=512,
                         help="answer 503 to new requests while this many wait (0: no limit)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -1,0 +1,493 @@
+// PagedAttention on the CPU: query rows against their sequences' paged key/value context,
+// read in place through the block tables (no gather copy), for decodes (one row per sequence)
+// and prefill chunks over a cached prefix (several rows per sequence, causal) in one call,
+// with grouped-query attention and an optional sliding window. Built and loaded by
+// python/pagedrs/attention/cpu_ops.py; registered as torch.ops.pagedrs_cpu.*.
+//
+// Dimensions:
+//   num_seqs        sequences of the step
+//   num_rows        query rows of the step (a decode has one, a prefill chunk several)
+//   num_heads       query heads; num_kv_heads divides it, group = num_heads / num_kv_heads
+//   num_kv_heads    key/value heads
+//   head_size       elements of one head (any size: the inner loops run over it)
+//   block_size      token slots of one cache block (any size)
+//
+// Layouts:
+//   query, out      [num_rows, num_heads, head_size]; heads contiguous, any row stride
+//   key/value cache [num_blocks, block_size, num_kv_heads, head_size], contiguous
+//   block_tables    [num_seqs, max_blocks_per_seq] int32
+//   cu_seqlens_q    [num_seqs + 1] int32: rows of sequence s are cu_seqlens_q[s] .. [s + 1]
+//   context_lens    [num_seqs] int32: tokens sequence s attends to, its new rows included
+//
+// Rows of a sequence are the last tokens of its context: row i of a sequence with q rows and
+// context c is at position p = c - q + i and sees the keys at positions [0, p], or with
+// sliding_window > 0 only those > p - sliding_window (Mistral's rule).
+//
+// Work split: one item is (a tile of up to kRowTile consecutive rows of one sequence, one KV
+// head); a decode is a tile of one row. The item computes all group * rows query vectors
+// together, so each key and value row is loaded from the cache once per item, and walks the
+// context kKeyTile keys at a time with an online softmax in float32 (scores of the tile, then
+// rescale the running sums to the new maximum, then add probabilities times values). Threads
+// (torch's pool, at::parallel_for) take items from a shared counter, so ragged lengths in a
+// mixed batch still spread over every core.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kRowTile = 8;   // prefill rows that share one pass over their context
+constexpr int kKeyTile = 64;  // keys scored before the softmax is brought up to date
+
+// One work item: rows [first_row, first_row + num_rows) of sequence seq, KV head kv_head.
+struct WorkItem {
+  int seq;
+  int first_row;
+  int num_rows;
+  int kv_head;
+};
+
+template <typename T>
+inline void load_row(const T* __restrict__ src, float* __restrict__ dst, int n, float factor) {
+#pragma omp simd
+  for (int d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]) * factor;
+}
+
+// Lanes of the partial sums of a dot product: one AVX-512 register, two AVX2 or four NEON ones.
+constexpr int kLanes = 16;
+
+// out[j] = q . keys[j] for four keys at once: q is read once, and each key's partial sums stay
+// in kLanes lanes until one pairwise reduction at the end (an `omp simd reduction` would sum
+// the lanes one by one).
+inline void dot4(const float* __restrict__ q, const float* const* keys, int n, float* out) {
+  const float* __restrict__ k0 = keys[0];
+  const float* __restrict__ k1 = keys[1];
+  const float* __restrict__ k2 = keys[2];
+  const float* __restrict__ k3 = keys[3];
+  float s0[kLanes] = {}, s1[kLanes] = {}, s2[kLanes] = {}, s3[kLanes] = {};
+  int d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      s0[j] += q[d + j] * k0[d + j];
+      s1[j] += q[d + j] * k1[d + j];
+      s2[j] += q[d + j] * k2[d + j];
+      s3[j] += q[d + j] * k3[d + j];
+    }
+  }
+  for (int j = 0; d < n; ++d, ++j) {  // a head size that is not a multiple of kLanes
+    s0[j] += q[d] * k0[d];
+    s1[j] += q[d] * k1[d];
+    s2[j] += q[d] * k2[d];
+    s3[j] += q[d] * k3[d];
+  }
+  // Transposing reduction: halve the lanes and interleave the keys, until lane j of one
+  // register holds key j's sum (adds of whole registers only).
+  float h01[kLanes], h23[kLanes];
+  for (int j = 0; j < kLanes / 2; ++j) {
+    h01[j] = s0[j] + s0[j + kLanes / 2];
+    h01[j + kLanes / 2] = s1[j] + s1[j + kLanes / 2];
+    h23[j] = s2[j] + s2[j + kLanes / 2];
+    h23[j + kLanes / 2] = s3[j] + s3[j + kLanes / 2];
+  }
+  float q4[kLanes];  // [key 0: 4 lanes | key 1 | key 2 | key 3]
+  for (int j = 0; j < kLanes / 4; ++j) {
+    q4[j] = h01[j] + h01[j + kLanes / 4];
+    q4[j + kLanes / 4] = h01[j + kLanes / 2] + h01[j + 3 * kLanes / 4];
+    q4[j + kLanes / 2] = h23[j] + h23[j + kLanes / 4];
+    q4[j + 3 * kLanes / 4] = h23[j + kLanes / 2] + h23[j + 3 * kLanes / 4];
+  }
+  for (int k = 0; k < 4; ++k) {
+    const float* lanes = q4 + k * (kLanes / 4);
+    out[k] = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+  }
+}
+
+// The sum and the maximum of x[0..n), kLanes at a time (vectorized; an `omp simd
+// reduction` leaves GCC's loop scalar here).
+inline float sum_of(const float* __restrict__ x, int n) {
+  float lanes[kLanes] = {};
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lanes[j] += x[i + j];
+  for (int j = 0; i < n; ++i, ++j) lanes[j] += x[i];
+  float sum = 0.f;
+  for (int j = 0; j < kLanes; ++j) sum += lanes[j];
+  return sum;
+}
+
+inline float max_of(const float* __restrict__ x, int n) {
+  float lanes[kLanes];
+  std::fill(lanes, lanes + kLanes, -std::numeric_limits<float>::infinity());
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lanes[j] = std::max(lanes[j], x[i + j]);
+  for (int j = 0; i < n; ++i, ++j) lanes[j] = std::max(lanes[j], x[i]);
+  return *std::max_element(lanes, lanes + kLanes);
+}
+
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int d = 0; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// acc += sum_j p[j] * values[j] over eight value rows: acc is loaded and stored once.
+inline void axpy8(const float* p, const float* const* values, float* __restrict__ acc, int n) {
+  const float* __restrict__ v0 = values[0];
+  const float* __restrict__ v1 = values[1];
+  const float* __restrict__ v2 = values[2];
+  const float* __restrict__ v3 = values[3];
+  const float* __restrict__ v4 = values[4];
+  const float* __restrict__ v5 = values[5];
+  const float* __restrict__ v6 = values[6];
+  const float* __restrict__ v7 = values[7];
+  const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3], p4 = p[4], p5 = p[5], p6 = p[6], p7 = p[7];
+#pragma omp simd
+  for (int d = 0; d < n; ++d)
+    acc[d] += (p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]) + (p4 * v4[d] + p5 * v5[d] + p6 * v6[d] + p7 * v7[d]);
+}
+
+inline void axpy(float p, const float* __restrict__ value, float* __restrict__ acc, int n) {
+#pragma omp simd
+  for (int d = 0; d < n; ++d) acc[d] += p * value[d];
+}
+
+struct Args {
+  const void* query;
+  void* out;
+  const void* key_cache;
+  const void* value_cache;
+  const int* block_tables;
+  const int* cu_seqlens_q;
+  const int* context_lens;
+  int64_t query_row_stride;  // elements between consecutive query rows
+  int64_t out_row_stride;
+  int num_heads;
+  int num_kv_heads;
+  int head_size;
+  int block_size;
+  int max_blocks_per_seq;
+  int sliding_window;
+  float scale;
+};
+
+// Per-thread scratch, sized once per call. A "vector" is one (query row, query head) of an item.
+struct Scratch {
+  std::vector<float> queries;      // [vectors, head_size], pre-scaled
+  std::vector<float> acc;          // [vectors, head_size]: unnormalized output
+  std::vector<float> scores;       // [vectors, kKeyTile]: scores, then probabilities
+  std::vector<float> max_score;    // [vectors]
+  std::vector<float> sum_exp;      // [vectors]
+  std::vector<int> visible_begin;  // [vectors]: first key of the tile the vector sees
+  std::vector<int> visible_end;    // [vectors]: one past its last
+  std::vector<float> key_tile;     // [kKeyTile, head_size]: a half-precision tile as float32
+  std::vector<float> value_tile;   // [kKeyTile, head_size]
+
+  Scratch(int num_vectors, int head_size)
+      : queries(static_cast<size_t>(num_vectors) * head_size),
+        acc(static_cast<size_t>(num_vectors) * head_size),
+        scores(static_cast<size_t>(num_vectors) * kKeyTile),
+        max_score(num_vectors),
+        sum_exp(num_vectors),
+        visible_begin(num_vectors),
+        visible_end(num_vectors),
+        key_tile(static_cast<size_t>(kKeyTile) * head_size),
+        value_tile(static_cast<size_t>(kKeyTile) * head_size) {}
+};
+
+// exp(x) for x <= 0 (a score minus its row's maximum) in a form the compiler vectorizes,
+// unlike std::exp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' polynomial (about
+// 1 ulp), 2^n by the exponent bits. Below -87 (2^n would be subnormal) it returns ~1e-38,
+// which weighs nothing against the row's maximum key, whose term is 1.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * __builtin_bit_cast(float, (static_cast<int>(n) + 127) << 23);
+}
+
+// NOTE: a tile's rows lie in blocks scattered over the cache, which the hardware prefetcher
+// cannot foresee; asking for the next tile's rows while this one is computed keeps many loads
+// in flight. Into L2 (locality 2), not L1: a tile's keys and values outgrow L1, and the
+// measured decode step was a third faster than with L1 prefetches.
+template <typename T>
+inline void prefetch_row(const T* row, int n) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  const int64_t num_bytes = static_cast<int64_t>(n) * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < num_bytes; b += 64) __builtin_prefetch(bytes + b, 0, 2);
+}
+
+// A key or value row as float32: the cache's own row when it already is, else converted into buf.
+template <typename T>
+inline const float* as_float(const T* row, float* buf, int n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    load_row(row, buf, n, 1.f);
+    return buf;
+  }
+}
+
+template <typename T>
+void attend_item(const Args& args, const WorkItem& item, Scratch& scratch) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int group = args.num_heads / args.num_kv_heads;
+  const int head_size = args.head_size;
+  const int num_vectors = item.num_rows * group;  // vector v: row v / group, head v % group
+  const int query_len = args.cu_seqlens_q[item.seq + 1] - args.cu_seqlens_q[item.seq];
+  const int context = args.context_lens[item.seq];
+  const int* block_table = args.block_tables + static_cast<int64_t>(item.seq) * args.max_blocks_per_seq;
+  // Position of the item's first row; its row r is at first_pos + r.
+  const int first_pos = context - query_len + (item.first_row - args.cu_seqlens_q[item.seq]);
+  const int window = args.sliding_window;
+  const int keys_begin = window > 0 ? std::max(0, first_pos - window + 1) : 0;
+  const int keys_end = first_pos + item.num_rows;  // one past the last row's position
+
+  const T* query = static_cast<const T*>(args.query);
+  for (int v = 0; v < num_vectors; ++v) {
+    const int row = item.first_row + v / group, head = item.kv_head * group + v % group;
+    load_row(query + row * args.query_row_stride + static_cast<int64_t>(head) * head_size,
+             scratch.queries.data() + static_cast<int64_t>(v) * head_size, head_size, args.scale);
+  }
+  std::fill(scratch.acc.begin(), scratch.acc.begin() + static_cast<int64_t>(num_vectors) * head_size, 0.f);
+  std::fill(scratch.max_score.begin(), scratch.max_score.begin() + num_vectors, kNegInf);
+  std::fill(scratch.sum_exp.begin(), scratch.sum_exp.begin() + num_vectors, 0.f);
+
+  const T* key_cache = static_cast<const T*>(args.key_cache);
+  const T* value_cache = static_cast<const T*>(args.value_cache);
+  const int64_t token_stride = static_cast<int64_t>(args.num_kv_heads) * head_size;
+  const int64_t head_offset = static_cast<int64_t>(item.kv_head) * head_size;
+  const float* key_rows[kKeyTile];
+  const float* value_rows[kKeyTile];
+  int64_t offsets[2][kKeyTile];  // cache offsets of this tile's rows and of the next tile's
+
+  // Cache offsets of the rows of keys [tile_begin, tile_begin + kKeyTile), walking the block
+  // table (no division per key); each row is prefetched as it is found.
+  auto locate_tile = [&](int tile_begin, int64_t* tile_offsets) {
+    const int tile_len = std::min(kKeyTile, keys_end - tile_begin);
+    int block = tile_begin / args.block_size, in_block = tile_begin % args.block_size;
+    int64_t block_start = static_cast<int64_t>(block_table[block]) * args.block_size;
+    for (int t = 0; t < tile_len; ++t) {
+      if (in_block == args.block_size) {
+        in_block = 0;
+        block_start = static_cast<int64_t>(block_table[++block]) * args.block_size;
+      }
+      const int64_t offset = (block_start + in_block++) * token_stride + head_offset;
+      prefetch_row(key_cache + offset, head_size);
+      prefetch_row(value_cache + offset, head_size);
+      tile_offsets[t] = offset;
+    }
+  };
+
+  locate_tile(keys_begin, offsets[0]);
+  for (int tile_begin = keys_begin, tile = 0; tile_begin < keys_end; tile_begin += kKeyTile, tile ^= 1) {
+    const int tile_len = std::min(kKeyTile, keys_end - tile_begin);
+    // The next tile's rows start arriving while this one is computed.
+    if (tile_begin + kKeyTile < keys_end) locate_tile(tile_begin + kKeyTile, offsets[tile ^ 1]);
+    for (int t = 0; t < tile_len; ++t) {
+      const int64_t offset = offsets[tile][t];
+      key_rows[t] = as_float(key_cache + offset, scratch.key_tile.data() + t * head_size, head_size);
+      value_rows[t] = as_float(value_cache + offset, scratch.value_tile.data() + t * head_size, head_size);
+    }
+    // (1) Scores. A row sees one contiguous run of the tile's keys; the rest score -inf.
+    for (int v = 0; v < num_vectors; ++v) {
+      const int row_pos = first_pos + v / group;
+      const int begin = std::clamp((window > 0 ? row_pos - window + 1 : 0) - tile_begin, 0, tile_len);
+      const int end = std::max(begin, std::min(tile_len, row_pos + 1 - tile_begin));
+      scratch.visible_begin[v] = begin;
+      scratch.visible_end[v] = end;
+      float* row_scores = scratch.scores.data() + v * kKeyTile;
+      const float* q = scratch.queries.data() + static_cast<int64_t>(v) * head_size;
+      std::fill(row_scores, row_scores + begin, kNegInf);
+      int t = begin;
+      for (; t + 4 <= end; t += 4) dot4(q, key_rows + t, head_size, row_scores + t);
+      for (; t < end; ++t) row_scores[t] = dot(q, key_rows[t], head_size);
+      std::fill(row_scores + end, row_scores + tile_len, kNegInf);
+    }
+    // (2) Online softmax: bring each vector's running maximum, sum and output up to date.
+    for (int v = 0; v < num_vectors; ++v) {
+      const int begin = scratch.visible_begin[v], end = scratch.visible_end[v];
+      if (begin == end) continue;  // nothing visible in this tile
+      float* row_scores = scratch.scores.data() + v * kKeyTile;
+      const float new_max = std::max(scratch.max_score[v], max_of(row_scores + begin, end - begin));
+      const float rescale = std::exp(scratch.max_score[v] - new_max);  // 0 on the first visible tile
+      if (rescale != 1.f) {
+        float* acc = scratch.acc.data() + static_cast<int64_t>(v) * head_size;
+#pragma omp simd
+        for (int d = 0; d < head_size; ++d) acc[d] *= rescale;
+      }
+#pragma omp simd
+      for (int t = begin; t < end; ++t) row_scores[t] = exp_nonpositive(row_scores[t] - new_max);
+      const float tile_sum = sum_of(row_scores + begin, end - begin);
+      scratch.sum_exp[v] = scratch.sum_exp[v] * rescale + tile_sum;
+      scratch.max_score[v] = new_max;
+    }
+    // (3) Probabilities times values.
+    for (int v = 0; v < num_vectors; ++v) {
+      const int begin = scratch.visible_begin[v], end = scratch.visible_end[v];
+      const float* p = scratch.scores.data() + v * kKeyTile;
+      float* acc = scratch.acc.data() + static_cast<int64_t>(v) * head_size;
+      int t = begin;
+      for (; t + 8 <= end; t += 8) axpy8(p + t, value_rows + t, acc, head_size);
+      for (; t < end; ++t) axpy(p[t], value_rows[t], acc, head_size);
+    }
+  }
+
+  T* out = static_cast<T*>(args.out);
+  for (int v = 0; v < num_vectors; ++v) {
+    const int row = item.first_row + v / group, head = item.kv_head * group + v % group;
+    const float* acc = scratch.acc.data() + static_cast<int64_t>(v) * head_size;
+    // Every row sees at least its own key, so the sum is positive.
+    const float inv_sum = 1.f / scratch.sum_exp[v];
+    T* dst = out + row * args.out_row_stride + static_cast<int64_t>(head) * head_size;
+#pragma omp simd
+    for (int d = 0; d < head_size; ++d) dst[d] = static_cast<T>(acc[d] * inv_sum);
+  }
+}
+
+std::vector<WorkItem> work_items(const int* cu_seqlens_q, int num_seqs, int num_kv_heads) {
+  std::vector<WorkItem> items;
+  for (int seq = 0; seq < num_seqs; ++seq) {
+    for (int row = cu_seqlens_q[seq]; row < cu_seqlens_q[seq + 1]; row += kRowTile) {
+      const int rows = std::min(kRowTile, cu_seqlens_q[seq + 1] - row);
+      for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) items.push_back({seq, row, rows, kv_head});
+    }
+  }
+  return items;
+}
+
+template <typename T>
+void run(const Args& args, const std::vector<WorkItem>& items) {
+  const int group = args.num_heads / args.num_kv_heads;
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  // One task per thread, each pulling items until none are left (dynamic scheduling over
+  // torch's own pool: a long prefill tile does not hold up a thread's share of decodes).
+  const int64_t num_tasks = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {
+    Scratch scratch(kRowTile * group, args.head_size);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend_item<T>(args, items[i], scratch);
+  });
+}
+
+void check_cache(const at::Tensor& cache, const char* name) {
+  TORCH_CHECK(cache.device().is_cpu(), "pagedrs_cpu: ", name, " must be a CPU tensor, got one on ", cache.device());
+  TORCH_CHECK(cache.dim() == 4, "pagedrs_cpu: ", name, " must be [num_blocks, block_size, num_kv_heads, head_size], got ",
+              cache.sizes());
+  TORCH_CHECK(cache.is_contiguous(), "pagedrs_cpu: ", name, " must be contiguous");
+}
+
+void check_rows(const at::Tensor& t, const char* name, const at::Tensor& key_cache) {
+  TORCH_CHECK(t.device().is_cpu(), "pagedrs_cpu: ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 3 && t.size(2) == key_cache.size(3), "pagedrs_cpu: ", name,
+              " must be [num_rows, num_heads, ", key_cache.size(3), "], got ", t.sizes());
+  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "pagedrs_cpu: ", name,
+              "'s heads must be contiguous within a row (a row stride is fine)");
+  TORCH_CHECK(t.scalar_type() == key_cache.scalar_type(), "pagedrs_cpu: ", name, " dtype ", t.scalar_type(),
+              " differs from the cache's ", key_cache.scalar_type());
+}
+
+void check_index(const at::Tensor& t, int64_t dims, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "pagedrs_cpu: ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kInt, "pagedrs_cpu: ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dims, "pagedrs_cpu: ", name, " must have ", dims, " dimensions, got ", t.dim());
+  TORCH_CHECK(t.is_contiguous(), "pagedrs_cpu: ", name, " must be contiguous");
+}
+
+// Reads the cache only: the step's new keys and values must already be written (the
+// runner's contract, rust/src/batch.rs).
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                     const at::Tensor& context_lens, double scale, int64_t sliding_window) {
+  check_cache(key_cache, "key_cache");
+  check_cache(value_cache, "value_cache");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "pagedrs_cpu: key_cache and value_cache differ in shape or dtype");
+  const auto dtype = key_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "pagedrs_cpu: paged_attention supports float32, bfloat16 and float16, got ", dtype);
+  check_rows(query, "query", key_cache);
+  check_rows(out, "out", key_cache);
+  TORCH_CHECK(out.sizes() == query.sizes(), "pagedrs_cpu: out ", out.sizes(), " must match query ", query.sizes());
+  const int64_t num_kv_heads = key_cache.size(2), num_heads = query.size(1);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "pagedrs_cpu: ", num_heads, " query heads do not group over ",
+              num_kv_heads, " KV heads");
+  check_index(block_tables, 2, "block_tables");
+  check_index(cu_seqlens_q, 1, "cu_seqlens_q");
+  check_index(context_lens, 1, "context_lens");
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK(cu_seqlens_q.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
+              "pagedrs_cpu: cu_seqlens_q needs num_seqs + 1 entries and block_tables num_seqs rows");
+  const int64_t block_size = key_cache.size(1), num_blocks = key_cache.size(0);
+  const int* cu = cu_seqlens_q.data_ptr<int>();
+  const int* contexts = context_lens.data_ptr<int>();
+  const int* tables = block_tables.data_ptr<int>();
+  TORCH_CHECK(cu[0] == 0 && cu[num_seqs] == query.size(0), "pagedrs_cpu: cu_seqlens_q must run from 0 to the ",
+              query.size(0), " query rows");
+  // The kernel reads the cache at these addresses unchecked: no sequence may reach past its
+  // block table or the cache.
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int rows = cu[s + 1] - cu[s];
+    TORCH_CHECK(rows >= 0 && contexts[s] >= rows, "pagedrs_cpu: sequence ", s, " has ", rows,
+                " query rows but a context of ", contexts[s]);
+    const int64_t used_blocks = (contexts[s] + block_size - 1) / block_size;
+    TORCH_CHECK(used_blocks <= block_tables.size(1), "pagedrs_cpu: the context of sequence ", s, " (", contexts[s],
+                " tokens) is longer than its block table's ", block_tables.size(1) * block_size, " slots");
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      const int block = tables[s * block_tables.size(1) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "pagedrs_cpu: block ", block, " of sequence ", s,
+                  " is outside the cache's ", num_blocks, " blocks");
+    }
+  }
+  if (query.size(0) == 0) return;
+
+  Args args{};
+  args.query = query.data_ptr();
+  args.out = out.data_ptr();
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.block_tables = block_tables.data_ptr<int>();
+  args.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
+  args.context_lens = context_lens.data_ptr<int>();
+  args.query_row_stride = query.stride(0);
+  args.out_row_stride = out.stride(0);
+  args.num_heads = static_cast<int>(num_heads);
+  args.num_kv_heads = static_cast<int>(num_kv_heads);
+  args.head_size = static_cast<int>(key_cache.size(3));
+  args.block_size = static_cast<int>(block_size);
+  args.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  args.sliding_window = static_cast<int>(sliding_window);
+  args.scale = static_cast<float>(scale);
+  const auto items = work_items(args.cu_seqlens_q, static_cast<int>(num_seqs), args.num_kv_heads);
+  switch (dtype) {
+    case at::kFloat: run<float>(args, items); break;
+    case at::kBFloat16: run<c10::BFloat16>(args, items); break;
+    case at::kHalf: run<c10::Half>(args, items); break;
+    default: break;  // refused above
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedrs_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor cu_seqlens_q, Tensor context_lens, float scale, int sliding_window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
