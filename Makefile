@@ -52,7 +52,7 @@ test-rust:
 test-python: $(EXTENSION) $(MODEL_DEPS_STAMP) cpu-kernels
 	$(PY) -m pytest -q
 
-# Builds the CPU attention kernel (cpu/, the default attention on the CPU) into
+# Builds the CPU kernels (cpu/: the default attention on the CPU, sampling) into
 # ~/.cache/pagedrs before the tests, so no test pays the compile (~20 s the first time,
 # instant after) and a kernel that does not build fails here, not as a silent fallback.
 cpu-kernels: $(EXTENSION) $(MODEL_DEPS_STAMP)

@@ -10,7 +10,9 @@ decode steps are timed and split into where the time goes:
 - sampler: the sampler (penalties, filtering, draws, logprobs, one device-to-host copy);
 - update: the Rust core's ``update_from_output`` (columns out);
 - apply: detokenizing, stop strings, logprobs entries, outputs;
-- engine (own): the step minus the forward pass: what the engine adds around the model.
+- own: the step minus the forward pass (what the engine adds around the model, sampler included);
+- host: the step minus the forward pass and the sampler (scheduling, bookkeeping, apply: the
+  Python and Rust work that a GPU would not take off the CPU).
 
 Medians over the timed steps. Run on an idle machine (torch's threads collapse otherwise):
 
@@ -123,10 +125,12 @@ def measure(engine: LLMEngine, clock: _Clock, batch_size: int, params: SamplingP
         engine.abort_request(f"b{batch_size}-{i}")
     step_ms = statistics.median(totals) * 1e3
     own = [total - forward for total, forward in zip(totals, phases["forward"])]
+    host = [value - sampler for value, sampler in zip(own, phases["sampler"])]
     return {
         "step_ms": step_ms,
         **{f"{name}_ms": statistics.median(values) * 1e3 for name, values in phases.items()},
         "engine_own_ms": statistics.median(own) * 1e3,
+        "host_ms": statistics.median(host) * 1e3,
     }
 
 
@@ -159,7 +163,7 @@ def main() -> None:
         results = []
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
         print(f"{'batch':>5}  {'setting':<48} {'step ms':>8} {'x greedy':>8} "
-              + " ".join(f"{name:>9}" for name in PHASES) + f" {'own ms':>8}")
+              + " ".join(f"{name:>9}" for name in PHASES) + f" {'own ms':>8} {'host ms':>8}")
         for batch_size in batch_sizes:
             greedy_ms = None
             for name in args.settings.split(","):
@@ -169,7 +173,7 @@ def main() -> None:
                 results.append(result)
                 print(f"{batch_size:>5}  {name:<48} {result['step_ms']:>8.2f} {result['ratio_to_greedy']:>8.2f} "
                       + " ".join(f"{result[f'{phase}_ms']:>9.2f}" for phase in PHASES)
-                      + f" {result['engine_own_ms']:>8.2f}", flush=True)
+                      + f" {result['engine_own_ms']:>8.2f} {result['host_ms']:>8.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "results": results}, f, indent=1)

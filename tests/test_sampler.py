@@ -6,11 +6,13 @@ import math
 import pytest
 import torch
 
-from pagedrs import SamplingParams
+from pagedrs import SamplingParams, cpu_sampling
 from pagedrs import sampler as sampler_module
 from pagedrs.sampler import Sampler, SamplingRow
 
 VOCAB = 12
+PATHS = [pytest.param(False, id="torch")] + ([pytest.param(True, id="fused")] if cpu_sampling.available() else [])
+"""Full-vocabulary draws and logprobs: torch ops (the GPU path) and the fused CPU kernels."""
 LOGITS = torch.tensor([2.0, 1.6, 1.5, 1.1, 0.9, 0.3, 0.0, -0.4, -1.0, -1.5, -2.5, -4.0])
 
 
@@ -70,7 +72,8 @@ DISTRIBUTION_CASES = [
 
 @pytest.mark.parametrize("params", DISTRIBUTION_CASES, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
 @pytest.mark.parametrize("path", ["as chosen", "fallbacks"])
-def test_draws_follow_the_exact_distribution(params, path, monkeypatch):
+@pytest.mark.parametrize("fused", PATHS)
+def test_draws_follow_the_exact_distribution(params, path, fused, monkeypatch):
     # "fallbacks": top-k rows are sorted instead of windowed, and top-p rows that a first
     # draw did not settle are sorted instead of drawn again.
     if path == "fallbacks":
@@ -78,18 +81,19 @@ def test_draws_follow_the_exact_distribution(params, path, monkeypatch):
         monkeypatch.setattr(sampler_module, "MAX_REJECTION_ROUNDS", 0)
     num_draws = 20_000
     logits = LOGITS.repeat(num_draws, 1)
-    tokens = torch.from_numpy(Sampler(VOCAB, seed=11)(logits, [row(params)] * num_draws).token_ids)
+    tokens = torch.from_numpy(Sampler(VOCAB, seed=11, fused=fused)(logits, [row(params)] * num_draws).token_ids)
     counts = torch.bincount(tokens, minlength=VOCAB)
     assert chi_square_p_value(counts, reference_probs(LOGITS, params)) > 1e-4
 
 
-def test_mixed_batch_each_row_follows_its_own_distribution():
+@pytest.mark.parametrize("fused", PATHS)
+def test_mixed_batch_each_row_follows_its_own_distribution(fused):
     # Interleaved rows of different kinds in one batch (greedy, windowed, full, penalties).
     kinds = [DISTRIBUTION_CASES[0], DISTRIBUTION_CASES[4], DISTRIBUTION_CASES[6], SamplingParams(temperature=0)]
     num_draws = 8_000
     rows = [row(kinds[i % len(kinds)]) for i in range(num_draws * len(kinds))]
     logits = LOGITS.repeat(len(rows), 1)
-    tokens = torch.from_numpy(Sampler(VOCAB, seed=5)(logits, rows).token_ids)
+    tokens = torch.from_numpy(Sampler(VOCAB, seed=5, fused=fused)(logits, rows).token_ids)
     for kind_index, params in enumerate(kinds[:-1]):
         counts = torch.bincount(tokens[kind_index :: len(kinds)], minlength=VOCAB)
         assert chi_square_p_value(counts, reference_probs(LOGITS, params)) > 1e-4
@@ -103,10 +107,11 @@ def test_greedy_is_argmax_and_bans_are_respected():
     assert out.token_ids.tolist() == [1, 2]
 
 
-def test_bans_hold_for_sampled_rows():
+@pytest.mark.parametrize("fused", PATHS)
+def test_bans_hold_for_sampled_rows(fused):
     logits = torch.tensor([[9.0, 0.0, 0.0, 0.0]]).repeat(300, 1)
     rows = [row(SamplingParams(temperature=1.0))] * 150 + [row(SamplingParams(temperature=1.0, top_k=2))] * 150
-    out = Sampler(4, seed=0)(logits, rows, banned=[(i, [0]) for i in range(300)])
+    out = Sampler(4, seed=0, fused=fused)(logits, rows, banned=[(i, [0]) for i in range(300)])
     assert 0 not in out.token_ids.tolist()
 
 
@@ -138,12 +143,13 @@ def test_a_large_top_k_sorts_and_stays_exact(monkeypatch):
      SamplingParams(temperature=1.0, top_p=0.9, seed=7), SamplingParams(temperature=1.0, top_p=0.999, seed=7)],
 )
 @pytest.mark.parametrize("batch_size", [16, 256])
-def test_seeded_rows_reproduce_whatever_the_batch(params, batch_size):
+@pytest.mark.parametrize("fused", PATHS)
+def test_seeded_rows_reproduce_whatever_the_batch(params, batch_size, fused):
     torch.manual_seed(0)
     logits = torch.randn(3, 1000) * 2
 
     def draws(batch_logits, rows, position):
-        sampler = Sampler(1000, seed=batch_size)
+        sampler = Sampler(1000, seed=batch_size, fused=fused)
         return [int(sampler(batch_logits[i], rows).token_ids[position]) for i in range(3)]
 
     alone = draws(logits.unsqueeze(1), [row(params, seed=7)], 0)
@@ -193,13 +199,14 @@ def test_penalties_match_a_per_row_reference():
     assert sampler.penalties.bias[slot].sum() == 0 and sampler.penalties.seen[slot].sum() == 1
 
 
-def test_logprobs_ranks_and_top_logprobs_match_log_softmax():
+@pytest.mark.parametrize("fused", PATHS)
+def test_logprobs_ranks_and_top_logprobs_match_log_softmax(fused):
     torch.manual_seed(2)
     logits = torch.randn(6, 40) * 2
     params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=1.0),
               SamplingParams(temperature=1.0, logprobs=0), SamplingParams(temperature=0.7, top_k=5, logprobs=5),
               SamplingParams(temperature=0), SamplingParams(temperature=1.0, repetition_penalty=1.5, logprobs=1)]
-    sampler = Sampler(40, seed=0)
+    sampler = Sampler(40, seed=0, fused=fused)
     rows = [row(p, slot=sampler.penalties.acquire([0, 1], p) if p.uses_penalties else None) for p in params]
     out = sampler(logits, rows)
     expected = logits.log_softmax(-1)  # the raw distribution, before penalties and temperature
@@ -243,12 +250,13 @@ def test_invalid_sampling_params_raise_value_error(kwargs):
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
                                     SamplingParams(temperature=1.2, min_p=0.05)])
-def test_draws_over_a_vocabulary_of_many_blocks_stay_exact(params):
+@pytest.mark.parametrize("fused", PATHS)
+def test_draws_over_a_vocabulary_of_many_blocks_stay_exact(params, fused):
     # 2,600 tokens: two full 1,024-token blocks of the two-level inverse CDF and a partial one.
     torch.manual_seed(4)
     vocab = 2_600
     logits = torch.randn(vocab) * 1.5
-    sampler = Sampler(vocab, seed=9)
+    sampler = Sampler(vocab, seed=9, fused=fused)
     tokens = torch.cat([torch.from_numpy(sampler(logits.repeat(4_000, 1), [row(params)] * 4_000).token_ids)
                         for _ in range(10)])
     expected = reference_probs(logits, params)

@@ -33,12 +33,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedrs import cpu_sampling
 from pagedrs.sampling_params import SamplingParams
 
 MAX_TOP_K_WINDOW = 1024
 """Largest ``top_k`` served by ``torch.topk``; a larger one sorts its row."""
 MAX_REJECTION_ROUNDS = 16
-"""Top-p draws per row before the rare row still rejected is sorted instead."""
+"""Top-p draws per row after the first before the rare row still rejected is sorted instead."""
 
 
 @dataclass(eq=False)
@@ -243,9 +244,19 @@ class _Batch:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, seed: int | None = None, device: torch.device | str = "cpu"):
+    """``fused``: on CPU, draw full-vocabulary rows and compute logprobs with the compiled
+    kernels of ``cpu/sampling.cpp`` (one pass a row, no ``[rows, vocab]`` temporaries); ``None``
+    uses them wherever they load. Same rules either way; the torch ops are the GPU path."""
+
+    def __init__(self, vocab_size: int, seed: int | None = None, device: torch.device | str = "cpu",
+                 fused: bool | None = None):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        if fused is None:
+            fused = self.device.type == "cpu" and cpu_sampling.available()
+        if fused and self.device.type != "cpu":
+            raise ValueError(f"the fused sampling kernels run on the CPU, not on {self.device}")
+        self.fused = fused
         # Generators live on the device of the logits they sample from.
         self.generator = torch.Generator(device=self.device)
         if seed is not None:
@@ -324,8 +335,9 @@ class Sampler:
         return token_ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
 
     def _sample_full(self, logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
-        """Rows drawn over the whole vocabulary by inverse CDF, with top-p by rejection."""
-        temperature = batch.full_temperature
+        """Rows drawn over the whole vocabulary by inverse CDF, with top-p by rejection (the
+        fused CPU kernel, or torch ops elsewhere)."""
+        temperature, top_p = batch.full_temperature, batch.full_top_p_values
         sorted_rows = [row for row, is_sorted in enumerate(batch.full_sorted) if is_sorted]
         if sorted_rows:
             # A top-k past the window (rare): top-k and top-p by a full sort, up front.
@@ -334,48 +346,70 @@ class Sampler:
             logits = logits.clone()
             logits[rows] = _sort_filtered(logits[rows] / temperature[rows], batch.top_k[positions],
                                           batch.top_p[positions]) * temperature[rows]
+            top_p = top_p.clone()
+            top_p[rows] = 1.0  # applied by the sort
+        generators = [batch.generators[position] for position in batch.full] if batch.any_seeded else None
+        if self.fused:
+            uniforms = self._uniforms(range(len(logits)), generators, 1 + MAX_REJECTION_ROUNDS)
+            token_ids = cpu_sampling.sample_from_rows(logits.contiguous(), temperature.squeeze(1),
+                                                      batch.full_min_p.squeeze(1), top_p, uniforms)
+            pending = torch.nonzero(token_ids < 0).flatten().tolist()
+        else:
+            token_ids, pending = self._draw_full_with_torch(logits, batch, top_p, sorted_rows, generators)
+        if pending:
+            # Still rejected after every round (a tiny top_p over a flat distribution): sort.
+            rows = _index(pending, logits.device)
+            positions = batch.full_index[rows]
+            scaled = logits[rows] / temperature[rows]
+            filtered = _sort_filtered(scaled, batch.top_k[positions], batch.top_p[positions])
+            relative = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()
+            filtered = filtered.masked_fill(relative < batch.full_min_p[rows], float("-inf"))
+            token_ids[rows] = torch.multinomial(filtered.softmax(dim=-1), 1, generator=self.generator).squeeze(1)
+        return token_ids
+
+    def _draw_full_with_torch(self, logits: torch.Tensor, batch: _Batch, top_p: torch.Tensor,
+                              sorted_rows: list[int], generators) -> tuple[torch.Tensor, list[int]]:
+        """`_sample_full`'s draws in torch ops; returns the tokens and the rows every round
+        rejected."""
         # Each token's probability relative to the row's most likely one.
         relative = logits - logits.amax(dim=-1, keepdim=True)
         if not batch.full_unit_temperature:
-            relative.div_(temperature)
+            relative.div_(batch.full_temperature)
         relative.exp_()
         candidates = relative
         if batch.any_min_p:
             candidates = relative.masked_fill(relative < batch.full_min_p, 0.0)
-        generators = [batch.generators[position] for position in batch.full] if batch.any_seeded else None
         sampler = _InverseCdf(candidates)
         token_ids = sampler.draw(self._uniforms(range(len(candidates)), generators))
         presorted = set(sorted_rows)
-        pending = [row for row, top_p in enumerate(batch.full_top_p) if top_p and row not in presorted]
+        pending = [row for row, has_top_p in enumerate(batch.full_top_p) if has_top_p and row not in presorted]
         for _ in range(MAX_REJECTION_ROUNDS):
             if not pending:
-                return token_ids
+                break
             rows = None if len(pending) == len(relative) else _index(pending, logits.device)
             # NOTE: the draw is in the nucleus iff the tokens strictly more likely than it hold
             # less than top_p of the mass; a rejected row draws again (rejection sampling).
             row_relative = relative if rows is None else relative[rows]
             drawn = row_relative.gather(1, (token_ids if rows is None else token_ids[rows]).unsqueeze(1))
             before = torch.where(row_relative > drawn, row_relative, 0.0).sum(dim=-1)
-            top_p = batch.full_top_p_values if rows is None else batch.full_top_p_values[rows]
-            rejected = (before >= top_p * row_relative.sum(dim=-1)).tolist()
+            row_top_p = top_p if rows is None else top_p[rows]
+            rejected = (before >= row_top_p * row_relative.sum(dim=-1)).tolist()
             pending = [row for row, reject in zip(pending, rejected) if reject]
             if pending:
                 token_ids[_index(pending, logits.device)] = sampler.draw(self._uniforms(pending, generators), pending)
-        # Still rejected after many rounds (a tiny top_p over a flat distribution): sort.
-        rows = _index(pending, logits.device)
-        positions = batch.full_index[rows]
-        filtered = _sort_filtered(logits[rows] / temperature[rows], batch.top_k[positions], batch.top_p[positions])
-        filtered = filtered.masked_fill(candidates[rows] == 0, float("-inf"))
-        token_ids[rows] = torch.multinomial(filtered.softmax(dim=-1), 1, generator=self.generator).squeeze(1)
-        return token_ids
+        return token_ids, pending
 
-    def _uniforms(self, rows, generators: list[torch.Generator | None] | None) -> torch.Tensor:
-        """One ``U(0, 1)`` per row: the engine's generator, or the row's own when seeded."""
+    def _uniforms(self, rows, generators: list[torch.Generator | None] | None, per_row: int | None = None) -> torch.Tensor:
+        """``U(0, 1)`` draws for each row (one, or ``[rows, per_row]``): the engine's
+        generator, or the row's own when seeded (so its draws never depend on the batch)."""
         rows = list(rows)
-        uniform = torch.rand(len(rows), device=self.device, generator=self.generator)
+        shape = (len(rows),) if per_row is None else (len(rows), per_row)
+        uniform = torch.rand(shape, device=self.device, generator=self.generator)
         for i, row in enumerate(rows if generators is not None else ()):
-            if generators[row] is not None:
-                uniform[i] = torch.rand(1, device=self.device, generator=generators[row])[0]
+            generator = generators[row]
+            if generator is not None:
+                draws = torch.rand(per_row or 1, device=self.device, generator=generator)
+                uniform[i] = draws if per_row is not None else draws[0]
         return uniform
 
     def _to_host(self, raw: torch.Tensor, token_ids: torch.Tensor, batch: _Batch) -> SamplerOutput:
@@ -383,17 +417,24 @@ class Sampler:
         if batch.logprob_rows is None:
             return SamplerOutput(token_ids.cpu().numpy())
         rows = None if batch.all_logprobs else batch.logprob_rows
-        # Log-probabilities are logits minus the row's logsumexp: ranks and the top tokens
-        # come from the logits themselves, so no [rows, vocab] log-softmax is written.
-        logits = raw if rows is None else raw[rows]
-        normalizer = logits.logsumexp(dim=-1, keepdim=True)
-        sampled_logits = logits.gather(1, (token_ids if rows is None else token_ids[rows]).unsqueeze(1))
-        ranks = (logits > sampled_logits).sum(dim=-1, keepdim=True) + 1
+        logits = (raw if rows is None else raw[rows]).contiguous()
+        sampled_ids = token_ids if rows is None else token_ids[rows]
         num_top = batch.num_top_logprobs
-        columns = [(sampled_logits - normalizer).double(), ranks.double()]
-        if num_top:
-            top_logits, top_ids = logits.topk(num_top, dim=-1)
-            columns += [top_ids.double(), (top_logits - normalizer).double()]
+        if self.fused:
+            logprobs, ranks, top_ids, top_logprobs = cpu_sampling.logprob_stats(logits, sampled_ids, num_top)
+            columns = [logprobs.double().unsqueeze(1), ranks.double().unsqueeze(1)]
+            if num_top:
+                columns += [top_ids.double(), top_logprobs.double()]
+        else:
+            # Log-probabilities are logits minus the row's logsumexp: ranks and the top tokens
+            # come from the logits themselves, so no [rows, vocab] log-softmax is written.
+            normalizer = logits.logsumexp(dim=-1, keepdim=True)
+            sampled_logits = logits.gather(1, sampled_ids.unsqueeze(1))
+            ranks = (logits > sampled_logits).sum(dim=-1, keepdim=True) + 1
+            columns = [(sampled_logits - normalizer).double(), ranks.double()]
+            if num_top:
+                top_logits, top_ids = logits.topk(num_top, dim=-1)
+                columns += [top_ids.double(), (top_logits - normalizer).double()]
         packed = torch.zeros(batch.num_rows, 3 + 2 * num_top, dtype=torch.float64, device=raw.device)
         packed[:, 0] = token_ids
         packed[slice(None) if rows is None else rows, 1:] = torch.cat(columns, dim=1)

@@ -1,8 +1,9 @@
-"""The CPU kernel in ``cpu/``: built with `torch.utils.cpp_extension` on first use, cached
-under ``~/.cache/pagedrs`` by a hash of the sources, the compiler flags, torch's version and
-this machine's CPU (the build targets it with ``-march=native``), loaded once, used as
-``torch.ops.pagedrs_cpu.*``. ``python -m pagedrs.attention.cpu_ops`` builds it ahead of use
-(``make cpu-kernels``, run by ``make test``), so no test or first request pays the compile."""
+"""The CPU kernels in ``cpu/`` (paged attention, sampling): one extension built with
+`torch.utils.cpp_extension` on first use, cached under ``~/.cache/pagedrs`` by a hash of the
+sources, the compiler flags, torch's version and this machine's CPU (the build targets it with
+``-march=native``), loaded once, used as ``torch.ops.pagedrs_cpu.*``. ``python -m
+pagedrs.attention.cpu_ops`` builds it ahead of use (``make cpu-kernels``, run by ``make
+test``), so no test or first request pays the compile."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-SOURCES = ("paged_attention.cpp",)
+SOURCES = ("paged_attention.cpp", "sampling.cpp")
 
 
 def sources_dir() -> Path:
@@ -123,7 +124,7 @@ def main() -> int:
     try:
         load()
     except Exception as error:  # noqa: BLE001
-        print(f"the CPU attention kernel did not build: {error}", file=sys.stderr)
+        print(f"the CPU kernels did not build: {error}", file=sys.stderr)
         return 1
     print(f"ok: built and loaded torch.ops.pagedrs_cpu ({time.perf_counter() - start:.1f} s)")
     return 0
