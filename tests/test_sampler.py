@@ -265,3 +265,26 @@ def test_draws_over_a_vocabulary_of_many_blocks_stay_exact(params, fused):
     assert counts[expected.reshape(26, 100).sum(-1) == 0].sum() == 0
     assert bool((expected[tokens] > 0).all()), "a filtered-out token was sampled"
     assert chi_square_p_value(counts, torch.zeros(26, dtype=torch.float64).index_add_(0, bins, expected)) > 1e-4
+
+
+@pytest.mark.parametrize("vocab,k", [(49_152, 50), (49_152, 1), (1_000, 3), (1_030, 4), (5_000, 200)])
+def test_chunked_top_k_equals_topk(vocab, k):
+    torch.manual_seed(vocab + k)
+    logits = torch.randn(9, vocab) * 3
+    logits[0, :] = 1.0  # every value tied: any k of them will do
+    values, ids = sampler_module._top_k(logits, k)
+    expected_values, expected_ids = logits.topk(k, dim=-1)
+    assert torch.equal(values, expected_values)
+    assert torch.equal(logits.gather(1, ids), values)
+    assert torch.equal(ids[1:], expected_ids[1:])  # no ties in the random rows
+
+
+@pytest.mark.parametrize("vocab", [49_152, 1_024, 1_000, 320])
+def test_chunked_argmax_is_the_first_largest_index(vocab):
+    torch.manual_seed(vocab)
+    logits = torch.randn(7, vocab)
+    logits[1] = 0.5  # all tied: index 0
+    logits[2, [vocab // 3, vocab // 2, vocab - 1]] = 9.0  # three tied maxima: the first
+    logits[3, -1] = float("inf")
+    logits[4] = float("-inf")
+    assert sampler_module._argmax(logits).tolist() == logits.argmax(dim=-1).tolist()

@@ -200,6 +200,7 @@ class _Batch:
         self.greedy = [i for i, p in enumerate(params) if p.is_greedy]
         self.random = [i for i, p in enumerate(params) if not p.is_greedy]
         self.random_index = _index(self.random, device)
+        self.greedy_index = _index(self.greedy, device)
         # From here on, rows are positions within the random rows.
         self.params = [params[i] for i in self.random]
         self.generators = [rows[i].generator for i in self.random]
@@ -288,11 +289,12 @@ class Sampler:
                 ban_ids = [token for _, token_ids in banned for token in token_ids]
                 logits[_index(ban_rows, self.device), _index(ban_ids, self.device)] = float("-inf")
         if not batch.random:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = _argmax(logits)
         elif not batch.greedy:
             token_ids = self._sample(logits, batch)
         else:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = torch.empty(len(logits), dtype=torch.long, device=logits.device)
+            token_ids[batch.greedy_index] = _argmax(logits[batch.greedy_index])
             token_ids[batch.random_index] = self._sample(logits[batch.random_index], batch)
         if batch.any_penalties:
             self.penalties.record(batch.penalty_slots, batch.penalty_slots_host, token_ids[batch.penalty_rows])
@@ -311,7 +313,7 @@ class Sampler:
 
     def _sample_windowed(self, logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
         """Rows with a top-k: candidates are their ``k`` most likely tokens."""
-        values, token_ids = logits.topk(batch.window, dim=-1)  # most likely first
+        values, token_ids = _top_k(logits, batch.window)  # most likely first
         values = values / batch.windowed_temperature  # a positive scale keeps the order
         ranks = torch.arange(batch.window, device=logits.device).unsqueeze(0)
         keep = ranks < batch.row_window
@@ -485,6 +487,40 @@ class _InverseCdf:
         zero = block_weights.gather(1, offset) == 0
         offset = torch.where(zero, block_weights.argmax(dim=-1, keepdim=True), offset)
         return (block * self.BLOCK + offset).squeeze(1)
+
+
+def _argmax(logits: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the first index of the largest value), from the maxima of
+    ``chunk``-token chunks and one chunk per row: torch's CPU ``amax`` runs ~4x faster than its
+    ``argmax`` over a large vocabulary."""
+    num_rows, vocab = logits.shape
+    if vocab % chunk or vocab < 4 * chunk:
+        return logits.argmax(dim=-1)
+    maxima = logits.reshape(num_rows, vocab // chunk, chunk).amax(dim=-1)
+    # The first chunk holding the row's maximum holds its first occurrence.
+    first_chunk = (maxima == maxima.amax(dim=-1, keepdim=True)).to(torch.uint8).argmax(dim=-1, keepdim=True)
+    columns = first_chunk * chunk + torch.arange(chunk, device=logits.device)
+    return (first_chunk * chunk + logits.gather(1, columns).argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def _top_k(logits: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits.topk(k)`` (values and ids, most likely first), reading the row once: the k
+    largest values lie in the chunks whose maxima are the k largest chunk maxima (a chunk
+    holding one of them has a maximum at least as large), so only those ``k * chunk``
+    candidates are ranked. ~5x faster than ``topk`` over a 49K vocabulary at k = 50."""
+    num_rows, vocab = logits.shape
+    num_chunks = vocab // chunk
+    if num_chunks < 4 * k:
+        return logits.topk(k, dim=-1)
+    covered = num_chunks * chunk
+    maxima = logits[:, :covered].reshape(num_rows, num_chunks, chunk).amax(dim=-1)
+    top_chunks = maxima.topk(k, dim=-1).indices
+    columns = (top_chunks.unsqueeze(-1) * chunk + torch.arange(chunk, device=logits.device)).reshape(num_rows, -1)
+    if covered < vocab:
+        tail = torch.arange(covered, vocab, device=logits.device).expand(num_rows, -1)
+        columns = torch.cat([columns, tail], dim=1)
+    values, positions = logits.gather(1, columns).topk(k, dim=-1)
+    return values, columns.gather(1, positions)
 
 
 def _sort_filtered(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
