@@ -36,7 +36,7 @@ def measure(backend: str, batch: int, context: int, steps: int) -> dict:
 
     metadata_class.attend = timed_attend
     generator = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"d{i}", torch.randint(1000, 40000, (context,), generator=generator).tolist(), params)
     while engine.scheduler.num_waiting or engine.last_schedule is None or engine.last_schedule.num_prefill_tokens:

@@ -146,37 +146,52 @@ def _all_decoding(engine: LLMEngine) -> bool:
     return out is not None and out.num_prefill_tokens == 0 and len(out) > 0
 
 
+def run(batch_sizes: list[int], settings: list[str], steps: int, prompt_len: int = 32, device: str = "cpu",
+        dtype: str = "auto", log=print) -> list[dict]:
+    """Every setting at every batch size on one engine; returns one result a combination.
+
+    On a GPU the phases are wall time on the host: the forward is its launches, and the
+    sampler's one device-to-host copy waits for the device, so device time lands there."""
+    results = []
+    with tempfile.TemporaryDirectory() as directory:
+        build_model(directory)
+        engine = LLMEngine(model=directory, device=device, dtype=dtype, kv_cache_memory="256MiB",
+                           max_num_seqs=max(batch_sizes), max_num_batched_tokens=max(2048, max(batch_sizes) * prompt_len),
+                           seed=0)
+        clock = instrument(engine)
+        log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+            f"{engine.device} {engine.dtype}")
+        log(f"{'batch':>5}  {'setting':<48} {'step ms':>8} {'x greedy':>8} "
+            + " ".join(f"{name:>9}" for name in PHASES) + f" {'own ms':>8} {'host ms':>8}")
+        for batch_size in batch_sizes:
+            greedy_ms = None
+            for name in settings:
+                result = measure(engine, clock, batch_size, SETTINGS[name], steps, prompt_len)
+                greedy_ms = greedy_ms or result["step_ms"]
+                result.update(batch_size=batch_size, setting=name, ratio_to_greedy=result["step_ms"] / greedy_ms)
+                results.append(result)
+                log(f"{batch_size:>5}  {name:<48} {result['step_ms']:>8.2f} {result['ratio_to_greedy']:>8.2f} "
+                    + " ".join(f"{result[f'{phase}_ms']:>9.2f}" for phase in PHASES)
+                    + f" {result['engine_own_ms']:>8.2f} {result['host_ms']:>8.2f}")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,64,256")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names from SETTINGS")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on a GPU")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    with tempfile.TemporaryDirectory() as directory:
-        build_model(directory)
-        engine = LLMEngine(model=directory, device="cpu", kv_cache_memory="256MiB", max_num_seqs=max(batch_sizes),
-                           max_num_batched_tokens=max(2048, max(batch_sizes) * args.prompt_len), seed=0)
-        clock = instrument(engine)
-        results = []
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-        print(f"{'batch':>5}  {'setting':<48} {'step ms':>8} {'x greedy':>8} "
-              + " ".join(f"{name:>9}" for name in PHASES) + f" {'own ms':>8} {'host ms':>8}")
-        for batch_size in batch_sizes:
-            greedy_ms = None
-            for name in args.settings.split(","):
-                result = measure(engine, clock, batch_size, SETTINGS[name], args.steps, args.prompt_len)
-                greedy_ms = greedy_ms or result["step_ms"]
-                result.update(batch_size=batch_size, setting=name, ratio_to_greedy=result["step_ms"] / greedy_ms)
-                results.append(result)
-                print(f"{batch_size:>5}  {name:<48} {result['step_ms']:>8.2f} {result['ratio_to_greedy']:>8.2f} "
-                      + " ".join(f"{result[f'{phase}_ms']:>9.2f}" for phase in PHASES)
-                      + f" {result['engine_own_ms']:>8.2f} {result['host_ms']:>8.2f}", flush=True)
+    results = run([int(b) for b in args.batch_sizes.split(",")], args.settings.split(","), args.steps,
+                  args.prompt_len, args.device, args.dtype, log=lambda line: print(line, flush=True))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "results": results}, f, indent=1)
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device,
+                       "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ machine whose image has torch, nvcc and transformers but nothing of ours).
    2048 and batch 8 x context 32768, as a fraction of the device-to-device copy bandwidth
    measured in the same run.
 3. End to end: greedy tokens of the model on the GPU (CUDA kernels, float32) equal those on
-   the CPU (torch reference, float32). The default model when its wheel is installed, else a
+   the CPU (torch reference, float32).
+4. The engine's step (benches/bench_host_overhead.py, bf16, batch 64 / 256): greedy against
+   sampled and logprobs requests, split into forward launches, sampler and host work. The default model when its wheel is installed, else a
    random-weight Llama with its shape (its 98 MB GGUF file is too big to carry to the GPU
    machine).
 
@@ -180,6 +182,20 @@ def end_to_end() -> None:
         f"{what}: {matching}/{len(results['cpu'])} prompts x 32 tokens identical (GPU backend: {backend})")
 
 
+def step_overhead() -> None:
+    """The engine's step on the GPU with a model that costs almost nothing (bf16): greedy
+    against sampled requests, and how much of the step is host work."""
+    sys.path.insert(0, str(ROOT / "benches"))
+    import bench_host_overhead
+
+    settings = ["greedy", "temperature 1.0", "t0.8 top_p0.95 top_k50", "t1.0 logprobs=5"]
+    for result in bench_host_overhead.run([64, 256], settings, steps=10, device="cuda", dtype="bfloat16"):
+        row(f"step, batch {result['batch_size']}, {result['setting']}", "ok",
+            f"{result['step_ms']:.2f} ms ({result['ratio_to_greedy']:.2f}x greedy): forward launches "
+            f"{result['forward_ms']:.2f}, sampler incl. device wait {result['sampler_ms']:.2f}, "
+            f"host work {result['host_ms']:.2f}")
+
+
 def main() -> int:
     ensure_core()
     import torch
@@ -188,7 +204,7 @@ def main() -> int:
         print("no CUDA device: nothing to check here (make test compiles the kernels)")
         return 2
     row("device", "ok", environment())
-    steps = [build_kernels, kernel_tests, bandwidth, end_to_end]
+    steps = [build_kernels, kernel_tests, bandwidth, end_to_end, step_overhead]
     for step in steps:
         try:
             step()
