@@ -42,10 +42,14 @@ def test_auto_falls_back_to_the_reference_when_the_cpu_kernel_cannot_build(monke
             assert select_backend("auto", torch.device("cpu")) == "torch"
             assert select_backend("auto", torch.device("cpu")) == "torch"
         assert [r.getMessage() for r in caplog.records] == [
-            "the CPU attention kernel did not build (c++: command not found); using the torch reference"
+            "the CPU kernels did not build (c++: command not found); attention and sampling use torch ops"
         ]  # once, however often the engine asks
         with pytest.raises(RuntimeError, match="'cpu': the CPU kernel did not build"):
             select_backend("cpu", torch.device("cpu"))
+        # The sampler takes the same answer: its torch ops, no second warning.
+        from pagedrs.sampler import Sampler
+
+        assert not Sampler(10).fused and len(caplog.records) == 1
     finally:
         cpu_ops.available.cache_clear()
 

@@ -13,6 +13,8 @@ import torch
 from pagedrs import cpu_sampling
 from pagedrs.cpu_sampling import available, logprob_stats, sample_from_rows
 
+from .test_sampler import chi_square_p_value
+
 pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernels do not build here")
 
 LOGITS_12 = torch.tensor([2.0, 1.6, 1.5, 1.1, 0.9, 0.3, 0.0, -0.4, -1.0, -1.5, -2.5, -4.0])
@@ -175,23 +177,6 @@ def reference_probs(logits: torch.Tensor, temperature: float, min_p: float, top_
     keep[order[(before >= top_p) & (torch.arange(len(x)) > 0)]] = False
     keep &= probs >= min_p * probs.max()
     return torch.where(keep, x, -math.inf).softmax(-1)
-
-
-def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """As tests/test_sampler.py's: p-value of the counts under the expected distribution (cells
-    expected >= 5 each; tokens the distribution excludes must never be drawn)."""
-    total = counts.sum()
-    assert counts[expected_probs == 0].sum() == 0, "a filtered-out token was sampled"
-    expected = expected_probs * total
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)]).double()
-    expected = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
-    observed, expected = observed[expected > 0], expected[expected > 0]
-    statistic = ((observed - expected) ** 2 / expected).sum()
-    degrees = len(observed) - 1
-    if degrees == 0:
-        return 1.0
-    return float(1 - torch.distributions.Chi2(torch.tensor(float(degrees))).cdf(statistic.float()))
 
 
 DISTRIBUTION_CASES = [  # (temperature, min_p, top_p)

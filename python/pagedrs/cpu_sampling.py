@@ -12,8 +12,6 @@ they read memory by those shapes."""
 
 from __future__ import annotations
 
-import functools
-import logging
 
 import torch
 
@@ -21,19 +19,11 @@ MAX_TOP_LOGPROBS = 20
 """Most top logprobs a row may ask for (the ops' limit, and `SamplingParams`')."""
 
 
-@functools.cache
 def available() -> bool:
-    """Whether the CPU kernels build and load here; logs one warning when they do not."""
-    from pagedrs.attention.cpu_ops import load
+    """Whether the CPU kernels build and load here (one warning, from `cpu_ops`, when not)."""
+    from pagedrs.attention.cpu_ops import available as kernels_available
 
-    try:
-        load()
-    except Exception as error:  # noqa: BLE001 -- any build failure means: use the torch path
-        logging.getLogger("pagedrs").warning(
-            "the CPU sampling kernels did not build (%s); sampling with torch", str(error).splitlines()[0]
-        )
-        return False
-    return True
+    return kernels_available()
 
 
 def _ops():

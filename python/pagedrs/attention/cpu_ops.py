@@ -104,14 +104,15 @@ def load() -> object:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel builds and loads here; logs one warning when it does not."""
+    """Whether the kernels (attention and sampling) build and load here; logs one warning when
+    they do not."""
     try:
         load()
-    except Exception as error:  # noqa: BLE001 -- any build failure means: use the torch reference
+    except Exception as error:  # noqa: BLE001 -- any build failure means: use the torch paths
         import logging
 
         logging.getLogger("pagedrs").warning(
-            "the CPU attention kernel did not build (%s); using the torch reference", str(error).splitlines()[0]
+            "the CPU kernels did not build (%s); attention and sampling use torch ops", str(error).splitlines()[0]
         )
         return False
     return True
