@@ -74,6 +74,15 @@ class SamplerOutput:
     """``int64 [R, K]`` with K the largest ``logprobs`` asked for in the batch."""
     top_logprobs: np.ndarray | None = None
     """``float64 [R, K]``"""
+    _lists: tuple | None = None
+
+    def logprob_lists(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]]:
+        """The logprob columns as Python lists, converted once per step (what the engine reads
+        row by row)."""
+        if self._lists is None:
+            self._lists = (self.logprobs.tolist(), self.ranks.tolist(), self.top_token_ids.tolist(),
+                           self.top_logprobs.tolist())
+        return self._lists
 
 
 class PenaltyState:

@@ -14,7 +14,7 @@ import torch
 
 from pagedrs._core import FINISH_REASONS, Scheduler, SchedulerOutput, StepUpdates
 from pagedrs.config import EngineConfig, resolve_dtype
-from pagedrs.engine.detokenizer import IncrementalDetokenizer
+from pagedrs.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pagedrs.engine.host_memory import retain_freed_host_memory
 from pagedrs.engine.model_runner import ModelRunner
 from pagedrs.errors import DuplicateRequestError
@@ -106,6 +106,7 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self._requests: dict[str, _Request] = {}
         self._token_texts: dict[int, str] = {}
+        self._decode_ids = fast_decoder(self.tokenizer)
         self.last_schedule = None
         """The last step's batch (`SchedulerOutput`), for metrics and benchmarks."""
         logger.info(
@@ -327,7 +328,7 @@ class LLMEngine:
         """One token decoded on its own (for logprobs), remembered."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+            text = self._token_texts[token_id] = self._decode_ids([token_id], skip_special_tokens=False)
         return text
 
     def _sampling_rows(self, out: SchedulerOutput) -> tuple[list[SamplingRow], list[tuple[int, list[int]]]]:
@@ -348,12 +349,13 @@ class LLMEngine:
         output = choice.output
         output.token_ids.append(token)
         if output.logprobs is not None and sampled.logprobs is not None:
-            logprob = float(sampled.logprobs[row])
-            entry = {token: Logprob(logprob, int(sampled.ranks[row]), self._token_text(token))}
+            logprobs, ranks, top_ids, top_logprobs = sampled.logprob_lists()
+            logprob = logprobs[row]
+            entry = {token: Logprob(logprob, ranks[row], self._token_text(token))}
             num_top = request.params.logprobs
-            top = zip(sampled.top_token_ids[row, :num_top].tolist(), sampled.top_logprobs[row, :num_top].tolist())
-            for rank, (top_id, top_logprob) in enumerate(top, start=1):
-                entry.setdefault(top_id, Logprob(top_logprob, rank, self._token_text(top_id)))
+            for rank, (top_id, top_logprob) in enumerate(zip(top_ids[row][:num_top], top_logprobs[row][:num_top]), 1):
+                if top_id not in entry:
+                    entry[top_id] = Logprob(top_logprob, rank, self._token_text(top_id))
             output.logprobs.append(entry)
             output.cumulative_logprob = (output.cumulative_logprob or 0.0) + logprob
         previous_length = len(output.text)
