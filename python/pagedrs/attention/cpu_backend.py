@@ -25,6 +25,7 @@ step).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,7 +89,9 @@ class CpuAttentionMetadata:
         block_size: int,
         sliding_window: int | None,
         device: torch.device,
+        upload: Callable[..., list[torch.Tensor]] | None = None,
     ) -> CpuAttentionMetadata:
+        del upload  # on the CPU the arrays are wrapped, never copied
         del positions  # each row's position is implied: a sequence's rows end its context
         if device.type != "cpu":
             raise ValueError(f"the CPU attention backend runs on the CPU, not on {device}")

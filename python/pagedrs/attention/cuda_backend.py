@@ -9,6 +9,7 @@ their block tables and lengths to the GPU once; each layer then writes its new k
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +32,10 @@ class _Group:
     num_rows: int
 
 
-def _group(seqs: np.ndarray, query_start_loc: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
-           block_size: int, num_tokens: int, device: torch.device) -> _Group | None:
+def _group_arrays(seqs: np.ndarray, query_start_loc: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
+                  block_size: int, num_tokens: int) -> tuple[list[np.ndarray], int, int] | None:
+    """``([rows (omitted when the group is every row in order), block tables, cu_seqlens_q,
+    context lens], max_context_len, num_rows)`` of one launch's sequences, on the host."""
     if len(seqs) == 0:
         return None
     starts, ends = query_start_loc[seqs], query_start_loc[seqs + 1]
@@ -42,16 +45,17 @@ def _group(seqs: np.ndarray, query_start_loc: np.ndarray, context_lens: np.ndarr
     contexts = context_lens[seqs].astype(np.int32)
     max_context = int(contexts.max())
     width = max(-(-max_context // block_size), 1)
-    all_rows = int(cu[-1]) == num_tokens  # every row of the step, in order: no gather needed
-    rows = None if all_rows else torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]).astype(np.int64)).to(device)
-    return _Group(
-        rows=rows,
-        block_tables=torch.from_numpy(np.ascontiguousarray(block_tables[seqs, :width], dtype=np.int32)).to(device),
-        cu_seqlens_q=torch.from_numpy(cu).to(device),
-        context_lens=torch.from_numpy(contexts).to(device),
-        max_context_len=max_context,
-        num_rows=int(cu[-1]),
-    )
+    arrays = [np.ascontiguousarray(block_tables[seqs, :width], dtype=np.int32), cu, contexts]
+    if int(cu[-1]) != num_tokens:  # not every row of the step in order: the rows are gathered
+        arrays.insert(0, np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]).astype(np.int64))
+    return arrays, max_context, int(cu[-1])
+
+
+def _group(arrays: list[torch.Tensor], max_context_len: int, num_rows: int) -> _Group:
+    rows = arrays[0] if len(arrays) == 4 else None
+    block_tables, cu_seqlens_q, context_lens = arrays[-3:]
+    return _Group(rows=rows, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q, context_lens=context_lens,
+                  max_context_len=max_context_len, num_rows=num_rows)
 
 
 @dataclass
@@ -73,17 +77,27 @@ class CudaAttentionMetadata:
         block_size: int,
         sliding_window: int | None,
         device: torch.device,
+        upload: Callable[..., list[torch.Tensor]] | None = None,
     ) -> CudaAttentionMetadata:
         del positions  # each row's position is implied: the chunk ends the context
+        upload = upload or (lambda *arrays: [torch.from_numpy(array).to(device) for array in arrays])
         query_lens = np.diff(query_start_loc) if len(query_start_loc) else np.zeros(0, np.int32)
         num_tokens = int(query_start_loc[-1]) if len(query_start_loc) else 0
-        args = (query_start_loc, context_lens, block_tables, block_size, num_tokens, device)
-        return cls(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            decodes=_group(np.nonzero(query_lens == 1)[0], *args),
-            prefills=_group(np.nonzero(query_lens > 1)[0], *args),
-            sliding_window=sliding_window or 0,
-        )
+        args = (query_start_loc, context_lens, block_tables, block_size, num_tokens)
+        groups = [_group_arrays(np.nonzero(query_lens == 1)[0], *args), _group_arrays(np.nonzero(query_lens > 1)[0], *args)]
+        # Every array of the step in one upload (one copy when the runner stages its inputs).
+        tensors = upload(slot_mapping, *(array for group in groups if group is not None for array in group[0]))
+        slot_mapping_tensor, rest = tensors[0], tensors[1:]
+        built = []
+        for group in groups:
+            if group is None:
+                built.append(None)
+                continue
+            arrays, max_context_len, num_rows = group
+            built.append(_group(rest[: len(arrays)], max_context_len, num_rows))
+            rest = rest[len(arrays) :]
+        return cls(slot_mapping=slot_mapping_tensor, decodes=built[0], prefills=built[1],
+                   sliding_window=sliding_window or 0)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, scale: float) -> torch.Tensor:

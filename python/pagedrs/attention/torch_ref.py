@@ -15,6 +15,7 @@ Decodes (one query each) are batched together; each prefill chunk is attended on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,7 +63,9 @@ class AttentionMetadata:
         block_size: int,
         sliding_window: int | None,
         device: torch.device,
+        upload: Callable[..., list[torch.Tensor]] | None = None,
     ) -> AttentionMetadata:
+        del upload  # the reference uploads its own arrays (it is the oracle, not the fast path)
         query_lens = np.diff(query_start_loc) if len(query_start_loc) else np.zeros(0, np.int32)
         is_decode = query_lens == 1
         # NOTE: keys and values are gathered whole blocks at a time (a block is one

@@ -37,8 +37,25 @@ class ModelRunner:
         """Copy-on-write copies, then the forward pass. Returns float32 logits of the rows to
         sample (``[len(out.logits_indices), vocab]``) and of ``extra_rows`` (prompt
         logprobs)."""
-        if len(out.block_copies):
-            copies = torch.from_numpy(out.block_copies).to(self.device)
+        rows = out.logits_indices
+        if extra_rows is not None and len(extra_rows):
+            rows = np.concatenate([rows, extra_rows.astype(np.int64)])
+        # Everything the step reads on the device goes over in one copy (on CUDA).
+        with self.inputs.one_copy():
+            meta = self._metadata.build(
+                positions=out.positions,
+                slot_mapping=out.slot_mapping,
+                query_start_loc=out.query_start_loc,
+                context_lens=out.context_lens,
+                block_tables=out.block_tables,
+                block_size=self.block_size,
+                sliding_window=self.model.sliding_window,
+                device=self.device,
+                upload=self.inputs.upload,
+            )
+            input_token_ids, positions, rows = self.inputs.upload(out.input_token_ids, out.positions, rows)
+            copies = self.inputs.upload(out.block_copies)[0] if len(out.block_copies) else None
+        if copies is not None:
             if self.attention_backend == "cuda":
                 from pagedrs.attention.cuda_backend import copy_blocks
 
@@ -47,20 +64,6 @@ class ModelRunner:
                 for key_cache, value_cache in self.kv_caches:
                     key_cache[copies[:, 1]] = key_cache[copies[:, 0]]
                     value_cache[copies[:, 1]] = value_cache[copies[:, 0]]
-        meta = self._metadata.build(
-            positions=out.positions,
-            slot_mapping=out.slot_mapping,
-            query_start_loc=out.query_start_loc,
-            context_lens=out.context_lens,
-            block_tables=out.block_tables,
-            block_size=self.block_size,
-            sliding_window=self.model.sliding_window,
-            device=self.device,
-        )
-        rows = out.logits_indices
-        if extra_rows is not None and len(extra_rows):
-            rows = np.concatenate([rows, extra_rows.astype(np.int64)])
-        input_token_ids, positions, rows = self.inputs.upload(out.input_token_ids, out.positions, rows)
         logits = self.model(input_token_ids, positions, self.kv_caches, meta, rows)
         num_sampled = len(out.logits_indices)
         return logits[:num_sampled], logits[num_sampled:]

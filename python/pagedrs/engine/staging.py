@@ -1,17 +1,24 @@
 """A step's host arrays on the device in one copy.
 
-On CUDA, every array a step needs (token ids, positions, slot mapping, block tables, ...)
-is packed into one persistent pinned host buffer and sent with a single non-blocking copy
-into one persistent device buffer; the tensors handed out are views of it. Both buffers grow
-(doubling) and are otherwise reused step after step, which is also what CUDA graphs need:
-fixed addresses. On CPU nothing is copied: the numpy arrays are wrapped as they are.
+On CUDA, every array a step needs (token ids, positions, logits rows, the attention
+metadata's block tables, lengths and slot mapping, block copies) is packed into one persistent
+pinned host buffer and sent with a single non-blocking copy into one persistent device buffer;
+the tensors handed out are views of it. Inside `one_copy()`, each `upload` packs and returns
+its views at once, and the copy is made when the block ends, before anything reads them (the
+runner launches no kernel inside the block). Both buffers grow (doubling) and are otherwise
+reused step after step, which is also what CUDA graphs need: fixed addresses. On CPU nothing is
+copied: the numpy arrays are wrapped as they are.
 
 NOTE: reusing the pinned buffer is safe because every step ends with a device-to-host copy of
 the sampled tokens, which waits for the stream; by the time the next step writes the host
-buffer, the previous copy out of it has finished.
+buffer, the previous copy out of it has finished. A buffer outgrown in the middle of a block is
+kept alive until the next block for the same reason.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -21,38 +28,69 @@ _ALIGN = 64
 
 
 class StagedInputs:
-    def __init__(self, device: torch.device):
+    """``stage``: pack and copy (the default on CUDA), or wrap the arrays as they are (the
+    default elsewhere). Staging on a CPU device copies into a plain buffer: only for tests."""
+
+    def __init__(self, device: torch.device, stage: bool | None = None):
         self.device = device
+        self.stage = device.type == "cuda" if stage is None else stage
         self.copies_to_device = 0
-        """Host-to-device copies made (one per `upload` on CUDA; for tests and benchmarks)."""
+        """Host-to-device copies made (for tests and benchmarks)."""
         self._host: torch.Tensor | None = None
         self._host_view: np.ndarray | None = None
         self._device: torch.Tensor | None = None
+        self._start = self._end = 0
+        """The bytes packed since the last copy: ``[_start, _end)``."""
+        self._batching = False
+        self._retired: list[torch.Tensor] = []
+
+    @contextmanager
+    def one_copy(self) -> Iterator[None]:
+        """Every `upload` inside shares one host-to-device copy, made on leaving the block."""
+        self._batching, self._start, self._end = True, 0, 0
+        self._retired.clear()
+        try:
+            yield
+        finally:
+            self._batching = False
+            self._flush()
 
     def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """The arrays as tensors on the device (same dtypes and shapes)."""
+        """The arrays as tensors on the device (same dtypes and shapes). Outside `one_copy`
+        it is a block of its own. Either way: one block a step (see the NOTE above)."""
         arrays = tuple(np.ascontiguousarray(array) for array in arrays)
-        if self.device.type != "cuda":
-            return [torch.from_numpy(array) for array in arrays]
-        offsets, end = [], 0
-        for array in arrays:
-            offsets.append(end)
-            end += -(-array.nbytes // _ALIGN) * _ALIGN
-        self._reserve(max(end, _ALIGN))
-        for array, offset in zip(arrays, offsets):
-            self._host_view[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
-        self._device[:end].copy_(self._host[:end], non_blocking=True)
-        self.copies_to_device += 1
+        if not self.stage:
+            return [torch.from_numpy(array).to(self.device) for array in arrays]
+        if not self._batching:
+            with self.one_copy():
+                return self.upload(*arrays)
+        sizes = [-(-array.nbytes // _ALIGN) * _ALIGN for array in arrays]
+        self._reserve(self._end + sum(sizes))
         tensors = []
-        for array, offset in zip(arrays, offsets):
+        for array, size in zip(arrays, sizes):
+            offset = self._end
+            self._host_view[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
             dtype = torch.from_numpy(array[:0]).dtype
             tensors.append(self._device[offset : offset + array.nbytes].view(dtype).view(array.shape))
+            self._end += size
         return tensors
+
+    def _flush(self) -> None:
+        if self._end > self._start:
+            self._device[self._start : self._end].copy_(self._host[self._start : self._end], non_blocking=True)
+            self.copies_to_device += 1
+        self._start = self._end
 
     def _reserve(self, num_bytes: int) -> None:
         if self._host is not None and len(self._host) >= num_bytes:
             return
-        capacity = max(num_bytes, 2 * (len(self._host) if self._host is not None else 1 << 16))
-        self._host = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        # Views already handed out stay on the old buffers: copy their bytes there first.
+        self._flush()
+        if self._host is not None:
+            self._retired += [self._host, self._device]
+        capacity = max(num_bytes - self._end, 2 * (len(self._host) if self._host is not None else 1 << 16))
+        pin = self.device.type == "cuda"
+        self._host = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
         self._host_view = self._host.numpy()
         self._device = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        self._start = self._end = 0
