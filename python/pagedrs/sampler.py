@@ -20,9 +20,11 @@ Filtering, as in Hugging Face: temperature, then top-k, then top-p on the distri
 renormalized over the top-k survivors, then min-p (relative to the most likely token, so its
 place in the order does not matter).
 
-Penalties read count tensors kept on the device per running choice (`PenaltyState`), updated
-with each step's sampled tokens; logprobs, ranks and top logprobs are computed for the rows
-that asked, and everything the engine needs comes back in one device-to-host copy.
+Penalties come from device state kept per running choice (`pagedrs.penalties.PenaltyState`),
+updated with each step's sampled tokens and applied at the tokens a choice has seen; logprobs,
+ranks and top logprobs are computed for the rows that asked, and everything the engine needs
+comes back in one device-to-host copy. On CPU, full-vocabulary draws and logprob statistics run
+in the fused kernels of ``cpu/sampling.cpp`` (`pagedrs.cpu_sampling`).
 """
 
 from __future__ import annotations
