@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,37 +27,19 @@ from pagedrs.attention.cpu_ops import load
 from pagedrs.attention.torch_ref import AttentionMetadata
 from pagedrs.engine.host_memory import retain_freed_host_memory
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests import test_cpu_attention  # noqa: E402 - the repository root goes on the path first
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
 def make_step(seqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
-    """(context, rows) per sequence over a cache whose blocks are handed out shuffled."""
-    generator = np.random.default_rng(seed)
-    blocks_per_seq = [-(-context // BLOCK_SIZE) for context, _ in seqs]
-    num_blocks = sum(blocks_per_seq) + 1
-    free_blocks = generator.permutation(num_blocks)
-    block_tables = np.zeros((len(seqs), max(blocks_per_seq)), dtype=np.int32)
-    positions, slots, query_start_loc, taken = [], [], [0], 0
-    for s, ((context, rows), n) in enumerate(zip(seqs, blocks_per_seq)):
-        block_tables[s, :n] = free_blocks[taken : taken + n]
-        taken += n
-        for position in range(context - rows, context):
-            positions.append(position)
-            slots.append(block_tables[s, position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
-        query_start_loc.append(query_start_loc[-1] + rows)
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    caches = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
-    num_tokens = query_start_loc[-1]
-    arrays = dict(
-        positions=np.array(positions, dtype=np.int64), slot_mapping=np.array(slots, dtype=np.int64),
-        query_start_loc=np.array(query_start_loc, dtype=np.int32),
-        context_lens=np.array([c for c, _ in seqs], dtype=np.int32), block_tables=block_tables,
-        block_size=BLOCK_SIZE, sliding_window=None, device=torch.device("cpu"),
-    )
-    qkv = (torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(dtype),
-           torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(dtype),
-           torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(dtype))
-    return arrays, qkv, caches
+    """(context, rows) per sequence over a cache whose blocks are handed out shuffled (the
+    tests' step builder, with SmolLM2's shapes)."""
+    arrays, qkv, caches = test_cpu_attention.make_step(seqs, block_size=BLOCK_SIZE, num_heads=NUM_HEADS,
+                                                       num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype,
+                                                       seed=seed)
+    return {**arrays, "sliding_window": None, "device": torch.device("cpu")}, qkv, caches
 
 
 def median_ms(meta, qkv, caches, repeat: int) -> float:

@@ -22,6 +22,7 @@ Medians over the timed steps. Run on an idle machine (torch's threads collapse o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -105,7 +106,7 @@ def instrument(engine: LLMEngine) -> _Clock:
 def measure(engine: LLMEngine, clock: _Clock, batch_size: int, params: SamplingParams, steps: int,
             prompt_len: int) -> dict:
     generator = torch.Generator().manual_seed(batch_size)
-    params = _with_length(params, steps + 8)
+    params = dataclasses.replace(params, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch_size):
         prompt = torch.randint(2, VOCAB, (prompt_len,), generator=generator).tolist()
         engine.add_request(f"b{batch_size}-{i}", prompt, params)
@@ -132,13 +133,6 @@ def measure(engine: LLMEngine, clock: _Clock, batch_size: int, params: SamplingP
         "engine_own_ms": statistics.median(own) * 1e3,
         "host_ms": statistics.median(host) * 1e3,
     }
-
-
-def _with_length(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    fields = {name: getattr(params, name) for name in (
-        "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-        "logprobs")}
-    return SamplingParams(**fields, max_tokens=max_tokens, ignore_eos=True)
 
 
 def _all_decoding(engine: LLMEngine) -> bool:

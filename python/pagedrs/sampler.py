@@ -123,13 +123,19 @@ class _Batch:
             self.row_window = torch.tensor(self.windowed_width, device=device).unsqueeze(1)
             self.windowed_temperature = self.temperature[self.windowed_index]
             self.windowed_any_top_p = any(self.params[j].top_p < 1 for j in self.windowed)
+            self.windowed_top_p = self.top_p[self.windowed_index].unsqueeze(1)
+            self.windowed_min_p = self.log_min_p[self.windowed_index].exp().unsqueeze(1)
         self.full_index = _index(self.full, device)
+        self.full_generators = [self.generators[j] for j in self.full] if self.any_seeded else None
         self.full_temperature = self.temperature[self.full_index]
         self.full_unit_temperature = all(self.params[j].temperature == 1 for j in self.full)
         self.full_min_p = self.log_min_p[self.full_index].exp().unsqueeze(1)
-        self.full_top_p = [self.params[j].top_p < 1 for j in self.full]
         self.full_top_p_values = self.top_p[self.full_index]
-        self.full_sorted = [self.params[j].top_k > 0 and windows[j] == 0 for j in self.full]
+        # A top-k past the window is applied by a sort (top-p with it); the other top-p rows
+        # are drawn by rejection.
+        self.full_sorted = [0 < self.params[j].top_k < vocab_size and windows[j] == 0 for j in self.full]
+        self.full_rejection = [self.params[j].top_p < 1 and not is_sorted
+                               for j, is_sorted in zip(self.full, self.full_sorted)]
 
         penalized = [i for i, row in enumerate(rows) if row.penalty_slot is not None]
         self.any_penalties = bool(penalized)
@@ -224,9 +230,9 @@ class Sampler:
         if batch.windowed_any_top_p:
             probs = relative / relative.sum(dim=-1, keepdim=True)
             before = probs.cumsum(dim=-1) - probs
-            keep &= ~((before >= batch.top_p[batch.windowed_index].unsqueeze(1)) & (ranks > 0))
+            keep &= ~((before >= batch.windowed_top_p) & (ranks > 0))
         if batch.any_min_p:
-            keep &= relative >= batch.log_min_p[batch.windowed_index].exp().unsqueeze(1)
+            keep &= relative >= batch.windowed_min_p
         race = torch.empty_like(values).exponential_(generator=self.generator)
         if batch.any_seeded:
             # A seeded row draws its own k, whatever the batch's widest window is.
@@ -252,14 +258,14 @@ class Sampler:
                                           batch.top_p[positions]) * temperature[rows]
             top_p = top_p.clone()
             top_p[rows] = 1.0  # applied by the sort
-        generators = [batch.generators[position] for position in batch.full] if batch.any_seeded else None
+        generators = batch.full_generators
         if self.fused:
             uniforms = self._uniforms(range(len(logits)), generators, 1 + MAX_REJECTION_ROUNDS)
             token_ids = cpu_sampling.sample_from_rows(logits.contiguous(), temperature.squeeze(1),
                                                       batch.full_min_p.squeeze(1), top_p, uniforms)
             pending = torch.nonzero(token_ids < 0).flatten().tolist()
         else:
-            token_ids, pending = self._draw_full_with_torch(logits, batch, top_p, sorted_rows, generators)
+            token_ids, pending = self._draw_full_with_torch(logits, batch, top_p, generators)
         if pending:
             # Still rejected after every round (a tiny top_p over a flat distribution): sort.
             rows = _index(pending, logits.device)
@@ -272,7 +278,7 @@ class Sampler:
         return token_ids
 
     def _draw_full_with_torch(self, logits: torch.Tensor, batch: _Batch, top_p: torch.Tensor,
-                              sorted_rows: list[int], generators) -> tuple[torch.Tensor, list[int]]:
+                              generators) -> tuple[torch.Tensor, list[int]]:
         """`_sample_full`'s draws in torch ops; returns the tokens and the rows every round
         rejected."""
         # Each token's probability relative to the row's most likely one.
@@ -285,8 +291,7 @@ class Sampler:
             candidates = relative.masked_fill(relative < batch.full_min_p, 0.0)
         sampler = _InverseCdf(candidates)
         token_ids = sampler.draw(self._uniforms(range(len(candidates)), generators))
-        presorted = set(sorted_rows)
-        pending = [row for row, has_top_p in enumerate(batch.full_top_p) if has_top_p and row not in presorted]
+        pending = [row for row, by_rejection in enumerate(batch.full_rejection) if by_rejection]
         for _ in range(MAX_REJECTION_ROUNDS):
             if not pending:
                 break
@@ -316,32 +321,36 @@ class Sampler:
                 uniform[i] = draws if per_row is not None else draws[0]
         return uniform
 
+    @torch.inference_mode()
+    def logprob_columns(self, logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> torch.Tensor:
+        """Per row of ``logits`` (``[N, vocab]``): the log-probability of ``token_ids`` under the
+        raw distribution, its rank (1 = most likely), then the ``num_top`` most likely token ids
+        and their log-probabilities, as ``float64 [N, 2 + 2 * num_top]`` on the logits' device."""
+        logits = logits.float().contiguous()
+        if self.fused:
+            logprobs, ranks, top_ids, top_logprobs = cpu_sampling.logprob_stats(logits, token_ids, num_top)
+            columns = [logprobs.unsqueeze(1), ranks.unsqueeze(1), top_ids, top_logprobs]
+        else:
+            # Log-probabilities are logits minus the row's logsumexp: ranks and the top tokens
+            # come from the logits themselves, so no [rows, vocab] log-softmax is written.
+            normalizer = logits.logsumexp(dim=-1, keepdim=True)
+            sampled_logits = logits.gather(1, token_ids.unsqueeze(1))
+            ranks = (logits > sampled_logits).sum(dim=-1, keepdim=True) + 1
+            top_logits, top_ids = logits.topk(num_top, dim=-1)
+            columns = [sampled_logits - normalizer, ranks, top_ids, top_logits - normalizer]
+        return torch.cat([column.double() for column in columns], dim=1)
+
     def _to_host(self, raw: torch.Tensor, token_ids: torch.Tensor, batch: _Batch) -> SamplerOutput:
         """Logprobs of the rows that asked, and one device-to-host copy of everything."""
         if batch.logprob_rows is None:
             return SamplerOutput(token_ids.cpu().numpy())
         rows = None if batch.all_logprobs else batch.logprob_rows
-        logits = (raw if rows is None else raw[rows]).contiguous()
-        sampled_ids = token_ids if rows is None else token_ids[rows]
         num_top = batch.num_top_logprobs
-        if self.fused:
-            logprobs, ranks, top_ids, top_logprobs = cpu_sampling.logprob_stats(logits, sampled_ids, num_top)
-            columns = [logprobs.double().unsqueeze(1), ranks.double().unsqueeze(1)]
-            if num_top:
-                columns += [top_ids.double(), top_logprobs.double()]
-        else:
-            # Log-probabilities are logits minus the row's logsumexp: ranks and the top tokens
-            # come from the logits themselves, so no [rows, vocab] log-softmax is written.
-            normalizer = logits.logsumexp(dim=-1, keepdim=True)
-            sampled_logits = logits.gather(1, sampled_ids.unsqueeze(1))
-            ranks = (logits > sampled_logits).sum(dim=-1, keepdim=True) + 1
-            columns = [(sampled_logits - normalizer).double(), ranks.double()]
-            if num_top:
-                top_logits, top_ids = logits.topk(num_top, dim=-1)
-                columns += [top_ids.double(), (top_logits - normalizer).double()]
+        columns = self.logprob_columns(raw if rows is None else raw[rows],
+                                       token_ids if rows is None else token_ids[rows], num_top)
         packed = torch.zeros(batch.num_rows, 3 + 2 * num_top, dtype=torch.float64, device=raw.device)
         packed[:, 0] = token_ids
-        packed[slice(None) if rows is None else rows, 1:] = torch.cat(columns, dim=1)
+        packed[slice(None) if rows is None else rows, 1:] = columns
         host = packed.cpu().numpy()
         return SamplerOutput(
             token_ids=host[:, 0].astype(np.int64),

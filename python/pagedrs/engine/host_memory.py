@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 
@@ -26,15 +27,10 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 1 << 30
 _TRIM_THRESHOLD_BYTES = (1 << 31) - 1
 
-_done = False
-
-
+@functools.cache
 def retain_freed_host_memory() -> bool:
     """Sets glibc's thresholds once per process; ``False`` where that is not possible (not
     glibc, or turned off)."""
-    global _done
-    if _done:
-        return True
     if os.environ.get("PAGEDRS_RETAIN_HOST_MEMORY", "1") == "0":
         return False
     name = ctypes.util.find_library("c")
@@ -46,5 +42,4 @@ def retain_freed_host_memory() -> bool:
     ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1
     if not ok:
         logger.info("could not raise glibc's mmap/trim thresholds; large host tensors are page-faulted every step")
-    _done = ok
     return ok

@@ -308,21 +308,23 @@ class LLMEngine:
         position, copied to the host once."""
         if not prompt_rows:
             return
-        logprobs = logits.float().log_softmax(dim=-1)
-        targets = torch.tensor([request.prompt_token_ids[position + 1] for _, request, position in prompt_rows],
-                               device=logprobs.device)
-        values = logprobs.gather(1, targets.unsqueeze(1))
-        ranks = (logprobs > values).sum(dim=-1) + 1
+        targets = [request.prompt_token_ids[position + 1] for _, request, position in prompt_rows]
         num_top = max(request.params.prompt_logprobs for _, request, _ in prompt_rows)
-        top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (values[:, :0], values[:, :0])
-        columns = zip(targets.tolist(), values.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(),
-                      top_values.tolist())
-        for (_, request, _), (token, value, rank, row_top_ids, row_top_values) in zip(prompt_rows, columns):
-            entry = {token: Logprob(value, rank, self._token_text(token))}
-            num_wanted = request.params.prompt_logprobs
-            for top_rank, (top_id, top_value) in enumerate(zip(row_top_ids[:num_wanted], row_top_values), start=1):
-                entry.setdefault(int(top_id), Logprob(top_value, top_rank, self._token_text(int(top_id))))
-            request.prompt_logprobs.append(entry)
+        columns = self.sampler.logprob_columns(logits, torch.tensor(targets, device=logits.device), num_top)
+        for (_, request, _), token, row in zip(prompt_rows, targets, columns.cpu().tolist()):
+            top_ids = [int(top_id) for top_id in row[2 : 2 + num_top]]
+            request.prompt_logprobs.append(
+                self._logprob_entry(token, row[0], int(row[1]), top_ids, row[2 + num_top :],
+                                    request.params.prompt_logprobs))
+
+    def _logprob_entry(self, token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float],
+                       num_top: int) -> dict[int, Logprob]:
+        """The token's `Logprob`, then the ``num_top`` most likely tokens' (ranked 1, 2, ...)."""
+        entry = {token: Logprob(logprob, rank, self._token_text(token))}
+        for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids[:num_top], top_logprobs[:num_top]), start=1):
+            if top_id not in entry:
+                entry[top_id] = Logprob(top_logprob, top_rank, self._token_text(top_id))
+        return entry
 
     def _token_text(self, token_id: int) -> str:
         """One token decoded on its own (for logprobs), remembered."""
@@ -350,14 +352,9 @@ class LLMEngine:
         output.token_ids.append(token)
         if output.logprobs is not None and sampled.logprobs is not None:
             logprobs, ranks, top_ids, top_logprobs = sampled.logprob_lists()
-            logprob = logprobs[row]
-            entry = {token: Logprob(logprob, ranks[row], self._token_text(token))}
-            num_top = request.params.logprobs
-            for rank, (top_id, top_logprob) in enumerate(zip(top_ids[row][:num_top], top_logprobs[row][:num_top]), 1):
-                if top_id not in entry:
-                    entry[top_id] = Logprob(top_logprob, rank, self._token_text(top_id))
-            output.logprobs.append(entry)
-            output.cumulative_logprob = (output.cumulative_logprob or 0.0) + logprob
+            output.logprobs.append(self._logprob_entry(token, logprobs[row], ranks[row], top_ids[row],
+                                                       top_logprobs[row], request.params.logprobs))
+            output.cumulative_logprob = (output.cumulative_logprob or 0.0) + logprobs[row]
         previous_length = len(output.text)
         output.text += choice.detokenizer.add(token)
         self._check_stop_strings(request, choice, previous_length, core_finished)
