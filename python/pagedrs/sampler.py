@@ -182,13 +182,16 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  banned: list[tuple[int, list[int]]] = ()) -> SamplerOutput:
-        """``logits``: ``[R, vocab]``, one row per entry of ``rows``. ``banned``: ``(row, token
-        ids)`` that may not be sampled now (EOS and stop tokens before ``min_tokens``)."""
+        """``logits``: ``[R, vocab]``, one row per entry of ``rows``; penalties and bans are
+        applied to them in place unless a row asks for logprobs (those need the raw values).
+        ``banned``: ``(row, token ids)`` that may not be sampled now (EOS and stop tokens before
+        ``min_tokens``)."""
         batch = self._batch(rows)
         raw = logits.float()
         logits = raw
         if batch.any_penalties or banned:
-            logits = raw.clone()  # the raw logits give the logprobs
+            if batch.logprob_rows is not None:
+                logits = raw.clone()  # the raw logits give the logprobs
             if batch.any_penalties:
                 self.penalties.apply(logits, batch.penalty_rows, batch.penalty_slots, batch.penalty_slots_host,
                                      batch.repetition)
