@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from pagedrs.attention import cpu_backend
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 from pagedrs.attention.cpu_ops import load
@@ -28,7 +27,7 @@ from pagedrs.attention.torch_ref import AttentionMetadata
 from pagedrs.engine.host_memory import retain_freed_host_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests import test_cpu_attention  # noqa: E402 - the repository root goes on the path first
+from tests import test_cpu_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -36,9 +35,15 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 def make_step(seqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
     """(context, rows) per sequence over a cache whose blocks are handed out shuffled (the
     tests' step builder, with SmolLM2's shapes)."""
-    arrays, qkv, caches = test_cpu_attention.make_step(seqs, block_size=BLOCK_SIZE, num_heads=NUM_HEADS,
-                                                       num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype,
-                                                       seed=seed)
+    arrays, qkv, caches = test_cpu_attention.make_step(
+        seqs,
+        block_size=BLOCK_SIZE,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        seed=seed,
+    )
     return {**arrays, "sliding_window": None, "device": torch.device("cpu")}, qkv, caches
 
 
@@ -74,8 +79,10 @@ def main() -> None:
         "mixed   64 decodes ~500 + 512-token chunk": [(int(c), 1) for c in generator.integers(450, 551, 64)]
         + [(512, 512)],
     }
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
-          f"H={NUM_HEADS} KVH={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}; median ms per layer")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
+        f"H={NUM_HEADS} KVH={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}; median ms per layer"
+    )
     print(f"{'case':44} {'torch ref':>10} {'cpu':>8} {'kernel only':>12}")
     sdpa_min_rows = cpu_backend.SDPA_MIN_ROWS
     with torch.inference_mode():

@@ -17,7 +17,6 @@ import statistics
 import time
 
 import torch
-
 from pagedrs import SamplingParams
 from pagedrs.cpu_sampling import logprob_stats, sample_from_rows
 from pagedrs.engine.host_memory import retain_freed_host_memory
@@ -55,13 +54,21 @@ def bench_rows(num_rows: int, repeat: int, generator: torch.Generator) -> None:
     rows = [
         ("argmax", argmax, None),
         ("greedy step (Sampler: argmax, copy)", greedy, None),
-        ("temperature=1", median_ms(sampler_step(logits, SamplingParams(temperature=1.0)), repeat),
-         median_ms(lambda: sample_from_rows(logits, ones, zeros, ones, torch.rand(num_rows, 1)), repeat)),
-        ("temperature=1, top_p=0.95",
-         median_ms(sampler_step(logits, SamplingParams(temperature=1.0, top_p=0.95)), repeat),
-         median_ms(lambda: sample_from_rows(logits, ones, zeros, top_p, torch.rand(num_rows, MAX_DRAWS)), repeat)),
-        ("logprobs=5 (added to a step)", greedy_logprobs - greedy,
-         median_ms(lambda: logprob_stats(logits, token_ids, 5), repeat)),
+        (
+            "temperature=1",
+            median_ms(sampler_step(logits, SamplingParams(temperature=1.0)), repeat),
+            median_ms(lambda: sample_from_rows(logits, ones, zeros, ones, torch.rand(num_rows, 1)), repeat),
+        ),
+        (
+            "temperature=1, top_p=0.95",
+            median_ms(sampler_step(logits, SamplingParams(temperature=1.0, top_p=0.95)), repeat),
+            median_ms(lambda: sample_from_rows(logits, ones, zeros, top_p, torch.rand(num_rows, MAX_DRAWS)), repeat),
+        ),
+        (
+            "logprobs=5 (added to a step)",
+            greedy_logprobs - greedy,
+            median_ms(lambda: logprob_stats(logits, token_ids, 5), repeat),
+        ),
     ]
     for what, torch_ms, ops_ms in rows:
         ops = f"{ops_ms:8.2f} {ops_ms / argmax:12.2f}x" if ops_ms is not None else ""

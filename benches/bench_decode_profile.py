@@ -14,14 +14,14 @@ import statistics
 import time
 
 import torch
-
 from pagedrs import SamplingParams
 from pagedrs.engine.llm_engine import LLMEngine
 
 
 def measure(backend: str, batch: int, context: int, steps: int) -> dict:
-    engine = LLMEngine(kv_cache_memory="2GiB", max_num_seqs=batch, max_num_batched_tokens=4096,
-                       attention_backend=backend, seed=0)
+    engine = LLMEngine(
+        kv_cache_memory="2GiB", max_num_seqs=batch, max_num_batched_tokens=4096, attention_backend=backend, seed=0
+    )
     seconds = {"attention": 0.0}
     # Every layer attends through the step's metadata object: time its `attend`.
     metadata_class = engine.runner._metadata
@@ -51,8 +51,12 @@ def measure(backend: str, batch: int, context: int, steps: int) -> dict:
         assert engine.last_schedule.num_decode_tokens == batch
     metadata_class.attend = original
     step, attend = statistics.median(totals), statistics.median(attention)
-    return {"backend": engine.runner.attention_backend, "step_ms": step * 1e3, "attention_ms": attend * 1e3,
-            "attention_share": attend / step}
+    return {
+        "backend": engine.runner.attention_backend,
+        "step_ms": step * 1e3,
+        "attention_ms": attend * 1e3,
+        "attention_share": attend / step,
+    }
 
 
 def main() -> None:
@@ -66,8 +70,11 @@ def main() -> None:
     print(f"{'backend':<8} {'step ms':>8} {'attention ms':>13} {'share':>6}")
     for backend in args.backends.split(","):
         result = measure(backend, args.batch, args.context, args.steps)
-        print(f"{result['backend']:<8} {result['step_ms']:>8.1f} {result['attention_ms']:>13.1f} "
-              f"{result['attention_share']:>6.1%}", flush=True)
+        print(
+            f"{result['backend']:<8} {result['step_ms']:>8.1f} {result['attention_ms']:>13.1f} "
+            f"{result['attention_share']:>6.1%}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import tempfile
 import time
 
 import torch
-
 from pagedrs import SamplingParams
 from pagedrs.engine.llm_engine import LLMEngine
 
@@ -45,7 +44,8 @@ SETTINGS = {
     "t0.8 top_p0.95 top_k50": SamplingParams(temperature=0.8, top_p=0.95, top_k=50),
     "t1.0 top_p0.95": SamplingParams(temperature=1.0, top_p=0.95),
     "t0.8 + presence/frequency 0.5 + repetition 1.1": SamplingParams(
-        temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+        temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1
+    ),
     "t1.0 logprobs=5": SamplingParams(temperature=1.0, logprobs=5),
 }
 PHASES = ("schedule", "forward", "sampler", "update", "apply")
@@ -57,8 +57,15 @@ def build_model(directory: str) -> None:
     from transformers import PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -107,8 +114,9 @@ def instrument(engine: LLMEngine) -> _Clock:
     return clock
 
 
-def measure(engine: LLMEngine, clock: _Clock, batch_size: int, params: SamplingParams, steps: int,
-            prompt_len: int) -> dict:
+def measure(
+    engine: LLMEngine, clock: _Clock, batch_size: int, params: SamplingParams, steps: int, prompt_len: int
+) -> dict:
     generator = torch.Generator().manual_seed(batch_size)
     params = dataclasses.replace(params, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch_size):
@@ -144,8 +152,15 @@ def _all_decoding(engine: LLMEngine) -> bool:
     return out is not None and out.num_prefill_tokens == 0 and len(out) > 0
 
 
-def run(batch_sizes: list[int], settings: list[str], steps: int, prompt_len: int = 32, device: str = "cpu",
-        dtype: str = "auto", log=print) -> list[dict]:
+def run(
+    batch_sizes: list[int],
+    settings: list[str],
+    steps: int,
+    prompt_len: int = 32,
+    device: str = "cpu",
+    dtype: str = "auto",
+    log=print,
+) -> list[dict]:
     """Every setting at every batch size on one engine; returns one result a combination.
 
     On a GPU the phases are wall time on the host: the forward is its launches, and the
@@ -153,14 +168,25 @@ def run(batch_sizes: list[int], settings: list[str], steps: int, prompt_len: int
     results = []
     with tempfile.TemporaryDirectory() as directory:
         build_model(directory)
-        engine = LLMEngine(model=directory, device=device, dtype=dtype, kv_cache_memory="256MiB",
-                           max_num_seqs=max(batch_sizes), max_num_batched_tokens=max(2048, max(batch_sizes) * prompt_len),
-                           seed=0)
+        engine = LLMEngine(
+            model=directory,
+            device=device,
+            dtype=dtype,
+            kv_cache_memory="256MiB",
+            max_num_seqs=max(batch_sizes),
+            max_num_batched_tokens=max(2048, max(batch_sizes) * prompt_len),
+            seed=0,
+        )
         clock = instrument(engine)
-        log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-            f"{engine.device} {engine.dtype}")
-        log(f"{'batch':>5}  {'setting':<48} {'step ms':>8} {'x greedy':>8} "
-            + " ".join(f"{name:>9}" for name in PHASES) + f" {'own ms':>8} {'host ms':>8}")
+        log(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+            f"{platform.processor() or platform.machine()}, {engine.device} {engine.dtype}"
+        )
+        log(
+            f"{'batch':>5}  {'setting':<48} {'step ms':>8} {'x greedy':>8} "
+            + " ".join(f"{name:>9}" for name in PHASES)
+            + f" {'own ms':>8} {'host ms':>8}"
+        )
         for batch_size in batch_sizes:
             batch_results = []
             for name in settings:
@@ -173,10 +199,15 @@ def run(batch_sizes: list[int], settings: list[str], steps: int, prompt_len: int
             forward_ms = statistics.median(result["forward_ms"] for result in batch_results)
             greedy = batch_results[0]
             for result in batch_results:
-                result["ratio_to_greedy"] = (forward_ms + result["engine_own_ms"]) / (forward_ms + greedy["engine_own_ms"])
-                log(f"{batch_size:>5}  {result['setting']:<48} {result['step_ms']:>8.2f} {result['ratio_to_greedy']:>8.2f} "
+                result["ratio_to_greedy"] = (forward_ms + result["engine_own_ms"]) / (
+                    forward_ms + greedy["engine_own_ms"]
+                )
+                log(
+                    f"{batch_size:>5}  {result['setting']:<48} {result['step_ms']:>8.2f} "
+                    f"{result['ratio_to_greedy']:>8.2f} "
                     + " ".join(f"{result[f'{phase}_ms']:>9.2f}" for phase in PHASES)
-                    + f" {result['engine_own_ms']:>8.2f} {result['host_ms']:>8.2f}")
+                    + f" {result['engine_own_ms']:>8.2f} {result['host_ms']:>8.2f}"
+                )
             results += batch_results
     return results
 
@@ -191,12 +222,27 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on a GPU")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = run([int(b) for b in args.batch_sizes.split(",")], args.settings.split(","), args.steps,
-                  args.prompt_len, args.device, args.dtype, log=lambda line: print(line, flush=True))
+    results = run(
+        [int(b) for b in args.batch_sizes.split(",")],
+        args.settings.split(","),
+        args.steps,
+        args.prompt_len,
+        args.device,
+        args.dtype,
+        log=lambda line: print(line, flush=True),
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device,
-                       "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                    "device": args.device,
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -23,9 +23,8 @@ import random
 import statistics
 import time
 
-import torch
-
 import pagedrs
+import torch
 from pagedrs import LLM, SamplingParams
 from pagedrs.bench.hf_baseline import load_hf_model, run_static_batches
 from pagedrs.memory import block_slack
@@ -92,7 +91,9 @@ def decode_step_times(llm: LLM, batch_sizes: list[int], steps: int = 12) -> dict
         for size in batch_sizes:
             ids = [f"dec-{size}-{i}" for i in range(size)]
             for request_id in ids:
-                engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True))
+                engine.add_request(
+                    request_id, prompt, SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+                )
             while engine.scheduler.num_waiting or engine.scheduler.stats().step_num_prefill_tokens:
                 engine.step()
             totals, overheads = [], []
@@ -133,30 +134,48 @@ def main() -> None:
     ours = {name: run_pagedrs(llm, prompts, lengths, *sampling) for name, sampling in settings.items()}
     steps = decode_step_times(llm, [1, 8, 16, 32, 64])
     record = {
-        "pagedrs": pagedrs.__version__, "torch": torch.__version__, "threads": args.threads,
-        "cpu": platform.processor() or platform.machine(), "model": llm.engine.model_name, "dtype": "float32",
-        "requests": args.requests, "output_lengths": "uniform 8..256", "seed": args.seed,
-        "block_size": args.block_size, "useful_tokens": sum(lengths),
-        "kv_slack_fraction": round(ours["greedy"]["slack_fraction"], 4), "decode_steps": steps, "settings": {},
+        "pagedrs": pagedrs.__version__,
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "cpu": platform.processor() or platform.machine(),
+        "model": llm.engine.model_name,
+        "dtype": "float32",
+        "requests": args.requests,
+        "output_lengths": "uniform 8..256",
+        "seed": args.seed,
+        "block_size": args.block_size,
+        "useful_tokens": sum(lengths),
+        "kv_slack_fraction": round(ours["greedy"]["slack_fraction"], 4),
+        "decode_steps": steps,
+        "settings": {},
     }
     for name, run in ours.items():
-        record["settings"][name] = {"pagedrs_useful_tok_s": round(run["useful_tokens"] / run["seconds"], 1),
-                                    "pagedrs_seconds": round(run["seconds"], 1)}
+        record["settings"][name] = {
+            "pagedrs_useful_tok_s": round(run["useful_tokens"] / run["seconds"], 1),
+            "pagedrs_seconds": round(run["seconds"], 1),
+        }
     if not args.skip_hf:
         hf_model, _ = load_hf_model()
         for name, (temperature, top_p) in settings.items():
-            theirs = run_static_batches(hf_model, llm.get_tokenizer(), prompts, lengths, args.hf_batch,
-                                        temperature=temperature, top_p=top_p)
+            theirs = run_static_batches(
+                hf_model, llm.get_tokenizer(), prompts, lengths, args.hf_batch, temperature=temperature, top_p=top_p
+            )
             entry = record["settings"][name]
-            entry.update(hf_useful_tok_s=round(theirs["useful_tok_s"], 1), hf_seconds=round(theirs["seconds"], 1),
-                         hf_batch=args.hf_batch, hf_useful_share=round(theirs["useful_share"], 3),
-                         ratio=round(entry["pagedrs_useful_tok_s"] / theirs["useful_tok_s"], 2))
+            entry.update(
+                hf_useful_tok_s=round(theirs["useful_tok_s"], 1),
+                hf_seconds=round(theirs["seconds"], 1),
+                hf_batch=args.hf_batch,
+                hf_useful_share=round(theirs["useful_share"], 3),
+                ratio=round(entry["pagedrs_useful_tok_s"] / theirs["useful_tok_s"], 2),
+            )
     print(json.dumps(record, indent=2))
     greedy_rate = record["settings"]["greedy"]["pagedrs_useful_tok_s"]
     print(f"\n{'setting':<22} {'pagedrs tok/s':>14} {'vs greedy':>10} {'HF tok/s':>9} {'ratio':>6}")
     for name, entry in record["settings"].items():
-        print(f"{name:<22} {entry['pagedrs_useful_tok_s']:>14.1f} {entry['pagedrs_useful_tok_s'] / greedy_rate:>10.2f} "
-              f"{entry.get('hf_useful_tok_s', float('nan')):>9.1f} {entry.get('ratio', float('nan')):>6}")
+        print(
+            f"{name:<22} {entry['pagedrs_useful_tok_s']:>14.1f} {entry['pagedrs_useful_tok_s'] / greedy_rate:>10.2f} "
+            f"{entry.get('hf_useful_tok_s', float('nan')):>9.1f} {entry.get('ratio', float('nan')):>6}"
+        )
     print(f"KV slack {ours['greedy']['slack_fraction']:.2%}")
     print("batch | pagedrs step ms | runner overhead ms")
     for size, numbers in steps.items():

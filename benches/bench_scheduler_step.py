@@ -11,9 +11,8 @@ within 512..640 tokens, as in the criterion bench.
 """
 
 import numpy as np
-import pytest
-
 import pagedrs
+import pytest
 
 torch = pytest.importorskip("torch", reason="the benchmark converts outputs to torch tensors")
 

@@ -1,6 +1,6 @@
 """Prints the medians of the last `cargo bench` run (target/criterion) as a Markdown table.
 
-    cargo bench --bench kv_cache && python3 benches/criterion_medians.py
+cargo bench --bench kv_cache && python3 benches/criterion_medians.py
 """
 
 import json

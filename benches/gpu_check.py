@@ -10,9 +10,9 @@ machine whose image has torch, nvcc and transformers but nothing of ours).
 3. End to end: greedy tokens of the model on the GPU (CUDA kernels, float32) equal those on
    the CPU (torch reference, float32).
 4. The engine's step (benches/bench_host_overhead.py, bf16, batch 64 / 256): greedy against
-   sampled and logprobs requests, split into forward launches, sampler and host work. The default model when its wheel is installed, else a
-   random-weight Llama with its shape (its 98 MB GGUF file is too big to carry to the GPU
-   machine).
+   sampled and logprobs requests, split into forward launches, sampler and host work. The
+   default model when its wheel is installed, else a random-weight Llama with its shape (its
+   98 MB GGUF file is too big to carry to the GPU machine).
 
 The Rust extension must be importable: carried as python/pagedrs/_core.abi3.so (built here by
 `make build`), or built there with `cargo build --release --features python` when a Rust
@@ -46,8 +46,9 @@ def ensure_core() -> None:
     target = ROOT / "python" / "pagedrs" / "_core.abi3.so"
     if not target.exists() and shutil.which("cargo"):
         print("building the Rust extension with cargo ...", flush=True)
-        subprocess.run(["cargo", "build", "--release", "--offline", "--features", "python", "-p", "pagedrs"],
-                       cwd=ROOT, check=True)
+        subprocess.run(
+            ["cargo", "build", "--release", "--offline", "--features", "python", "-p", "pagedrs"], cwd=ROOT, check=True
+        )
         shutil.copy(ROOT / "target" / "release" / "libpagedrs.so", target)
     try:
         import pagedrs._core  # noqa: F401
@@ -62,10 +63,13 @@ def environment() -> str:
 
     driver = "?"
     if shutil.which("nvidia-smi"):
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True).stdout.strip()
-    return (f"{torch.cuda.get_device_name(0)}, driver {driver}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-            f"Python {platform.python_version()}")
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+    return (
+        f"{torch.cuda.get_device_name(0)}, driver {driver}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def build_kernels() -> None:
@@ -78,12 +82,19 @@ def build_kernels() -> None:
 
 def kernel_tests() -> None:
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             str(ROOT / "tests" / "test_cuda_kernels.py")], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_cuda_kernels.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     print(result.stdout[-4000:], result.stderr[-2000:], flush=True)
     summary = (result.stdout.strip().splitlines() or ["no output"])[-1]
-    row("kernels vs torch reference", "ok" if result.returncode == 0 else "FAIL",
-        f"{summary} ({time.perf_counter() - start:.0f} s)")
+    row(
+        "kernels vs torch reference",
+        "ok" if result.returncode == 0 else "FAIL",
+        f"{summary} ({time.perf_counter() - start:.0f} s)",
+    )
 
 
 def _time_cuda(fn, repeats: int = 20) -> float:
@@ -105,7 +116,6 @@ def _time_cuda(fn, repeats: int = 20) -> float:
 
 def bandwidth() -> None:
     import torch
-
     from pagedrs.attention.cuda_ops import load
 
     ops = load()
@@ -126,14 +136,17 @@ def bandwidth() -> None:
         context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         query = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
         out = torch.empty_like(query)
-        seconds = _time_cuda(lambda: ops.paged_attention(out, query, key_cache, value_cache, block_tables,
-                                                         context_lens, context, head_dim**-0.5, 0))
+        args = (out, query, key_cache, value_cache, block_tables, context_lens, context, head_dim**-0.5, 0)
+        seconds = _time_cuda(lambda args=args: ops.paged_attention(*args))
         kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
         achieved = kv_bytes / seconds
         fraction = achieved / copy_bw
         target = " (target >= 70%)" if (batch, context) == (64, 2048) else ""
-        row(f"decode bandwidth b{batch} x ctx{context}", "ok" if fraction >= 0.7 or not target else "BELOW",
-            f"{seconds * 1e6:.0f} us, {achieved / 1e12:.2f} TB/s = {fraction:.0%} of copy{target}")
+        row(
+            f"decode bandwidth b{batch} x ctx{context}",
+            "ok" if fraction >= 0.7 or not target else "BELOW",
+            f"{seconds * 1e6:.0f} us, {achieved / 1e12:.2f} TB/s = {fraction:.0%} of copy{target}",
+        )
 
 
 def end_to_end() -> None:
@@ -141,7 +154,6 @@ def end_to_end() -> None:
     import tempfile
 
     import torch
-
     from pagedrs import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -156,9 +168,16 @@ def end_to_end() -> None:
         from tests.conftest import save_word_tokenizer
 
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                          num_hidden_layers=6, num_attention_heads=9, num_key_value_heads=3,
-                                          max_position_embeddings=2048, tie_word_embeddings=False)
+        config = transformers.LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=6,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        )
         hf_model = transformers.LlamaForCausalLM(config)
         with torch.no_grad():
             hf_model.lm_head.weight.mul_(8)  # random weights give flat logits: make greedy choices clear
@@ -178,8 +197,11 @@ def end_to_end() -> None:
         del llm
     same = results["cpu"] == results["cuda"]
     matching = sum(a == b for a, b in zip(results["cpu"], results["cuda"]))
-    row("end to end greedy GPU == CPU (fp32)", "ok" if same else "FAIL",
-        f"{what}: {matching}/{len(results['cpu'])} prompts x 32 tokens identical (GPU backend: {backend})")
+    row(
+        "end to end greedy GPU == CPU (fp32)",
+        "ok" if same else "FAIL",
+        f"{what}: {matching}/{len(results['cpu'])} prompts x 32 tokens identical (GPU backend: {backend})",
+    )
 
 
 def step_overhead() -> None:
@@ -190,10 +212,13 @@ def step_overhead() -> None:
 
     settings = ["greedy", "temperature 1.0", "t0.8 top_p0.95 top_k50", "t1.0 logprobs=5"]
     for result in bench_host_overhead.run([64, 256], settings, steps=10, device="cuda", dtype="bfloat16"):
-        row(f"step, batch {result['batch_size']}, {result['setting']}", "ok",
+        row(
+            f"step, batch {result['batch_size']}, {result['setting']}",
+            "ok",
             f"{result['step_ms']:.2f} ms ({result['ratio_to_greedy']:.2f}x greedy): forward launches "
             f"{result['forward_ms']:.2f}, sampler incl. device wait {result['sampler_ms']:.2f}, "
-            f"host work {result['host_ms']:.2f}")
+            f"host work {result['host_ms']:.2f}",
+        )
 
 
 def main() -> int:

@@ -34,8 +34,9 @@ class Server:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
-    def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
-                raw: bytes | None = None) -> tuple[int, Any]:
+    def request(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None, raw: bytes | None = None
+    ) -> tuple[int, Any]:
         """``(status, parsed JSON or text)``."""
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         payload = raw if raw is not None else (None if body is None else json.dumps(body).encode())
@@ -73,7 +74,9 @@ def start_server(args: list[str], log_path: str, env: dict[str, str] | None = No
     log = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "pagedrs.server", *args, "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
     )
     server = Server(process, port, log_path)
     deadline = time.monotonic() + timeout

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from pagedrs import SamplingParams
 from pagedrs.engine.async_engine import AsyncLLMEngine, QueueFullError
 from pagedrs.engine.llm_engine import LLMEngine
+
 from tests.server_process import wait_for
 
 
@@ -47,11 +47,16 @@ def test_streams_match_the_offline_engine(engine, tiny_llama):
 
 
 def test_unfinished_text_holds_back_a_possible_stop_string(engine):
-    free = asyncio.run(_collect(engine, "free", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
+    free = asyncio.run(
+        _collect(engine, "free", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    )
     words = free[-1].outputs[0].text.split()
     stop = " ".join(words[3:5])  # two words in the middle: the text just before it must never show
-    outputs = asyncio.run(_collect(engine, "stopped", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10,
-                                                                                 ignore_eos=True, stop=[stop])))
+    outputs = asyncio.run(
+        _collect(
+            engine, "stopped", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop])
+        )
+    )
     final = outputs[-1].outputs[0]
     assert final.finish_reason == "stop" and stop not in final.text
     for output in outputs:
@@ -107,8 +112,9 @@ def test_a_failed_forward_pass_fails_its_batch_only(engine):
 
 
 def test_queue_limit(tiny_llama):
-    engine = AsyncLLMEngine(LLMEngine(model=tiny_llama, device="cpu", kv_cache_memory="8MiB", max_num_seqs=1),
-                            max_waiting_requests=1)
+    engine = AsyncLLMEngine(
+        LLMEngine(model=tiny_llama, device="cpu", kv_cache_memory="8MiB", max_num_seqs=1), max_waiting_requests=1
+    )
     try:
         params = SamplingParams(max_tokens=200, ignore_eos=True)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from pagedrs.attention import cpu_ops, select_backend
 from pagedrs.attention.cuda_backend import CudaAttentionMetadata
 
@@ -68,8 +67,13 @@ def test_cuda_metadata_splits_decodes_and_prefill_chunks():
     context_lens = np.array([20, 13, 40], dtype=np.int32)
     block_tables = np.array([[5, 6, 0], [7, 0, 0], [1, 2, 3]], dtype=np.int32)
     meta = CudaAttentionMetadata.build(
-        positions=np.array([19, 10, 11, 12, 39]), slot_mapping=np.arange(5), query_start_loc=query_start_loc,
-        context_lens=context_lens, block_tables=block_tables, block_size=16, sliding_window=None,
+        positions=np.array([19, 10, 11, 12, 39]),
+        slot_mapping=np.arange(5),
+        query_start_loc=query_start_loc,
+        context_lens=context_lens,
+        block_tables=block_tables,
+        block_size=16,
+        sliding_window=None,
         device=torch.device("cpu"),
     )
     decodes, prefills = meta.decodes, meta.prefills
@@ -81,8 +85,13 @@ def test_cuda_metadata_splits_decodes_and_prefill_chunks():
     assert meta.sliding_window == 0
     # A batch of decodes only covers every row in order: no gather.
     only = CudaAttentionMetadata.build(
-        positions=np.array([19, 39]), slot_mapping=np.arange(2), query_start_loc=np.array([0, 1, 2], dtype=np.int32),
-        context_lens=np.array([20, 40], dtype=np.int32), block_tables=block_tables[[0, 2]], block_size=16,
-        sliding_window=8, device=torch.device("cpu"),
+        positions=np.array([19, 39]),
+        slot_mapping=np.arange(2),
+        query_start_loc=np.array([0, 1, 2], dtype=np.int32),
+        context_lens=np.array([20, 40], dtype=np.int32),
+        block_tables=block_tables[[0, 2]],
+        block_size=16,
+        sliding_window=8,
+        device=torch.device("cpu"),
     )
     assert only.decodes.rows is None and only.prefills is None and only.sliding_window == 8

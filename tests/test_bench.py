@@ -8,7 +8,6 @@ import math
 import random
 
 import pytest
-
 from pagedrs.bench.client import parse_metrics
 from pagedrs.bench.stats import SLO, RequestResult, distribution, summarize
 from pagedrs.bench.workloads import Lengths, generate, load_jsonl
@@ -16,17 +15,27 @@ from pagedrs.cli import build_parser
 
 
 def _result(start, first, end, tokens, chunks=None, success=True):
-    result = RequestResult(prompt_tokens=10, output_tokens=tokens, start=start, first_token=first, end=end,
-                           success=success, expected_output_tokens=tokens)
-    result.chunk_times = chunks if chunks is not None else [first + i * (end - first) / max(tokens - 1, 1)
-                                                            for i in range(tokens)]
+    result = RequestResult(
+        prompt_tokens=10,
+        output_tokens=tokens,
+        start=start,
+        first_token=first,
+        end=end,
+        success=success,
+        expected_output_tokens=tokens,
+    )
+    result.chunk_times = (
+        chunks if chunks is not None else [first + i * (end - first) / max(tokens - 1, 1) for i in range(tokens)]
+    )
     return result
 
 
 def test_distribution_percentiles():
     d = distribution(list(range(1, 101)), scale=1000)
     assert d["count"] == 100 and d["mean"] == pytest.approx(50_500)
-    assert d["median"] == pytest.approx(50_500) and d["p90"] == pytest.approx(90_100) and d["p99"] == pytest.approx(99_010)
+    assert (
+        d["median"] == pytest.approx(50_500) and d["p90"] == pytest.approx(90_100) and d["p99"] == pytest.approx(99_010)
+    )
     assert distribution([])["median"] is None
 
 
@@ -58,14 +67,28 @@ def test_workloads():
     assert (Lengths.parse("8").draw(random.Random(0)), str(Lengths.parse("8:256"))) == (8, "8:256")
     with pytest.raises(ValueError):
         Lengths.parse("9:3")
-    specs = generate(10, Lengths.parse("5:9"), Lengths.parse("3"), seed=1, token_range=(100, 200),
-                     shared_prefix_len=32, phases=("cold", "warm"))
+    specs = generate(
+        10,
+        Lengths.parse("5:9"),
+        Lengths.parse("3"),
+        seed=1,
+        token_range=(100, 200),
+        shared_prefix_len=32,
+        phases=("cold", "warm"),
+    )
     assert [s.phase for s in specs] == ["cold"] * 10 + ["warm"] * 10
     prefix = specs[0].prompt[:32]
     assert all(s.prompt[:32] == prefix and 37 <= len(s.prompt) <= 41 and s.output_len == 3 for s in specs)
     assert all(100 <= t < 200 for s in specs for t in s.prompt)
-    again = generate(10, Lengths.parse("5:9"), Lengths.parse("3"), seed=1, token_range=(100, 200),
-                     shared_prefix_len=32, phases=("cold", "warm"))
+    again = generate(
+        10,
+        Lengths.parse("5:9"),
+        Lengths.parse("3"),
+        seed=1,
+        token_range=(100, 200),
+        shared_prefix_len=32,
+        phases=("cold", "warm"),
+    )
     assert [s.prompt for s in again] == [s.prompt for s in specs]  # a seed is a workload
     other = generate(1, Lengths.parse("5"), Lengths.parse("3"), seed=2, token_range=(100, 200), shared_prefix_len=32)
     assert other[0].prompt[:32] != prefix  # a new seed, a new (cold) prefix
@@ -99,12 +122,38 @@ def test_a_short_real_run_writes_a_complete_record(tiny_llama, tmp_path, capsys)
     from pagedrs.bench.serve import run
 
     output = tmp_path / "record.json"
-    args = build_parser().parse_args([
-        "bench", "serve", "--preset", "shared-prefix", "--launch", "--server-model", tiny_llama,
-        "--server-args", "--device cpu --kv-cache-memory 4MiB", "--num-requests", "6", "--input-len", "4:8",
-        "--output-len", "5", "--shared-prefix-len", "48", "--token-range", "4:300", "--max-concurrency", "3",
-        "--slo-ttft-ms", "60000", "--output", str(output), "--no-progress", "--label", "test",
-    ])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--preset",
+            "shared-prefix",
+            "--launch",
+            "--server-model",
+            tiny_llama,
+            "--server-args",
+            "--device cpu --kv-cache-memory 4MiB",
+            "--num-requests",
+            "6",
+            "--input-len",
+            "4:8",
+            "--output-len",
+            "5",
+            "--shared-prefix-len",
+            "48",
+            "--token-range",
+            "4:300",
+            "--max-concurrency",
+            "3",
+            "--slo-ttft-ms",
+            "60000",
+            "--output",
+            str(output),
+            "--no-progress",
+            "--label",
+            "test",
+        ]
+    )
     run(args)
     record = json.loads(output.read_text())
     printed = capsys.readouterr().out
@@ -135,10 +184,12 @@ def test_a_short_real_run_writes_a_complete_record(tiny_llama, tmp_path, capsys)
 
 def test_memory_prediction_and_check(tiny_llama, tmp_path):
     from pagedrs.memory_cli import check, predict
+
     from tests.server_process import start_server
 
-    args = build_parser().parse_args(["memory", "--model", tiny_llama, "--device", "cpu", "--budget", "1MiB",
-                                      "--lengths", "100,37,250"])
+    args = build_parser().parse_args(
+        ["memory", "--model", tiny_llama, "--device", "cpu", "--budget", "1MiB", "--lengths", "100,37,250"]
+    )
     p = predict(args)
     # 2 layers x 2 KV heads x head dim 16 x K and V x 4 bytes.
     assert p["kv_bytes_per_token"] == 2 * 2 * 16 * 2 * 4 == 512 and p["bytes_per_block"] == 512 * 16

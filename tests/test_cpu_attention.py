@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from pagedrs.attention import cpu_backend, select_backend
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 from pagedrs.attention.cpu_ops import available
@@ -93,7 +92,12 @@ def assert_close(actual, expected, dtype):
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2)], ids=["group1", "group3", "group4"])
 def test_mixed_batch_matches_the_reference(num_heads, num_kv_heads, block_size, head_dim, dtype, prefill_route):
     expected, actual, expected_caches, actual_caches = attend_both(
-        MIXED, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+        MIXED,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
     )
     assert actual.shape == expected.shape
     assert_close(actual, expected, dtype)
@@ -105,7 +109,13 @@ def test_mixed_batch_matches_the_reference(num_heads, num_kv_heads, block_size, 
 @pytest.mark.parametrize("sliding_window", [None, 1, 5, 32, 64])
 def test_sliding_window_and_half_precision_match_the_reference(dtype, sliding_window, prefill_route):
     expected, actual, _, _ = attend_both(
-        MIXED, sliding_window=sliding_window, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype,
+        MIXED,
+        sliding_window=sliding_window,
+        block_size=16,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        dtype=dtype,
     )
     assert actual.dtype == dtype
     assert_close(actual, expected, dtype)
@@ -149,17 +159,37 @@ def test_inconsistent_layouts_are_refused():
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="longer than its block table"):
-        ops.paged_attention(out, query, key_cache, key_cache, tables, cu, torch.tensor([5, 17], dtype=torch.int32),
-                            1.0, 0)
+        ops.paged_attention(
+            out, query, key_cache, key_cache, tables, cu, torch.tensor([5, 17], dtype=torch.int32), 1.0, 0
+        )
     with pytest.raises(RuntimeError, match="outside the cache"):
-        ops.paged_attention(out, query, key_cache, key_cache, torch.tensor([[0, 9], [2, 3]], dtype=torch.int32), cu,
-                            torch.tensor([12, 3], dtype=torch.int32), 1.0, 0)
+        ops.paged_attention(
+            out,
+            query,
+            key_cache,
+            key_cache,
+            torch.tensor([[0, 9], [2, 3]], dtype=torch.int32),
+            cu,
+            torch.tensor([12, 3], dtype=torch.int32),
+            1.0,
+            0,
+        )
     with pytest.raises(RuntimeError, match="do not group"):
-        ops.paged_attention(torch.empty(2, 3, 16), torch.zeros(2, 3, 16), key_cache, key_cache, tables, cu,
-                            torch.tensor([1, 1], dtype=torch.int32), 1.0, 0)
+        ops.paged_attention(
+            torch.empty(2, 3, 16),
+            torch.zeros(2, 3, 16),
+            key_cache,
+            key_cache,
+            tables,
+            cu,
+            torch.tensor([1, 1], dtype=torch.int32),
+            1.0,
+            0,
+        )
     with pytest.raises(RuntimeError, match="dtype"):
-        ops.paged_attention(out, query.double(), key_cache, key_cache, tables, cu,
-                            torch.tensor([1, 1], dtype=torch.int32), 1.0, 0)
+        ops.paged_attention(
+            out, query.double(), key_cache, key_cache, tables, cu, torch.tensor([1, 1], dtype=torch.int32), 1.0, 0
+        )
 
 
 def test_auto_picks_the_kernel_and_the_engine_generates_what_the_reference_does(tiny_llama):
@@ -170,8 +200,7 @@ def test_auto_picks_the_kernel_and_the_engine_generates_what_the_reference_does(
     prompts = [[5, 17, 33, 2, 9], list(range(10, 60)), [7, 7, 7, 300, 12]]
     outputs = {}
     for backend in ("cpu", "torch"):
-        llm = LLM(tiny_llama, attention_backend=backend, max_num_batched_tokens=16, max_num_seqs=4,
-                  block_size=8)
+        llm = LLM(tiny_llama, attention_backend=backend, max_num_batched_tokens=16, max_num_seqs=4, block_size=8)
         assert llm.engine.runner.attention_backend == backend
         outputs[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["cpu"] == outputs["torch"]

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-
 from pagedrs import cpu_sampling
 from pagedrs.cpu_sampling import available, logprob_stats, sample_from_rows
 
@@ -82,6 +81,7 @@ def test_logprobs_of_a_long_vocabulary_agree_where_chunks_are_ragged():
 # ---------------------------------------------------------------------------------------------
 # sample_from_rows: each draw, against a float64 walk
 
+
 def gap_midpoint(sorted_values: torch.Tensor, start: int, min_ratio: float) -> float:
     """A value between two neighbours of descending ``sorted_values`` (from ``start`` on) whose
     ratio exceeds ``min_ratio``: no value lies near it, so float32 and float64 agree which
@@ -143,8 +143,9 @@ def test_each_draw_is_the_token_whose_cdf_interval_holds_the_uniform(vocab_size)
         uniforms.append(row_uniforms + [0.0] * (2 - len(row_uniforms)))
         expected.append(chosen)
 
-    token_ids = sample_from_rows(logits, torch.tensor(temperature), torch.tensor(min_p), torch.tensor(top_p),
-                                 torch.tensor(uniforms))
+    token_ids = sample_from_rows(
+        logits, torch.tensor(temperature), torch.tensor(min_p), torch.tensor(top_p), torch.tensor(uniforms)
+    )
     assert token_ids.tolist() == expected
 
 
@@ -158,13 +159,15 @@ def test_a_banned_first_token_is_not_drawn_at_u_zero():
 def test_a_tiny_temperature_draws_the_most_likely_token():
     logits = random_logits(8, 1000, seed=4)
     generator = torch.Generator().manual_seed(0)
-    token_ids = sample_from_rows(logits, torch.full((8,), 1e-4), torch.zeros(8), torch.ones(8),
-                                 torch.rand(8, 1, generator=generator))
+    token_ids = sample_from_rows(
+        logits, torch.full((8,), 1e-4), torch.zeros(8), torch.ones(8), torch.rand(8, 1, generator=generator)
+    )
     assert torch.equal(token_ids, logits.argmax(dim=-1))
 
 
 # ---------------------------------------------------------------------------------------------
 # sample_from_rows: the distribution of many draws
+
 
 def reference_probs(logits: torch.Tensor, temperature: float, min_p: float, top_p: float) -> torch.Tensor:
     """As tests/test_sampler.py's (without top-k), in float64: temperature, top-p, then min-p
@@ -202,8 +205,13 @@ def test_draws_follow_the_exact_distribution(case, vocab_size):
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for _ in range(num_draws // batch):
         uniforms = torch.rand(batch, 16, generator=generator)
-        token_ids = sample_from_rows(logits, torch.full((batch,), temperature), torch.full((batch,), min_p),
-                                     torch.full((batch,), top_p), uniforms)
+        token_ids = sample_from_rows(
+            logits,
+            torch.full((batch,), temperature),
+            torch.full((batch,), min_p),
+            torch.full((batch,), top_p),
+            uniforms,
+        )
         assert (token_ids >= 0).all(), "16 draws at top_p >= 0.7 were all rejected"
         counts += torch.bincount(token_ids, minlength=vocab_size)
     assert chi_square_p_value(counts, reference_probs(row, temperature, min_p, top_p)) > 1e-4
@@ -211,6 +219,7 @@ def test_draws_follow_the_exact_distribution(case, vocab_size):
 
 # ---------------------------------------------------------------------------------------------
 # Rejected rows and bad arguments
+
 
 def test_a_row_whose_every_draw_falls_outside_the_nucleus_is_minus_one():
     logits = LOGITS_12.repeat(3, 1)
@@ -224,33 +233,44 @@ def test_a_row_whose_every_draw_falls_outside_the_nucleus_is_minus_one():
 
 def valid_sampling_args(num_rows: int = 2, vocab_size: int = 12):
     ones = torch.ones(num_rows)
-    return dict(logits=LOGITS_12[:vocab_size].repeat(num_rows, 1), temperature=ones, min_p=torch.zeros(num_rows),
-                top_p=ones, uniforms=torch.full((num_rows, 1), 0.5))
+    return dict(
+        logits=LOGITS_12[:vocab_size].repeat(num_rows, 1),
+        temperature=ones,
+        min_p=torch.zeros(num_rows),
+        top_p=ones,
+        uniforms=torch.full((num_rows, 1), 0.5),
+    )
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(logits=LOGITS_12.repeat(2, 1).double()), "logits must be torch.float32"),
-    (dict(logits=LOGITS_12), "logits must have 2 dimensions"),
-    (dict(logits=torch.zeros(2, 0)), "at least one column"),
-    (dict(temperature=torch.ones(3)), r"temperature must have shape \(2,\)"),
-    (dict(temperature=torch.tensor([1.0, 0.0])), "temperature must be positive"),
-    (dict(min_p=torch.tensor([0.0, 1.5])), r"min_p must be in \[0, 1\]"),
-    (dict(top_p=torch.tensor([0.0, 1.0])), r"top_p must be in \(0, 1\]"),
-    (dict(uniforms=torch.zeros(2, 0)), "num_uniforms >= 1"),
-    (dict(uniforms=torch.zeros(2, 1, dtype=torch.float64)), "uniforms must be torch.float32"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(logits=LOGITS_12.repeat(2, 1).double()), "logits must be torch.float32"),
+        (dict(logits=LOGITS_12), "logits must have 2 dimensions"),
+        (dict(logits=torch.zeros(2, 0)), "at least one column"),
+        (dict(temperature=torch.ones(3)), r"temperature must have shape \(2,\)"),
+        (dict(temperature=torch.tensor([1.0, 0.0])), "temperature must be positive"),
+        (dict(min_p=torch.tensor([0.0, 1.5])), r"min_p must be in \[0, 1\]"),
+        (dict(top_p=torch.tensor([0.0, 1.0])), r"top_p must be in \(0, 1\]"),
+        (dict(uniforms=torch.zeros(2, 0)), "num_uniforms >= 1"),
+        (dict(uniforms=torch.zeros(2, 1, dtype=torch.float64)), "uniforms must be torch.float32"),
+    ],
+)
 def test_sample_from_rows_refuses_bad_arguments(change, message):
     with pytest.raises(ValueError, match=message):
         sample_from_rows(**{**valid_sampling_args(), **change})
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(logits=torch.zeros(2, 12, dtype=torch.float16)), "logits must be torch.float32"),
-    (dict(token_ids=torch.tensor([0, 12])), r"token_ids must lie in \[0, 12\)"),
-    (dict(token_ids=torch.tensor([0, 1], dtype=torch.int32)), "token_ids must be torch.int64"),
-    (dict(num_top=21), r"num_top must be an integer in \[0, 12\]"),
-    (dict(num_top=-1), "num_top must be an integer"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(logits=torch.zeros(2, 12, dtype=torch.float16)), "logits must be torch.float32"),
+        (dict(token_ids=torch.tensor([0, 12])), r"token_ids must lie in \[0, 12\)"),
+        (dict(token_ids=torch.tensor([0, 1], dtype=torch.int32)), "token_ids must be torch.int64"),
+        (dict(num_top=21), r"num_top must be an integer in \[0, 12\]"),
+        (dict(num_top=-1), "num_top must be an integer"),
+    ],
+)
 def test_logprob_stats_refuses_bad_arguments(change, message):
     args = dict(logits=LOGITS_12.repeat(2, 1), token_ids=torch.tensor([0, 1]), num_top=2)
     with pytest.raises(ValueError, match=message):
@@ -262,14 +282,33 @@ def test_the_ops_check_their_arguments_themselves():
     args = valid_sampling_args()
     token_ids = torch.empty(2, dtype=torch.long)
     with pytest.raises(RuntimeError, match="logits must be contiguous"):
-        ops.sample_from_rows(args["logits"].t().contiguous().t(), args["temperature"], args["min_p"], args["top_p"],
-                             args["uniforms"], token_ids)
+        ops.sample_from_rows(
+            args["logits"].t().contiguous().t(),
+            args["temperature"],
+            args["min_p"],
+            args["top_p"],
+            args["uniforms"],
+            token_ids,
+        )
     with pytest.raises(RuntimeError, match="token_ids must have shape"):
-        ops.sample_from_rows(args["logits"], args["temperature"], args["min_p"], args["top_p"], args["uniforms"],
-                             torch.empty(3, dtype=torch.long))
+        ops.sample_from_rows(
+            args["logits"],
+            args["temperature"],
+            args["min_p"],
+            args["top_p"],
+            args["uniforms"],
+            torch.empty(3, dtype=torch.long),
+        )
     with pytest.raises(RuntimeError, match=r"token_ids\[1\] = 12 is outside the vocabulary"):
-        ops.logprob_stats(args["logits"], torch.tensor([0, 12]), 0, torch.empty(2), torch.empty(2, dtype=torch.long),
-                          torch.empty(2, 0, dtype=torch.long), torch.empty(2, 0))
+        ops.logprob_stats(
+            args["logits"],
+            torch.tensor([0, 12]),
+            0,
+            torch.empty(2),
+            torch.empty(2, dtype=torch.long),
+            torch.empty(2, 0, dtype=torch.long),
+            torch.empty(2, 0),
+        )
 
 
 def test_a_row_with_nothing_to_sample_raises():

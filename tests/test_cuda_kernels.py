@@ -11,12 +11,13 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from pagedrs.attention.torch_ref import AttentionMetadata, write_kv
 
 if not torch.cuda.is_available():
-    pytest.skip("no CUDA device here: `make test` compiles the kernels (make cuda-check); `make gpu-check` runs "
-                "these", allow_module_level=True)
+    pytest.skip(
+        "no CUDA device here: `make test` compiles the kernels (make cuda-check); `make gpu-check` runs these",
+        allow_module_level=True,
+    )
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -70,15 +71,21 @@ class Batch:
     def reference(self, sliding_window=None) -> torch.Tensor:
         key_cache, value_cache = self.key_cache.clone(), self.value_cache.clone()
         meta = AttentionMetadata.build(
-            positions=self.positions, slot_mapping=self.slot_mapping, query_start_loc=self.query_start_loc,
-            context_lens=self.context_lens, block_tables=self.block_tables, block_size=self.block_size,
-            sliding_window=sliding_window, device=torch.device("cuda"),
+            positions=self.positions,
+            slot_mapping=self.slot_mapping,
+            query_start_loc=self.query_start_loc,
+            context_lens=self.context_lens,
+            block_tables=self.block_tables,
+            block_size=self.block_size,
+            sliding_window=sliding_window,
+            device=torch.device("cuda"),
         )
         return meta.attend(self.query, self.key, self.value, key_cache, value_cache, self.scale)
 
     def write(self, ops) -> None:
-        ops.reshape_and_cache(self.key, self.value, self.key_cache, self.value_cache,
-                              torch.from_numpy(self.slot_mapping).cuda())
+        ops.reshape_and_cache(
+            self.key, self.value, self.key_cache, self.value_cache, torch.from_numpy(self.slot_mapping).cuda()
+        )
 
     def device_arrays(self):
         cuda = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
@@ -95,16 +102,35 @@ def _assert_close(actual, expected, dtype):
 def _decode(ops, batch, sliding_window=0):
     block_tables, _, context_lens = batch.device_arrays()
     out = torch.full_like(batch.query, float("nan"))
-    ops.paged_attention(out, batch.query, batch.key_cache, batch.value_cache, block_tables, context_lens,
-                        int(batch.context_lens.max()), batch.scale, sliding_window)
+    ops.paged_attention(
+        out,
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        block_tables,
+        context_lens,
+        int(batch.context_lens.max()),
+        batch.scale,
+        sliding_window,
+    )
     return out
 
 
 def _prefill(ops, batch, sliding_window=0):
     block_tables, cu_seqlens, context_lens = batch.device_arrays()
     out = torch.full_like(batch.query, float("nan"))
-    ops.paged_prefill_attention(out, batch.query, batch.key_cache, batch.value_cache, block_tables, cu_seqlens,
-                                context_lens, int(batch.context_lens.max()), batch.scale, sliding_window)
+    ops.paged_prefill_attention(
+        out,
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        block_tables,
+        cu_seqlens,
+        context_lens,
+        int(batch.context_lens.max()),
+        batch.scale,
+        sliding_window,
+    )
     return out
 
 
@@ -170,8 +196,9 @@ def test_short_prefill_in_one_partition(ops):
 
 
 @pytest.mark.parametrize("window", [8, 100, 600])
-@pytest.mark.parametrize("lengths", [([30, 700, 1300], [30, 1, 200]), ([30, 300, 500], [30, 1, 120])],
-                         ids=["partitions", "one-partition"])
+@pytest.mark.parametrize(
+    "lengths", [([30, 700, 1300], [30, 1, 200]), ([30, 300, 500], [30, 1, 120])], ids=["partitions", "one-partition"]
+)
 def test_sliding_window_prefill(ops, window, lengths):
     batch = Batch(*lengths, 8, 4, 64, 16, torch.float32, seed=window)
     expected = batch.reference(sliding_window=window)
@@ -209,16 +236,22 @@ def test_reshape_and_cache_and_copy_blocks(ops, dtype):
     assert torch.equal(batch.key_cache, key_ref) and torch.equal(batch.value_cache, value_ref)
 
 
-@pytest.mark.parametrize("step", [([20, 700, 64, 1], [1, 300, 1, 1]), ([20, 700, 64], [1, 1, 1])],
-                         ids=["mixed", "decodes-only"])
+@pytest.mark.parametrize(
+    "step", [([20, 700, 64, 1], [1, 300, 1, 1]), ([20, 700, 64], [1, 1, 1])], ids=["mixed", "decodes-only"]
+)
 def test_a_step_through_the_backend_matches_reference(ops, step):
     from pagedrs.attention.cuda_backend import CudaAttentionMetadata
 
     batch = Batch(*step, 9, 3, 64, 16, torch.float32, seed=11)
     expected = batch.reference()
     meta = CudaAttentionMetadata.build(
-        positions=batch.positions, slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,
-        context_lens=batch.context_lens, block_tables=batch.block_tables, block_size=16, sliding_window=None,
+        positions=batch.positions,
+        slot_mapping=batch.slot_mapping,
+        query_start_loc=batch.query_start_loc,
+        context_lens=batch.context_lens,
+        block_tables=batch.block_tables,
+        block_size=16,
+        sliding_window=None,
         device=torch.device("cuda"),
     )
     out = meta.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, batch.scale)
@@ -231,15 +264,31 @@ def test_bad_inputs_fail_with_clear_messages(ops):
     out = torch.empty_like(batch.query)
     with pytest.raises(RuntimeError, match="key_cache must be a CUDA tensor"):
         # Keys on the GPU (so the CUDA implementation runs), caches on the CPU.
-        ops.reshape_and_cache(batch.key, batch.value, batch.key_cache.cpu(), batch.value_cache.cpu(),
-                              torch.zeros(1, dtype=torch.long, device="cuda"))
+        ops.reshape_and_cache(
+            batch.key,
+            batch.value,
+            batch.key_cache.cpu(),
+            batch.value_cache.cpu(),
+            torch.zeros(1, dtype=torch.long, device="cuda"),
+        )
     with pytest.raises(RuntimeError, match="head sizes 64 and 128"):
         cache = torch.zeros(4, 16, 2, 96, device="cuda")
-        ops.paged_attention(torch.zeros(1, 8, 96, device="cuda"), torch.zeros(1, 8, 96, device="cuda"), cache, cache,
-                            block_tables, context_lens, 20, 1.0, 0)
+        ops.paged_attention(
+            torch.zeros(1, 8, 96, device="cuda"),
+            torch.zeros(1, 8, 96, device="cuda"),
+            cache,
+            cache,
+            block_tables,
+            context_lens,
+            20,
+            1.0,
+            0,
+        )
     with pytest.raises(RuntimeError, match="differs from the cache"):
-        ops.paged_attention(out.half(), batch.query.half(), batch.key_cache, batch.value_cache, block_tables,
-                            context_lens, 20, 1.0, 0)
+        ops.paged_attention(
+            out.half(), batch.query.half(), batch.key_cache, batch.value_cache, block_tables, context_lens, 20, 1.0, 0
+        )
     with pytest.raises(RuntimeError, match="block_tables must be Int"):
-        ops.paged_attention(out, batch.query, batch.key_cache, batch.value_cache, block_tables.long(), context_lens,
-                            20, 1.0, 0)
+        ops.paged_attention(
+            out, batch.query, batch.key_cache, batch.value_cache, block_tables.long(), context_lens, 20, 1.0, 0
+        )

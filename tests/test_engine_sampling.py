@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from pagedrs import LLM, SamplingParams
 
 from .test_model_oracle import hf_greedy
@@ -17,16 +16,20 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=24, ig
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, 320, (int(torch.randint(3, 30, (1,), generator=generator)),), generator=generator).tolist()
-            for _ in range(count)]
+    return [
+        torch.randint(4, 320, (int(torch.randint(3, 30, (1,), generator=generator)),), generator=generator).tolist()
+        for _ in range(count)
+    ]
 
 
 def _others(count: int) -> list[SamplingParams]:
-    kinds = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True),
-             SamplingParams(temperature=0.8, top_k=20, top_p=0.95, max_tokens=17, ignore_eos=True),
-             SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-             SamplingParams(temperature=1.1, min_p=0.05, presence_penalty=0.5, max_tokens=12, ignore_eos=True),
-             SamplingParams(temperature=0.7, repetition_penalty=1.3, logprobs=2, max_tokens=20, ignore_eos=True)]
+    kinds = [
+        SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.95, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=1.1, min_p=0.05, presence_penalty=0.5, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, logprobs=2, max_tokens=20, ignore_eos=True),
+    ]
     return [kinds[i % len(kinds)] for i in range(count)]
 
 
@@ -67,8 +70,12 @@ def test_greedy_rows_in_a_sampled_batch_match_hugging_face(tiny_llama):
     hf_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
     llm = LLM(tiny_llama, max_num_seqs=64)
     prompts = _prompts(24, seed=3)
-    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True) if i % 3 == 0
-              else SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True) for i in range(24)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        if i % 3 == 0
+        else SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True)
+        for i in range(24)
+    ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for i in range(0, 24, 3):
         assert outputs[i].outputs[0].token_ids == hf_greedy(hf_model, prompts[i], 16)
@@ -78,9 +85,19 @@ def test_n_choices_stop_strings_and_aborts_keep_every_choice_and_free_everything
     llm = LLM(tiny_llama, block_size=4)
     engine = llm.engine
     # Token i detokenizes to "wi": a stop string on a word ends choices that sample it.
-    engine.add_request("many", [5, 6, 7, 8, 9], SamplingParams(n=4, temperature=1.5, max_tokens=40, seed=3,
-                                                                 stop=[f"w{i}" for i in range(100, 140)], ignore_eos=True,
-                                                                 frequency_penalty=0.3))
+    engine.add_request(
+        "many",
+        [5, 6, 7, 8, 9],
+        SamplingParams(
+            n=4,
+            temperature=1.5,
+            max_tokens=40,
+            seed=3,
+            stop=[f"w{i}" for i in range(100, 140)],
+            ignore_eos=True,
+            frequency_penalty=0.3,
+        ),
+    )
     engine.add_request("gone", [5, 6, 7], SamplingParams(n=2, temperature=1.0, max_tokens=40, ignore_eos=True))
     engine.add_request("greedy", [9, 9, 9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     finished, steps = {}, 0

@@ -2,9 +2,8 @@
 
 import random
 
-import pytest
-
 import pagedrs
+import pytest
 from pagedrs import (
     DuplicateRequestError,
     InvalidArgumentError,

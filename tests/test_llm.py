@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-
 from pagedrs import SamplingParams
 from pagedrs.engine.detokenizer import IncrementalDetokenizer
+
 from tests.test_model_oracle import assert_same_or_near_tie, hf_greedy
 
 CHATS = [
@@ -24,12 +24,13 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def hf_default_model():
+    from pagedrs.models.loader import resolve_model
     from transformers import AutoModelForCausalLM
 
-    from pagedrs.models.loader import resolve_model
-
     source = resolve_model(None)
-    return AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        source.directory, gguf_file=source.gguf_file, dtype=torch.float32
+    ).eval()
 
 
 def test_greedy_chat_matches_hugging_face_on_the_same_gguf(default_llm, hf_default_model):
@@ -64,7 +65,9 @@ def test_same_seed_same_text_alone_or_in_a_batch_of_16(default_llm):
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24)
     alone = default_llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].text
     others = [SamplingParams(temperature=1.0, seed=i, max_tokens=8 + i) for i in range(15)]
-    batch = default_llm.generate([prompt] * 8 + [prompt] + [prompt] * 7, others[:8] + [seeded] + others[8:], use_tqdm=False)
+    batch = default_llm.generate(
+        [prompt] * 8 + [prompt] + [prompt] * 7, others[:8] + [seeded] + others[8:], use_tqdm=False
+    )
     assert batch[8].outputs[0].text == alone
 
 
@@ -93,7 +96,9 @@ def test_logprobs_are_returned_per_token(default_llm):
     for token, entry in zip(output.token_ids, output.logprobs):
         assert token in entry and entry[token].rank == 1  # greedy picks the top token
         assert len(entry) >= 3 and all(lp.logprob <= 0 for lp in entry.values())
-    assert output.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(output.token_ids, output.logprobs)))
+    assert output.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(output.token_ids, output.logprobs))
+    )
 
 
 def test_bad_input_raises_and_leaves_the_engine_healthy(default_llm):

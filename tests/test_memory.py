@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from pagedrs.memory import (
     block_slack,
     dtype_bytes,

@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-
 from pagedrs import LLM, SamplingParams
 
 NEW_TOKENS = 32

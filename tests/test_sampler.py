@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from pagedrs import SamplingParams, cpu_sampling
 from pagedrs import sampler as sampler_module
 from pagedrs.sampler import Sampler, SamplingRow
@@ -28,7 +27,7 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     order = x.argsort(descending=True)
     keep = torch.ones_like(x, dtype=torch.bool)
     if 0 < params.top_k < len(x):
-        keep[order[params.top_k:]] = False
+        keep[order[params.top_k :]] = False
     probs = torch.where(keep, x, -math.inf).softmax(-1)
     before = probs[order].cumsum(0) - probs[order]
     drop = (before >= params.top_p) & (torch.arange(len(x)) > 0)
@@ -70,7 +69,9 @@ DISTRIBUTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("params", DISTRIBUTION_CASES, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+@pytest.mark.parametrize(
+    "params", DISTRIBUTION_CASES, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}"
+)
 @pytest.mark.parametrize("path", ["as chosen", "fallbacks"])
 @pytest.mark.parametrize("fused", PATHS)
 def test_draws_follow_the_exact_distribution(params, path, fused, monkeypatch):
@@ -139,8 +140,12 @@ def test_a_large_top_k_sorts_and_stays_exact(monkeypatch):
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.7, top_k=20, seed=7),
-     SamplingParams(temperature=1.0, top_p=0.9, seed=7), SamplingParams(temperature=1.0, top_p=0.999, seed=7)],
+    [
+        SamplingParams(temperature=1.0, seed=7),
+        SamplingParams(temperature=0.7, top_k=20, seed=7),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=7),
+        SamplingParams(temperature=1.0, top_p=0.999, seed=7),
+    ],
 )
 @pytest.mark.parametrize("batch_size", [16, 256])
 @pytest.mark.parametrize("fused", PATHS)
@@ -153,8 +158,12 @@ def test_seeded_rows_reproduce_whatever_the_batch(params, batch_size, fused):
         return [int(sampler(batch_logits[i], rows).token_ids[position]) for i in range(3)]
 
     alone = draws(logits.unsqueeze(1), [row(params, seed=7)], 0)
-    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
-              SamplingParams(temperature=0), SamplingParams(top_k=900, seed=3)]
+    others = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=900, seed=3),
+    ]
     rows = [row(others[i % len(others)], seed=i) for i in range(batch_size - 1)]
     position = batch_size // 2
     rows.insert(position, row(params, seed=7))
@@ -173,8 +182,10 @@ def test_penalties_match_a_per_row_reference():
         (SamplingParams(temperature=0, presence_penalty=-0.3, frequency_penalty=1.0, repetition_penalty=0.8), [1, 2]),
         (SamplingParams(temperature=0), [9]),
     ]
-    rows = [row(params, slot=sampler.penalties.acquire(prompt, params) if params.uses_penalties else None)
-            for params, prompt in cases]
+    rows = [
+        row(params, slot=sampler.penalties.acquire(prompt, params) if params.uses_penalties else None)
+        for params, prompt in cases
+    ]
     outputs: list[list[int]] = [[] for _ in cases]
     for _ in range(12):
         logits = torch.randn(len(cases), vocab) * 3
@@ -184,7 +195,9 @@ def test_penalties_match_a_per_row_reference():
             if params.repetition_penalty != 1:
                 for token in set(prompt + outputs[i]):
                     value = expected[i, token]
-                    expected[i, token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+                    expected[i, token] = (
+                        value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+                    )
             expected[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
         tokens = sampler(logits, rows).token_ids.tolist()
         assert tokens == expected.argmax(-1).tolist()
@@ -203,9 +216,14 @@ def test_penalties_match_a_per_row_reference():
 def test_logprobs_ranks_and_top_logprobs_match_log_softmax(fused):
     torch.manual_seed(2)
     logits = torch.randn(6, 40) * 2
-    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=1.0, logprobs=0), SamplingParams(temperature=0.7, top_k=5, logprobs=5),
-              SamplingParams(temperature=0), SamplingParams(temperature=1.0, repetition_penalty=1.5, logprobs=1)]
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, logprobs=0),
+        SamplingParams(temperature=0.7, top_k=5, logprobs=5),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, repetition_penalty=1.5, logprobs=1),
+    ]
     sampler = Sampler(40, seed=0, fused=fused)
     rows = [row(p, slot=sampler.penalties.acquire([0, 1], p) if p.uses_penalties else None) for p in params]
     out = sampler(logits, rows)
@@ -248,8 +266,14 @@ def test_invalid_sampling_params_raise_value_error(kwargs):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
-                                    SamplingParams(temperature=1.2, min_p=0.05)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=1.2, min_p=0.05),
+    ],
+)
 @pytest.mark.parametrize("fused", PATHS)
 def test_draws_over_a_vocabulary_of_many_blocks_stay_exact(params, fused):
     # 2,600 tokens: two full 1,024-token blocks of the two-level inverse CDF and a partial one.
@@ -257,8 +281,9 @@ def test_draws_over_a_vocabulary_of_many_blocks_stay_exact(params, fused):
     vocab = 2_600
     logits = torch.randn(vocab) * 1.5
     sampler = Sampler(vocab, seed=9, fused=fused)
-    tokens = torch.cat([torch.from_numpy(sampler(logits.repeat(4_000, 1), [row(params)] * 4_000).token_ids)
-                        for _ in range(10)])
+    tokens = torch.cat(
+        [torch.from_numpy(sampler(logits.repeat(4_000, 1), [row(params)] * 4_000).token_ids) for _ in range(10)]
+    )
     expected = reference_probs(logits, params)
     bins = torch.arange(vocab) // 100  # 26 bins, so every bin expects plenty of draws
     counts = torch.zeros(26).index_add_(0, bins[tokens], torch.ones(len(tokens)))

@@ -11,7 +11,6 @@ import random
 
 import numpy as np
 import pytest
-
 from pagedrs import DuplicateRequestError, InvalidArgumentError, Scheduler, StepUpdates, UnknownRequestError
 from pagedrs._core import FINISH_REASONS
 
@@ -239,6 +238,7 @@ def test_n_choices_share_the_prompt_and_copy_the_partial_block():
 
 def test_outputs_convert_to_torch_without_copies():
     import torch
+
     scheduler = Scheduler(num_blocks=8, block_size=4)
     scheduler.add_request("a", [1, 2, 3])
     out = scheduler.schedule()
@@ -288,8 +288,7 @@ def test_request_too_big_for_the_cache_ends_with_capacity_not_a_hang():
 
 
 def test_bad_input_raises_value_errors_and_leaves_the_scheduler_healthy():
-    scheduler = Scheduler(num_blocks=16, block_size=4, max_model_len=32, max_num_seqs=4,
-                          max_num_batched_tokens=8)
+    scheduler = Scheduler(num_blocks=16, block_size=4, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=8)
     scheduler.add_request("good", [1, 2, 3], max_tokens=2)
     bad_calls = [
         lambda: scheduler.add_request("x", []),

@@ -52,7 +52,11 @@ def test_chat_streaming_equals_non_streaming_with_usage(client):
     text = whole.choices[0].message.content
     assert whole.choices[0].message.role == "assistant" and "Paris" in text
     stream = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, stream=True,
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -61,7 +65,10 @@ def test_chat_streaming_equals_non_streaming_with_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     streamed_usage = chunks[-1].usage
     assert (streamed_usage.prompt_tokens, streamed_usage.completion_tokens, streamed_usage.total_tokens) == (
-        whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+        whole.usage.total_tokens,
+    )
     assert all(chunk.usage is None for chunk in chunks[:-1])
 
 
@@ -102,8 +109,11 @@ def test_stop_strings_and_length(client):
     assert choice.finish_reason == "stop" and "," not in choice.text
     assert whole.choices[0].text.startswith(choice.text)
     # Streaming never shows text that a stop string later takes back.
-    chunks = list(client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
-                                            stop=[", 7"], stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[", 7"], stream=True
+        )
+    )
     streamed = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
     reference = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[", 7"])
     assert streamed == reference.choices[0].text and ", 7" not in streamed
@@ -112,28 +122,32 @@ def test_stop_strings_and_length(client):
 
 
 def test_logprobs(client):
-    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
-                                    logprobs=3)
+    out = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=3
+    )
     logprobs = out.choices[0].logprobs
     assert len(logprobs.tokens) == 4 == len(logprobs.token_logprobs) == len(logprobs.top_logprobs)
     assert "".join(logprobs.tokens) == out.choices[0].text
-    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+    for value, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
         assert value <= 0 and len(top) == 3
         assert max(top.values()) == pytest.approx(value, abs=1e-5)  # greedy: the sampled token is the best
-    echoed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0,
-                                       logprobs=1, echo=True)
+    echoed = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0, logprobs=1, echo=True
+    )
     assert echoed.choices[0].text.startswith("The capital of France is")
     assert echoed.choices[0].logprobs.token_logprobs[0] is None  # the first prompt token has none
-    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0,
-                                          logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 5 and "".join(item.token for item in content) == chat.choices[0].message.content
     assert all(len(item.top_logprobs) == 2 and item.top_logprobs[0].token == item.token for item in content)
 
 
 def test_seed_reproducible(client):
-    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=16,
-                  temperature=1.0)
+    kwargs = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=16, temperature=1.0
+    )
     first = client.chat.completions.create(**kwargs, seed=42).choices[0].message.content
     second = client.chat.completions.create(**kwargs, seed=42).choices[0].message.content
     other = client.chat.completions.create(**kwargs, seed=7).choices[0].message.content
@@ -185,15 +199,21 @@ def _open_request(server, body: dict) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
     )
     return sock
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts_and_frees_blocks(server, stream):
-    body = {"prompt": "Count to one thousand: 1, 2, 3,", "max_tokens": 1000, "ignore_eos": True,
-            "temperature": 0, "stream": stream}
+    body = {
+        "prompt": "Count to one thousand: 1, 2, 3,",
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
     before = server.metrics()
     sock = _open_request(server, body)
     if stream:
@@ -218,11 +238,19 @@ def test_metrics_page(server, client):
     status, text = server.request("GET", "/metrics")
     assert status == 200
     for name in [
-        "pagedrs:num_requests_running", "pagedrs:num_requests_waiting", "pagedrs:kv_cache_usage_perc",
-        "pagedrs:kv_cache_cached_free_blocks", "pagedrs:prefix_cache_queries_total", "pagedrs:prefix_cache_hits_total",
-        "pagedrs:num_preemptions_total", "pagedrs:prompt_tokens_total", "pagedrs:generation_tokens_total",
-        "pagedrs:time_to_first_token_seconds_bucket", "pagedrs:inter_token_latency_seconds_bucket",
-        "pagedrs:e2e_request_latency_seconds_bucket", "pagedrs:iteration_tokens_total_bucket",
+        "pagedrs:num_requests_running",
+        "pagedrs:num_requests_waiting",
+        "pagedrs:kv_cache_usage_perc",
+        "pagedrs:kv_cache_cached_free_blocks",
+        "pagedrs:prefix_cache_queries_total",
+        "pagedrs:prefix_cache_hits_total",
+        "pagedrs:num_preemptions_total",
+        "pagedrs:prompt_tokens_total",
+        "pagedrs:generation_tokens_total",
+        "pagedrs:time_to_first_token_seconds_bucket",
+        "pagedrs:inter_token_latency_seconds_bucket",
+        "pagedrs:e2e_request_latency_seconds_bucket",
+        "pagedrs:iteration_tokens_total_bucket",
         "pagedrs:request_success_total",
     ]:
         assert f"\n{name}" in text, name
@@ -241,8 +269,7 @@ def test_32_concurrent_streams(client, server):
     aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
     async def one(prompt: str) -> str:
-        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
-                                                  stream=True)
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
         return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
     async def all_of_them() -> list[str]:

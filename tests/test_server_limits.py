@@ -40,7 +40,6 @@ class InProcessServer:
 
     def __init__(self, argv: list[str]):
         import uvicorn
-
         from pagedrs.server.launch import add_serve_arguments, build_server
 
         args = add_serve_arguments(argparse.ArgumentParser()).parse_args(argv)

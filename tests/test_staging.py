@@ -5,13 +5,16 @@ buffers so every machine checks the packing)."""
 import numpy as np
 import pytest
 import torch
-
 from pagedrs.engine.staging import StagedInputs
 
 
 def _arrays(step: int = 0):
-    return (np.arange(7, dtype=np.int64) + step, np.arange(12, dtype=np.int32).reshape(3, 4) - step,
-            np.array([2.5 + step], np.float32), np.zeros(0, np.int64))
+    return (
+        np.arange(7, dtype=np.int64) + step,
+        np.arange(12, dtype=np.int32).reshape(3, 4) - step,
+        np.array([2.5 + step], np.float32),
+        np.zeros(0, np.int64),
+    )
 
 
 def _assert_same(arrays, tensors):
@@ -61,11 +64,16 @@ def test_cuda_metadata_staged_in_one_copy_equals_the_direct_build():
     from pagedrs.attention.cuda_backend import CudaAttentionMetadata
 
     # decode (ctx 20) | prefill chunk of 3 over a 10-token prefix | decode (ctx 40)
-    kwargs = dict(positions=np.array([19, 10, 11, 12, 39]), slot_mapping=np.arange(5),
-                  query_start_loc=np.array([0, 1, 4, 5], dtype=np.int32),
-                  context_lens=np.array([20, 13, 40], dtype=np.int32),
-                  block_tables=np.array([[5, 6, 0], [7, 0, 0], [1, 2, 3]], dtype=np.int32),
-                  block_size=16, sliding_window=None, device=torch.device("cpu"))
+    kwargs = dict(
+        positions=np.array([19, 10, 11, 12, 39]),
+        slot_mapping=np.arange(5),
+        query_start_loc=np.array([0, 1, 4, 5], dtype=np.int32),
+        context_lens=np.array([20, 13, 40], dtype=np.int32),
+        block_tables=np.array([[5, 6, 0], [7, 0, 0], [1, 2, 3]], dtype=np.int32),
+        block_size=16,
+        sliding_window=None,
+        device=torch.device("cpu"),
+    )
     direct = CudaAttentionMetadata.build(**kwargs)
     staged = StagedInputs(torch.device("cpu"), stage=True)
     with staged.one_copy():

@@ -16,7 +16,6 @@ from pagedrs.errors import (
     PagedrsError,
     UnknownRequestError,
 )
-
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.sampling_params import SamplingParams
 
@@ -37,6 +36,7 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pagedrs' has no attribute {name!r}")
+
 
 __all__ = [
     "CompletionOutput",

@@ -1,5 +1,8 @@
 """Type stubs for the compiled core (``pagedrs._core``). Import these names from ``pagedrs``."""
 
+import numpy as np
+import numpy.typing as npt
+
 __version__: str
 
 class KVCacheStats:
@@ -56,9 +59,7 @@ class KVCacheManager:
         """Fraction of blocks referenced by requests (cached-free blocks count as free)."""
     def stats(self) -> KVCacheStats: ...
     def __contains__(self, request_id: str) -> bool: ...
-    def add_request(
-        self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None = None
-    ) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> None:
         """Registers a request. Raises ``DuplicateRequestError`` for a live id and
         ``InvalidArgumentError`` for an empty prompt or a token id outside [0, 2**32)."""
     def append_token_ids(self, request_id: str, token_ids: list[int]) -> None:
@@ -83,9 +84,6 @@ class KVCacheManager:
         """Raises ``InternalError`` if the block pool is inconsistent."""
     def _force_hash_collisions(self, bits: int) -> None:
         """Test hook: keep only ``bits`` bits of each block key, forcing collisions."""
-
-import numpy as np
-import numpy.typing as npt
 
 class SchedulerOutput:
     """One step's batch. Arrays are fresh numpy arrays (``torch.from_numpy`` shares them)."""
@@ -245,9 +243,7 @@ class Scheduler:
         freeing its blocks. Not reported back: ``update_from_output`` says nothing more of
         this choice. ``reason`` must be one of ``FINISH_REASONS``."""
     def schedule(self) -> SchedulerOutput: ...
-    def update_from_output(
-        self, sampled_token_ids: npt.NDArray[np.integer] | list[int]
-    ) -> StepUpdates:
+    def update_from_output(self, sampled_token_ids: npt.NDArray[np.integer] | list[int]) -> StepUpdates:
         """Appends one sampled token per ``logits_indices`` row of the last ``schedule`` (row
         ``i`` goes to choice ``logits_choice_indices[i]`` of sequence
         ``logits_request_indices[i]``), applies stop conditions, frees what finished.

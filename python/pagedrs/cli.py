@@ -15,22 +15,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pagedrs", description="pagedrs: an LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(commands.add_parser("serve", help="run the OpenAI-compatible server",
-                                            description="Serve a model over an OpenAI-compatible HTTP API."))
+    add_serve_arguments(
+        commands.add_parser(
+            "serve",
+            help="run the OpenAI-compatible server",
+            description="Serve a model over an OpenAI-compatible HTTP API.",
+        )
+    )
     bench = commands.add_parser("bench", help="benchmarks against an OpenAI-compatible server")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    add_bench_serve_arguments(bench_commands.add_parser(
-        "serve", help="one run of a workload preset, written as a JSON record",
-        description="Load-generate against an OpenAI-compatible server and record what was measured."))
-    add_sweep_arguments(bench_commands.add_parser(
-        "sweep", help="a preset over concurrency levels, with plots",
-        description="Run a preset at each concurrency level, write the records, draw the plots."))
+    add_bench_serve_arguments(
+        bench_commands.add_parser(
+            "serve",
+            help="one run of a workload preset, written as a JSON record",
+            description="Load-generate against an OpenAI-compatible server and record what was measured.",
+        )
+    )
+    add_sweep_arguments(
+        bench_commands.add_parser(
+            "sweep",
+            help="a preset over concurrency levels, with plots",
+            description="Run a preset at each concurrency level, write the records, draw the plots.",
+        )
+    )
     plot = bench_commands.add_parser("plot", help="draw the sweep plots from existing records")
     plot.add_argument("records", nargs="+")
     plot.add_argument("--out-dir", default="results/plots")
-    add_memory_arguments(commands.add_parser(
-        "memory", help="predict what a KV budget holds (and check it against a server)",
-        description="KV bytes per token, blocks, capacity, fit and slack for a model, dtype and block size."))
+    add_memory_arguments(
+        commands.add_parser(
+            "memory",
+            help="predict what a KV budget holds (and check it against a server)",
+            description="KV bytes per token, blocks, capacity, fit and slack for a model, dtype and block size.",
+        )
+    )
     return parser
 
 

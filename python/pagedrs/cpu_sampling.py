@@ -12,7 +12,6 @@ they read memory by those shapes."""
 
 from __future__ import annotations
 
-
 import torch
 
 MAX_TOP_LOGPROBS = 20
@@ -32,8 +31,9 @@ def _ops():
     return load()
 
 
-def _check(tensor: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None = None,
-           dims: int | None = None) -> None:
+def _check(
+    tensor: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None = None, dims: int | None = None
+) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
@@ -54,8 +54,9 @@ def _check_logits(logits: torch.Tensor) -> tuple[int, int]:
     return num_rows, vocab_size
 
 
-def logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor,
-                  num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def logprob_stats(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``logits``: ``float32 [R, V]``; ``token_ids``: ``int64 [R]``, the sampled tokens.
 
     Returns ``(logprobs, ranks, top_ids, top_logprobs)``: each sampled token's log-probability
@@ -69,11 +70,14 @@ def logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor,
     _check(token_ids, "token_ids", torch.int64, shape=(num_rows,))
     most = min(MAX_TOP_LOGPROBS, vocab_size)
     if isinstance(num_top, bool) or not isinstance(num_top, int) or not 0 <= num_top <= most:
-        raise ValueError(f"num_top must be an integer in [0, {most}] (at most {MAX_TOP_LOGPROBS} and the "
-                         f"vocabulary size), got {num_top!r}")
+        raise ValueError(
+            f"num_top must be an integer in [0, {most}] (at most {MAX_TOP_LOGPROBS} and the "
+            f"vocabulary size), got {num_top!r}"
+        )
     if num_rows and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size):
-        raise ValueError(f"token_ids must lie in [0, {vocab_size}), got values from {int(token_ids.min())} "
-                         f"to {int(token_ids.max())}")
+        raise ValueError(
+            f"token_ids must lie in [0, {vocab_size}), got values from {int(token_ids.min())} to {int(token_ids.max())}"
+        )
     logprobs = torch.empty(num_rows, dtype=torch.float32)
     ranks = torch.empty(num_rows, dtype=torch.int64)
     top_ids = torch.empty(num_rows, num_top, dtype=torch.int64)
@@ -82,8 +86,9 @@ def logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor,
     return logprobs, ranks, top_ids, top_logprobs
 
 
-def sample_from_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_p: torch.Tensor,
-                     uniforms: torch.Tensor) -> torch.Tensor:
+def sample_from_rows(
+    logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
     """One token per row of ``logits`` (``float32 [R, V]``), with ``temperature``, ``min_p``
     and ``top_p`` as ``float32 [R]`` (temperature > 0, min_p in [0, 1], top_p in (0, 1]) and
     ``uniforms`` ``float32 [R, U]`` in [0, 1), U >= 1: draw k of row r uses ``uniforms[r, k]``.
@@ -105,8 +110,9 @@ def sample_from_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: tor
         _check(values, name, torch.float32, shape=(num_rows,))
     _check(uniforms, "uniforms", torch.float32, dims=2)
     if uniforms.shape[0] != num_rows or uniforms.shape[1] < 1:
-        raise ValueError(f"uniforms must be [{num_rows}, num_uniforms] with num_uniforms >= 1, "
-                         f"got {tuple(uniforms.shape)}")
+        raise ValueError(
+            f"uniforms must be [{num_rows}, num_uniforms] with num_uniforms >= 1, got {tuple(uniforms.shape)}"
+        )
     if num_rows:
         if not bool((temperature > 0).all()) or not bool(temperature.isfinite().all()):
             raise ValueError("temperature must be positive and finite in every row (greedy rows take the argmax)")
@@ -115,6 +121,12 @@ def sample_from_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: tor
         if not bool(((top_p > 0) & (top_p <= 1)).all()):
             raise ValueError("top_p must be in (0, 1] in every row")
     token_ids = torch.empty(num_rows, dtype=torch.int64)
-    _ops().sample_from_rows(logits.contiguous(), temperature.contiguous(), min_p.contiguous(), top_p.contiguous(),
-                            uniforms.contiguous(), token_ids)
+    _ops().sample_from_rows(
+        logits.contiguous(),
+        temperature.contiguous(),
+        min_p.contiguous(),
+        top_p.contiguous(),
+        uniforms.contiguous(),
+        token_ids,
+    )
     return token_ids

@@ -20,16 +20,31 @@ from pagedrs._core import KVCacheManager
 from pagedrs.errors import InvalidArgumentError
 
 _DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "bfloat16": 2, "bf16": 2,
-    "float16": 2, "fp16": 2, "half": 2,
-    "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "float8": 1,
+    "fp8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 
 _BYTE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 
 
@@ -93,9 +108,7 @@ def dtype_bytes(dtype: Any) -> int:
         return itemsize
     name = str(dtype).removeprefix("torch.").lower()
     if name not in _DTYPE_BYTES:
-        raise InvalidArgumentError(
-            f"unknown dtype {dtype!r}; expected one of {', '.join(sorted(_DTYPE_BYTES))}"
-        )
+        raise InvalidArgumentError(f"unknown dtype {dtype!r}; expected one of {', '.join(sorted(_DTYPE_BYTES))}")
     return _DTYPE_BYTES[name]
 
 
@@ -130,9 +143,7 @@ class KVCapacity:
         return self.num_blocks * self.block_size
 
 
-def kv_cache_capacity(
-    config: Any, budget: int | str, dtype: Any = "bfloat16", block_size: int = 16
-) -> KVCapacity:
+def kv_cache_capacity(config: Any, budget: int | str, dtype: Any = "bfloat16", block_size: int = 16) -> KVCapacity:
     """How many blocks of ``block_size`` tokens fit in ``budget`` bytes (or ``"4GiB"``)."""
     block_size = _positive_int(block_size, "block_size")
     budget_bytes = parse_bytes(budget)
@@ -156,9 +167,7 @@ def parse_bytes(size: int | str) -> int:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(size))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _BYTE_UNITS:
-            raise InvalidArgumentError(
-                f"not a memory size: {size!r} (write e.g. 4GiB, 512MiB, 2GB or a byte count)"
-            )
+            raise InvalidArgumentError(f"not a memory size: {size!r} (write e.g. 4GiB, 512MiB, 2GB or a byte count)")
         value = int(float(match.group(1)) * _BYTE_UNITS[unit])
     if value < 0:
         raise InvalidArgumentError(f"memory size must be >= 0, got {size!r}")

@@ -15,15 +15,24 @@ from pagedrs.memory import block_slack, kv_cache_capacity, parse_bytes
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="checkpoint directory or GGUF file (default: the default model)")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (what the server picks here)")
+    parser.add_argument(
+        "--dtype", default="auto", help="float32, bfloat16, float16, or auto (what the server picks here)"
+    )
     parser.add_argument("--device", default=None, help="for --dtype auto and the default budget: cpu or cuda")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--budget", default=None, help="KV bytes, e.g. 4GiB (default: the server's default here)")
-    parser.add_argument("--lengths", default="512,1024,2048",
-                        help="comma-separated sequence lengths (prompt + output tokens) of the load")
-    parser.add_argument("--check", default=None, metavar="URL",
-                        help="a running pagedrs server (same model, dtype, block size and --kv-cache-memory): "
-                             "send the load and compare what its /metrics report")
+    parser.add_argument(
+        "--lengths",
+        default="512,1024,2048",
+        help="comma-separated sequence lengths (prompt + output tokens) of the load",
+    )
+    parser.add_argument(
+        "--check",
+        default=None,
+        metavar="URL",
+        help="a running pagedrs server (same model, dtype, block size and --kv-cache-memory): "
+        "send the load and compare what its /metrics report",
+    )
     parser.add_argument("--output-tokens", type=int, default=16, help="with --check: tokens each request generates")
     parser.add_argument("--json", action="store_true", help="print the prediction (and check) as JSON")
     return parser
@@ -129,16 +138,22 @@ def main(args: argparse.Namespace) -> int:
     print(f"KV bytes per token {p['kv_bytes_per_token']:,}; per block {p['bytes_per_block']:,}")
     print(f"blocks {p['num_blocks']:,}; token capacity {p['token_capacity']:,}")
     for length, blocks in zip(p["lengths"], p["blocks_per_sequence"]):
-        print(f"  length {length:>7,}: {blocks:>5} blocks; {p['max_concurrent_if_all_this_length'][length]:,} "
-              f"such sequences fit at once")
-    print(f"the load ({len(p['lengths'])} sequences) needs {p['load_blocks']:,} blocks: "
-          f"{'fits' if p['load_fits'] else 'does not fit'}; {p['sequences_that_fit_in_order']} fit in order")
+        print(
+            f"  length {length:>7,}: {blocks:>5} blocks; {p['max_concurrent_if_all_this_length'][length]:,} "
+            f"such sequences fit at once"
+        )
+    print(
+        f"the load ({len(p['lengths'])} sequences) needs {p['load_blocks']:,} blocks: "
+        f"{'fits' if p['load_fits'] else 'does not fit'}; {p['sequences_that_fit_in_order']} fit in order"
+    )
     print(f"slack from block granularity: {p['slack_slots']:,} slots ({p['slack_fraction']:.2%} of allocated)")
     if "check" in result:
         c = result["check"]
-        print(f"check against {c['url']}: server blocks {c['server_num_blocks']} vs predicted "
-              f"{c['predicted_num_blocks']} ({'match' if c['num_blocks_match'] else 'MISMATCH'}); "
-              f"peak used blocks observed {c['observed_peak_used_blocks']:.0f} vs predicted "
-              f"{c['predicted_peak_used_blocks']}; preemptions {c['preemptions']:.0f}; "
-              f"{c['requests_ok']}/{len(p['lengths'])} requests ok")
+        print(
+            f"check against {c['url']}: server blocks {c['server_num_blocks']} vs predicted "
+            f"{c['predicted_num_blocks']} ({'match' if c['num_blocks_match'] else 'MISMATCH'}); "
+            f"peak used blocks observed {c['observed_peak_used_blocks']:.0f} vs predicted "
+            f"{c['predicted_peak_used_blocks']}; preemptions {c['preemptions']:.0f}; "
+            f"{c['requests_ok']}/{len(p['lengths'])} requests ok"
+        )
     return 0

@@ -89,8 +89,14 @@ class PenaltyState:
         padding = self.seen_ids[:, :1].expand(-1, new_width - width)
         self.seen_ids = torch.cat([self.seen_ids, padding], dim=1).contiguous()
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, slots_host: np.ndarray,
-              repetition: torch.Tensor | None) -> None:
+    def apply(
+        self,
+        logits: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        slots_host: np.ndarray,
+        repetition: torch.Tensor | None,
+    ) -> None:
         """Penalizes ``logits[rows]`` in place, at the seen tokens only. Repetition (Hugging
         Face's rule, over prompt and output tokens) divides positive logits by the penalty and
         multiplies the others; presence and frequency (OpenAI's rule) add ``bias``, which is

@@ -83,8 +83,12 @@ class SamplerOutput:
         """The logprob columns as Python lists, converted once per step (what the engine reads
         row by row)."""
         if self._lists is None:
-            self._lists = (self.logprobs.tolist(), self.ranks.tolist(), self.top_token_ids.tolist(),
-                           self.top_logprobs.tolist())
+            self._lists = (
+                self.logprobs.tolist(),
+                self.ranks.tolist(),
+                self.top_token_ids.tolist(),
+                self.top_logprobs.tolist(),
+            )
         return self._lists
 
 
@@ -113,8 +117,9 @@ class _Batch:
         self.any_seeded = any(generator is not None for generator in self.generators)
         self.any_min_p = any(p.min_p > 0 for p in self.params)
         self.temperature = torch.tensor([p.temperature for p in self.params], device=device).unsqueeze(1)
-        self.log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in self.params],
-                                      device=device)
+        self.log_min_p = torch.tensor(
+            [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in self.params], device=device
+        )
         self.top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else 0 for p in self.params], device=device)
         self.top_p = torch.tensor([p.top_p for p in self.params], device=device)
         if self.windowed:
@@ -134,8 +139,9 @@ class _Batch:
         # A top-k past the window is applied by a sort (top-p with it); the other top-p rows
         # are drawn by rejection.
         self.full_sorted = [0 < self.params[j].top_k < vocab_size and windows[j] == 0 for j in self.full]
-        self.full_rejection = [self.params[j].top_p < 1 and not is_sorted
-                               for j, is_sorted in zip(self.full, self.full_sorted)]
+        self.full_rejection = [
+            self.params[j].top_p < 1 and not is_sorted for j, is_sorted in zip(self.full, self.full_sorted)
+        ]
 
         penalized = [i for i, row in enumerate(rows) if row.penalty_slot is not None]
         self.any_penalties = bool(penalized)
@@ -157,8 +163,9 @@ class Sampler:
     kernels of ``cpu/sampling.cpp`` (one pass a row, no ``[rows, vocab]`` temporaries); ``None``
     uses them wherever they load. Same rules either way; the torch ops are the GPU path."""
 
-    def __init__(self, vocab_size: int, seed: int | None = None, device: torch.device | str = "cpu",
-                 fused: bool | None = None):
+    def __init__(
+        self, vocab_size: int, seed: int | None = None, device: torch.device | str = "cpu", fused: bool | None = None
+    ):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         if fused is None:
@@ -180,8 +187,9 @@ class Sampler:
         return self._last_batch
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 banned: list[tuple[int, list[int]]] = ()) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], banned: list[tuple[int, list[int]]] = ()
+    ) -> SamplerOutput:
         """``logits``: ``[R, vocab]``, one row per entry of ``rows``; penalties and bans are
         applied to them in place unless a row asks for logprobs (those need the raw values).
         ``banned``: ``(row, token ids)`` that may not be sampled now (EOS and stop tokens before
@@ -193,8 +201,9 @@ class Sampler:
             if batch.logprob_rows is not None:
                 logits = raw.clone()  # the raw logits give the logprobs
             if batch.any_penalties:
-                self.penalties.apply(logits, batch.penalty_rows, batch.penalty_slots, batch.penalty_slots_host,
-                                     batch.repetition)
+                self.penalties.apply(
+                    logits, batch.penalty_rows, batch.penalty_slots, batch.penalty_slots_host, batch.repetition
+                )
             if banned:
                 ban_rows = [row for row, token_ids in banned for _ in token_ids]
                 ban_ids = [token for _, token_ids in banned for token in token_ids]
@@ -257,15 +266,18 @@ class Sampler:
             rows = _index(sorted_rows, logits.device)
             positions = batch.full_index[rows]
             logits = logits.clone()
-            logits[rows] = _sort_filtered(logits[rows] / temperature[rows], batch.top_k[positions],
-                                          batch.top_p[positions]) * temperature[rows]
+            logits[rows] = (
+                _sort_filtered(logits[rows] / temperature[rows], batch.top_k[positions], batch.top_p[positions])
+                * temperature[rows]
+            )
             top_p = top_p.clone()
             top_p[rows] = 1.0  # applied by the sort
         generators = batch.full_generators
         if self.fused:
             uniforms = self._uniforms(range(len(logits)), generators, 1 + MAX_REJECTION_ROUNDS)
-            token_ids = cpu_sampling.sample_from_rows(logits.contiguous(), temperature.squeeze(1),
-                                                      batch.full_min_p.squeeze(1), top_p, uniforms)
+            token_ids = cpu_sampling.sample_from_rows(
+                logits.contiguous(), temperature.squeeze(1), batch.full_min_p.squeeze(1), top_p, uniforms
+            )
             pending = torch.nonzero(token_ids < 0).flatten().tolist()
         else:
             token_ids, pending = self._draw_full_with_torch(logits, batch, top_p, generators)
@@ -280,8 +292,9 @@ class Sampler:
             token_ids[rows] = torch.multinomial(filtered.softmax(dim=-1), 1, generator=self.generator).squeeze(1)
         return token_ids
 
-    def _draw_full_with_torch(self, logits: torch.Tensor, batch: _Batch, top_p: torch.Tensor,
-                              generators) -> tuple[torch.Tensor, list[int]]:
+    def _draw_full_with_torch(
+        self, logits: torch.Tensor, batch: _Batch, top_p: torch.Tensor, generators
+    ) -> tuple[torch.Tensor, list[int]]:
         """`_sample_full`'s draws in torch ops; returns the tokens and the rows every round
         rejected."""
         # Each token's probability relative to the row's most likely one.
@@ -311,7 +324,9 @@ class Sampler:
                 token_ids[_index(pending, logits.device)] = sampler.draw(self._uniforms(pending, generators), pending)
         return token_ids, pending
 
-    def _uniforms(self, rows, generators: list[torch.Generator | None] | None, per_row: int | None = None) -> torch.Tensor:
+    def _uniforms(
+        self, rows, generators: list[torch.Generator | None] | None, per_row: int | None = None
+    ) -> torch.Tensor:
         """``U(0, 1)`` draws for each row (one, or ``[rows, per_row]``): the engine's
         generator, or the row's own when seeded (so its draws never depend on the batch)."""
         rows = list(rows)
@@ -349,8 +364,9 @@ class Sampler:
             return SamplerOutput(token_ids.cpu().numpy())
         rows = None if batch.all_logprobs else batch.logprob_rows
         num_top = batch.num_top_logprobs
-        columns = self.logprob_columns(raw if rows is None else raw[rows],
-                                       token_ids if rows is None else token_ids[rows], num_top)
+        columns = self.logprob_columns(
+            raw if rows is None else raw[rows], token_ids if rows is None else token_ids[rows], num_top
+        )
         packed = torch.zeros(batch.num_rows, 3 + 2 * num_top, dtype=torch.float64, device=raw.device)
         packed[:, 0] = token_ids
         packed[slice(None) if rows is None else rows, 1:] = columns

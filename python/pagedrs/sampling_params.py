@@ -46,7 +46,10 @@ class SamplingParams:
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        check(isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+        check(
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}",
+        )
         check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
@@ -55,12 +58,18 @@ class SamplingParams:
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}",
         )
-        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            f"min_tokens must be >= 0, got {self.min_tokens!r}",
+        )
         check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            f"logprobs must be in [0, 20], got {self.logprobs!r}",
+        )
         check(
             self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}",

@@ -15,8 +15,15 @@ BACKENDS = ("auto", "torch", "cpu", "cuda")
 
 
 class AttentionMetadata(Protocol):
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, scale: float) -> torch.Tensor: ...
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor: ...
 
 
 CUDA_HEAD_SIZES = (64, 128)
@@ -32,8 +39,9 @@ def cuda_supports(head_dim: int, num_heads: int, num_kv_heads: int) -> str | Non
     return None
 
 
-def select_backend(name: str, device: torch.device, head_dim: int = 64, num_heads: int = 1,
-                   num_kv_heads: int = 1) -> str:
+def select_backend(
+    name: str, device: torch.device, head_dim: int = 64, num_heads: int = 1, num_kv_heads: int = 1
+) -> str:
     """``"auto"``: on a CUDA device the CUDA kernels when they support the model's attention
     shape; on the CPU the compiled CPU kernel when it builds here (any shape); the torch
     reference otherwise. A forced ``"cpu"`` or ``"cuda"`` builds its kernels now, so a model
@@ -56,8 +64,10 @@ def select_backend(name: str, device: torch.device, head_dim: int = 64, num_head
 
         try:
             load()  # build now, not in the first request's step
-        except Exception as error:  # noqa: BLE001 -- the compiler's own message, one level up
-            raise RuntimeError(f"attention_backend 'cpu': the CPU kernel did not build ({error}); use 'torch'") from error
+        except Exception as error:
+            raise RuntimeError(
+                f"attention_backend 'cpu': the CPU kernel did not build ({error}); use 'torch'"
+            ) from error
     if name == "cuda" and device.type != "cuda":
         raise ValueError(f"attention_backend 'cuda' needs a CUDA device, the engine runs on {device}")
     if name == "cuda" and unsupported is not None:

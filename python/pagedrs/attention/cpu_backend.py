@@ -101,15 +101,28 @@ class CpuAttentionMetadata:
             slot_mapping=torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)),
             kernel=_kernel_rows(np.nonzero(~long_chunk)[0], query_start_loc, context_lens, block_tables, block_size),
             sdpa_chunks=[
-                _sdpa_chunk(int(query_start_loc[seq]), int(query_start_loc[seq + 1]), int(context_lens[seq]),
-                            block_tables[seq], block_size, sliding_window)
+                _sdpa_chunk(
+                    int(query_start_loc[seq]),
+                    int(query_start_loc[seq + 1]),
+                    int(context_lens[seq]),
+                    block_tables[seq],
+                    block_size,
+                    sliding_window,
+                )
                 for seq in np.nonzero(long_chunk)[0]
             ],
             sliding_window=sliding_window or 0,
         )
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """Writes this step's ``key``/``value`` (``[T, KVH, D]``) into the caches, then attends
         every query row (``[T, H, D]``) over its sequence's paged context. Returns ``[T, H, D]``."""
         write_kv(key, value, key_cache, value_cache, self.slot_mapping)
@@ -120,21 +133,32 @@ class CpuAttentionMetadata:
             _attend_sdpa(chunk, query, key_cache, value_cache, scale, out)
         return out
 
-    def _attend_kernel(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
-                       out: torch.Tensor) -> None:
+    def _attend_kernel(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float, out: torch.Tensor
+    ) -> None:
         from pagedrs.attention.cpu_ops import load
 
         group = self.kernel
         q = query if group.rows is None else query.index_select(0, group.rows)
         o = out if group.rows is None else torch.empty(q.shape, dtype=q.dtype)
-        load().paged_attention(o, q, key_cache, value_cache, group.block_tables, group.cu_seqlens_q,
-                               group.context_lens, scale, self.sliding_window)
+        load().paged_attention(
+            o,
+            q,
+            key_cache,
+            value_cache,
+            group.block_tables,
+            group.cu_seqlens_q,
+            group.context_lens,
+            scale,
+            self.sliding_window,
+        )
         if group.rows is not None:
             out.index_copy_(0, group.rows, o)
 
 
-def _kernel_rows(seqs: np.ndarray, query_start_loc: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
-                 block_size: int) -> _KernelRows | None:
+def _kernel_rows(
+    seqs: np.ndarray, query_start_loc: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, block_size: int
+) -> _KernelRows | None:
     if len(seqs) == 0:
         return None
     starts, ends = query_start_loc[seqs], query_start_loc[seqs + 1]
@@ -152,8 +176,9 @@ def _kernel_rows(seqs: np.ndarray, query_start_loc: np.ndarray, context_lens: np
     )
 
 
-def _sdpa_chunk(start: int, end: int, context_len: int, block_table: np.ndarray, block_size: int,
-                sliding_window: int | None) -> _SdpaChunk:
+def _sdpa_chunk(
+    start: int, end: int, context_len: int, block_table: np.ndarray, block_size: int, sliding_window: int | None
+) -> _SdpaChunk:
     num_blocks = -(-context_len // block_size)
     mask = None
     if context_len != end - start or sliding_window is not None:
@@ -163,12 +188,23 @@ def _sdpa_chunk(start: int, end: int, context_len: int, block_table: np.ndarray,
         if sliding_window is not None:
             visible &= keys > query_positions - sliding_window
         mask = torch.from_numpy(visible)
-    return _SdpaChunk(start=start, end=end, blocks=torch.from_numpy(block_table[:num_blocks].astype(np.int64)),
-                      context_len=context_len, mask=mask)
+    return _SdpaChunk(
+        start=start,
+        end=end,
+        blocks=torch.from_numpy(block_table[:num_blocks].astype(np.int64)),
+        context_len=context_len,
+        mask=mask,
+    )
 
 
-def _attend_sdpa(chunk: _SdpaChunk, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 scale: float, out: torch.Tensor) -> None:
+def _attend_sdpa(
+    chunk: _SdpaChunk,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     """One chunk's rows over its own gathered context; grouped-query attention by viewing the
     query heads as ``[KVH, group]`` against keys broadcast over the group (no repeat)."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -177,6 +213,7 @@ def _attend_sdpa(chunk: _SdpaChunk, query: torch.Tensor, key_cache: torch.Tensor
     q = query[chunk.start : chunk.end].transpose(0, 1).unflatten(0, (num_kv_heads, num_heads // num_kv_heads))
     keys = key_cache[chunk.blocks].flatten(0, 1)[: chunk.context_len].transpose(0, 1).unsqueeze(1)
     values = value_cache[chunk.blocks].flatten(0, 1)[: chunk.context_len].transpose(0, 1).unsqueeze(1)
-    attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                              scale=scale)
+    attended = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale
+    )
     out[chunk.start : chunk.end] = attended.flatten(0, 1).transpose(0, 1).reshape(num_rows, num_heads, head_dim)

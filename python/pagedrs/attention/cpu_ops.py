@@ -38,8 +38,12 @@ def compile_flags() -> list[str]:
     # kernel runs on one thread.
     # -ffp-contract=fast: a * b + c as one fused multiply-add (ISO C++ mode turns it off).
     # -fno-trapping-math: lets floor and float-to-int vectorize (nothing here reads FP traps).
-    flags = ["-O3", "-ffp-contract=fast", "-fno-trapping-math",
-             "-fopenmp" if sys.platform == "linux" else "-fopenmp-simd"]
+    flags = [
+        "-O3",
+        "-ffp-contract=fast",
+        "-fno-trapping-math",
+        "-fopenmp" if sys.platform == "linux" else "-fopenmp-simd",
+    ]
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
         flags.append("-march=native")

@@ -32,8 +32,14 @@ class _Group:
     num_rows: int
 
 
-def _group_arrays(seqs: np.ndarray, query_start_loc: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray,
-                  block_size: int, num_tokens: int) -> tuple[list[np.ndarray], int, int] | None:
+def _group_arrays(
+    seqs: np.ndarray,
+    query_start_loc: np.ndarray,
+    context_lens: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    num_tokens: int,
+) -> tuple[list[np.ndarray], int, int] | None:
     """``([rows (omitted when the group is every row in order), block tables, cu_seqlens_q,
     context lens], max_context_len, num_rows)`` of one launch's sequences, on the host."""
     if len(seqs) == 0:
@@ -54,8 +60,14 @@ def _group_arrays(seqs: np.ndarray, query_start_loc: np.ndarray, context_lens: n
 def _group(arrays: list[torch.Tensor], max_context_len: int, num_rows: int) -> _Group:
     rows = arrays[0] if len(arrays) == 4 else None
     block_tables, cu_seqlens_q, context_lens = arrays[-3:]
-    return _Group(rows=rows, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q, context_lens=context_lens,
-                  max_context_len=max_context_len, num_rows=num_rows)
+    return _Group(
+        rows=rows,
+        block_tables=block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        context_lens=context_lens,
+        max_context_len=max_context_len,
+        num_rows=num_rows,
+    )
 
 
 @dataclass
@@ -84,7 +96,10 @@ class CudaAttentionMetadata:
         query_lens = np.diff(query_start_loc) if len(query_start_loc) else np.zeros(0, np.int32)
         num_tokens = int(query_start_loc[-1]) if len(query_start_loc) else 0
         args = (query_start_loc, context_lens, block_tables, block_size, num_tokens)
-        groups = [_group_arrays(np.nonzero(query_lens == 1)[0], *args), _group_arrays(np.nonzero(query_lens > 1)[0], *args)]
+        groups = [
+            _group_arrays(np.nonzero(query_lens == 1)[0], *args),
+            _group_arrays(np.nonzero(query_lens > 1)[0], *args),
+        ]
         # Every array of the step in one upload (one copy when the runner stages its inputs).
         tensors = upload(slot_mapping, *(array for group in groups if group is not None for array in group[0]))
         slot_mapping_tensor, rest = tensors[0], tensors[1:]
@@ -96,11 +111,19 @@ class CudaAttentionMetadata:
             arrays, max_context_len, num_rows = group
             built.append(_group(rest[: len(arrays)], max_context_len, num_rows))
             rest = rest[len(arrays) :]
-        return cls(slot_mapping=slot_mapping_tensor, decodes=built[0], prefills=built[1],
-                   sliding_window=sliding_window or 0)
+        return cls(
+            slot_mapping=slot_mapping_tensor, decodes=built[0], prefills=built[1], sliding_window=sliding_window or 0
+        )
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """Writes this step's keys/values, then attends every query row (``[T, H, D]``)."""
         from pagedrs.attention.cuda_ops import load
 
@@ -114,11 +137,30 @@ class CudaAttentionMetadata:
             q = query if group.rows is None else query.index_select(0, group.rows)
             o = out if group.rows is None else torch.empty_like(q)
             if decode:
-                ops.paged_attention(o, q, key_cache, value_cache, group.block_tables, group.context_lens,
-                                    group.max_context_len, scale, self.sliding_window)
+                ops.paged_attention(
+                    o,
+                    q,
+                    key_cache,
+                    value_cache,
+                    group.block_tables,
+                    group.context_lens,
+                    group.max_context_len,
+                    scale,
+                    self.sliding_window,
+                )
             else:
-                ops.paged_prefill_attention(o, q, key_cache, value_cache, group.block_tables, group.cu_seqlens_q,
-                                            group.context_lens, group.max_context_len, scale, self.sliding_window)
+                ops.paged_prefill_attention(
+                    o,
+                    q,
+                    key_cache,
+                    value_cache,
+                    group.block_tables,
+                    group.cu_seqlens_q,
+                    group.context_lens,
+                    group.max_context_len,
+                    scale,
+                    self.sliding_window,
+                )
             if group.rows is not None:
                 out.index_copy_(0, group.rows, o)
         return out

@@ -104,12 +104,28 @@ def compile_check(archs: tuple[str, ...] = CHECK_ARCHS, verbose: bool = True) ->
     with tempfile.TemporaryDirectory() as out:
         for name in (n for n in SOURCES if n.endswith(".cu")):
             gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-            command = [nvcc, "-c", "-std=c++17", "-O3", "--expt-relaxed-constexpr", *gencode, *includes,
-                       str(directory / name), "-o", os.path.join(out, name + ".o")]
+            command = [
+                nvcc,
+                "-c",
+                "-std=c++17",
+                "-O3",
+                "--expt-relaxed-constexpr",
+                *gencode,
+                *includes,
+                str(directory / name),
+                "-o",
+                os.path.join(out, name + ".o"),
+            ]
             _run(command, f"nvcc {name} for sm_{', sm_'.join(archs)}", verbose)
         torch_includes = [f"-I{d}" for d in include_paths()]
-        command = [os.environ.get("CXX", "c++"), "-fsyntax-only", "-std=c++20", *torch_includes, *includes,
-                   str(directory / "torch_bindings.cpp")]
+        command = [
+            os.environ.get("CXX", "c++"),
+            "-fsyntax-only",
+            "-std=c++20",
+            *torch_includes,
+            *includes,
+            str(directory / "torch_bindings.cpp"),
+        ]
         _run(command, "c++ torch_bindings.cpp against torch's headers", verbose)
 
 

@@ -106,15 +106,26 @@ class AttentionMetadata:
             prefills=prefills,
         )
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """`paged_attention` with this step's layout (the interface every backend's
         metadata offers the model)."""
         return paged_attention(query, key, value, key_cache, value_cache, self, scale)
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Writes ``[T, KVH, D]`` keys/values into ``[num_blocks, block_size, KVH, D]`` caches."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
@@ -122,7 +133,9 @@ def write_kv(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Grouped-query attention of ``[B, L, H, D]`` queries over ``[B, C, KVH, D]`` keys and
     values with a ``[B, L, C]`` mask; softmax in float32. Returns ``[B, L, H, D]``."""
     batch, length, num_heads, head_dim = query.shape

@@ -58,8 +58,9 @@ class Endpoint:
 
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
-        self.client = openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key or "none",
-                                         max_retries=0, timeout=timeout)
+        self.client = openai.AsyncOpenAI(
+            base_url=f"{self.base_url}/v1", api_key=api_key or "none", max_retries=0, timeout=timeout
+        )
         self.model = model
 
     def get(self, path: str, timeout: float = 10) -> tuple[int, str]:
@@ -73,8 +74,9 @@ class Endpoint:
             return error.code, error.read().decode(errors="replace")
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 30) -> tuple[int, Any]:
-        request = urllib.request.Request(f"{self.base_url}{path}", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{self.base_url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         if self.api_key:
             request.add_header("Authorization", f"Bearer {self.api_key}")
         try:
@@ -97,13 +99,29 @@ class Endpoint:
             self.model = models.data[0].id
         return self.model
 
-    async def send(self, spec: RequestSpec, t0: float, *, ignore_eos: bool, temperature: float = 0.0,
-                   top_p: float = 1.0, seed: int | None = None) -> RequestResult:
+    async def send(
+        self,
+        spec: RequestSpec,
+        t0: float,
+        *,
+        ignore_eos: bool,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> RequestResult:
         """Streams one request; times its first token and every text chunk after ``t0``."""
-        result = RequestResult(prompt_tokens=spec.prompt_len or 0, expected_output_tokens=spec.output_len if ignore_eos else None)
+        result = RequestResult(
+            prompt_tokens=spec.prompt_len or 0, expected_output_tokens=spec.output_len if ignore_eos else None
+        )
         extra = {"ignore_eos": True} if ignore_eos else {}
-        common = dict(model=self.model, max_tokens=spec.output_len, temperature=temperature, stream=True,
-                      stream_options={"include_usage": True}, extra_body=extra)
+        common = dict(
+            model=self.model,
+            max_tokens=spec.output_len,
+            temperature=temperature,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
         if top_p != 1.0:
             common["top_p"] = top_p
         if seed is not None:

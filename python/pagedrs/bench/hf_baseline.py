@@ -21,8 +21,15 @@ def load_hf_model(model: str | None = None, dtype: torch.dtype = torch.float32):
     return hf_model, tokenizer
 
 
-def run_static_batches(model, tokenizer, prompts: list[list[int]], lengths: list[int], batch_size: int,
-                       temperature: float = 0.0, top_p: float = 1.0) -> dict:
+def run_static_batches(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    lengths: list[int],
+    batch_size: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> dict:
     """Runs the prompts in arrival order, ``batch_size`` at a time (left-padded). A batch
     runs until its longest request is done, so shorter ones waste their slots: only each
     request's own ``length`` counts as useful. ``min_new_tokens`` keeps EOS from ending a
@@ -41,14 +48,23 @@ def run_static_batches(model, tokenizer, prompts: list[list[int]], lengths: list
         longest = max(wanted)
         with torch.no_grad():
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                pad_token_id=pad, **sampling,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                pad_token_id=pad,
+                **sampling,
             )
         useful += sum(wanted)
         generated += longest * len(batch)
     elapsed = time.perf_counter() - start
     return {
-        "seconds": elapsed, "useful_tokens": useful, "generated_tokens": generated,
-        "useful_tok_s": useful / elapsed, "useful_share": useful / generated, "batch_size": batch_size,
-        "temperature": temperature, "top_p": top_p,
+        "seconds": elapsed,
+        "useful_tokens": useful,
+        "generated_tokens": generated,
+        "useful_tok_s": useful / elapsed,
+        "useful_share": useful / generated,
+        "batch_size": batch_size,
+        "temperature": temperature,
+        "top_p": top_p,
     }

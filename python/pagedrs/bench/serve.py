@@ -30,39 +30,61 @@ SANITY_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}
 
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="no-reuse",
-                        help="workload preset; the flags below override its settings")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="no-reuse",
+        help="workload preset; the flags below override its settings",
+    )
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to measure (without /v1)")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     parser.add_argument("--api-key", default=os.environ.get("PAGEDRS_API_KEY"))
-    parser.add_argument("--launch", action="store_true",
-                        help="start `pagedrs serve` on a free port for this run (needed by cold-start and by "
-                             "memory-pressure's small cache), and stop it after")
+    parser.add_argument(
+        "--launch",
+        action="store_true",
+        help="start `pagedrs serve` on a free port for this run (needed by cold-start and by "
+        "memory-pressure's small cache), and stop it after",
+    )
     parser.add_argument("--server-model", default=None, help="with --launch: the model the server loads")
     parser.add_argument("--server-args", default="", help="with --launch: more `pagedrs serve` flags, one string")
     parser.add_argument("--num-requests", type=int, default=None, help="per phase")
     parser.add_argument("--input-len", default=None, help="prompt tokens: N, or LOW:HIGH (uniform)")
     parser.add_argument("--output-len", default=None, help="output tokens: N, or LOW:HIGH (uniform)")
     parser.add_argument("--shared-prefix-len", type=int, default=None)
-    parser.add_argument("--dataset", default=None,
-                        help="JSONL of prompts ({'prompt': ...} or {'messages': ...}, optional 'output_len')")
-    parser.add_argument("--token-range", default="1000:20000",
-                        help="token ids generated prompts are drawn from, LOW:HIGH")
+    parser.add_argument(
+        "--dataset", default=None, help="JSONL of prompts ({'prompt': ...} or {'messages': ...}, optional 'output_len')"
+    )
+    parser.add_argument(
+        "--token-range", default="1000:20000", help="token ids generated prompts are drawn from, LOW:HIGH"
+    )
     parser.add_argument("--request-rate", type=float, default=None, help="requests/s, Poisson (default: inf)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                        help="every request generates exactly its output length (default: on for generated prompts)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sampling temperature of every request (0: greedy, the default; OpenAI's is 1.0)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of every request (with --temperature > 0)")
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every request generates exactly its output length (default: on for generated prompts)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (0: greedy, the default; OpenAI's is 1.0)",
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling of every request (with --temperature > 0)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=2, help="requests sent first and left out of the results")
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
     parser.add_argument("--slo-tpot-ms", type=float, default=None)
     parser.add_argument("--slo-e2e-ms", type=float, default=None)
-    parser.add_argument("--hf-baseline", action="store_true",
-                        help="then run the same prompts through Hugging Face `generate` in static batches, "
-                             "in this process (the server should be idle or stopped)")
+    parser.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help="then run the same prompts through Hugging Face `generate` in static batches, "
+        "in this process (the server should be idle or stopped)",
+    )
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--label", default=None, help="a name for this run in the record")
     parser.add_argument("--output", default=None, help="JSON record path (default: results/<preset>-<time>.json)")
@@ -102,8 +124,13 @@ def workload(settings: dict[str, Any]) -> list[RequestSpec]:
         return load_jsonl(settings["dataset"], output_len, settings["seed"], settings["num_requests"])
     low, _, high = settings["token_range"].partition(":")
     return generate(
-        settings["num_requests"], Lengths.parse(settings["input_len"]), output_len, settings["seed"],
-        (int(low), int(high)), settings["shared_prefix_len"], tuple(settings["phases"]),
+        settings["num_requests"],
+        Lengths.parse(settings["input_len"]),
+        output_len,
+        settings["seed"],
+        (int(low), int(high)),
+        settings["shared_prefix_len"],
+        tuple(settings["phases"]),
     )
 
 
@@ -137,8 +164,13 @@ async def sanity_check(endpoint: Endpoint) -> dict[str, Any]:
     so a person can check tokenization, template, precision and output."""
     started = time.perf_counter()
     stream = await endpoint.client.chat.completions.create(
-        model=endpoint.model, messages=SANITY_MESSAGES, max_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+        model=endpoint.model,
+        messages=SANITY_MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, first, finish, counts = "", None, None, None
     async for chunk in stream:
         if chunk.usage is not None:
@@ -159,8 +191,11 @@ async def sanity_check(endpoint: Endpoint) -> dict[str, Any]:
         "started_at": started,
         "ttft_s": None if first is None else first - started,
     }
-    print(f"sanity request: {SANITY_MESSAGES[0]['content']!r} -> {text!r} "
-          f"({sanity['prompt_tokens']} prompt tokens, finish {finish})", flush=True)
+    print(
+        f"sanity request: {SANITY_MESSAGES[0]['content']!r} -> {text!r} "
+        f"({sanity['prompt_tokens']} prompt tokens, finish {finish})",
+        flush=True,
+    )
     return sanity
 
 
@@ -180,18 +215,26 @@ def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str
     }
 
 
-async def measure(endpoint: Endpoint, settings: dict[str, Any], specs: list[RequestSpec], slo: SLO,
-                  progress: bool) -> dict[str, Any]:
+async def measure(
+    endpoint: Endpoint, settings: dict[str, Any], specs: list[RequestSpec], slo: SLO, progress: bool
+) -> dict[str, Any]:
     """Runs each phase in turn (warm-up first, excluded); returns the record's measured part."""
     from tqdm.auto import tqdm
 
     rate = float(settings["request_rate"])
-    common = dict(request_rate=rate, max_concurrency=settings["max_concurrency"], ignore_eos=settings["ignore_eos"],
-                  temperature=settings["temperature"], top_p=settings.get("top_p", 1.0), seed=settings["seed"])
+    common = dict(
+        request_rate=rate,
+        max_concurrency=settings["max_concurrency"],
+        ignore_eos=settings["ignore_eos"],
+        temperature=settings["temperature"],
+        top_p=settings.get("top_p", 1.0),
+        seed=settings["seed"],
+    )
     if settings["warmup_requests"]:
         low, _, high = settings["token_range"].partition(":")
-        warmup = generate(settings["warmup_requests"], Lengths(16), Lengths(8), settings["seed"] + 10**6,
-                          (int(low), int(high)))
+        warmup = generate(
+            settings["warmup_requests"], Lengths(16), Lengths(8), settings["seed"] + 10**6, (int(low), int(high))
+        )
         await run_requests(endpoint, warmup, t0=time.perf_counter(), **{**common, "request_rate": float("inf")})
     sampler = MetricsSampler(endpoint)
     t0 = time.perf_counter()
@@ -224,9 +267,17 @@ async def measure(endpoint: Endpoint, settings: dict[str, Any], specs: list[Requ
         "peak_kv_usage": peak,
         "timeline": timeline,
         "requests": [
-            {"phase": phase, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
-             "start": round(r.start, 4), "ttft": r.ttft, "e2e": r.e2e, "tpot": r.tpot, "success": r.success,
-             "error": r.error}
+            {
+                "phase": phase,
+                "prompt_tokens": r.prompt_tokens,
+                "output_tokens": r.output_tokens,
+                "start": round(r.start, 4),
+                "ttft": r.ttft,
+                "e2e": r.e2e,
+                "tpot": r.tpot,
+                "success": r.success,
+                "error": r.error,
+            }
             for phase, r in results
         ],
     }
@@ -241,7 +292,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     specs = workload(settings)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     output = args.output or os.path.join(
-        "results", f"{settings['preset']}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+        "results", f"{settings['preset']}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    )
     os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
     record: dict[str, Any] = {
         "schema": SCHEMA,
@@ -255,7 +307,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if args.launch:
             process, endpoint, ready, launched_at = launch_server(
-                args.server_model, settings["server_args"], output.removesuffix(".json") + ".server.log")
+                args.server_model, settings["server_args"], output.removesuffix(".json") + ".server.log"
+            )
             record["cold_start"] = {"process_start_to_ready_s": ready}
         else:
             endpoint = Endpoint(args.base_url, args.api_key, args.model)
@@ -269,7 +322,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.launch:
                 record["cold_start"]["first_request_ttft_s"] = sanity["ttft_s"]
                 record["cold_start"]["process_start_to_first_token_s"] = (
-                    sanity["started_at"] - launched_at + sanity["ttft_s"])
+                    sanity["started_at"] - launched_at + sanity["ttft_s"]
+                )
             del sanity["started_at"]
             if settings["preset"] != "cold-start":
                 record.update(await measure(endpoint, settings, specs, slo, not args.no_progress))
@@ -297,8 +351,15 @@ def hf_baseline(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str,
         raise SystemExit("--hf-baseline needs generated (token-id) prompts")
     model, tokenizer = load_hf_model(args.server_model)
     print(f"HF transformers generate, static batches of {args.hf_batch} ...", flush=True)
-    return run_static_batches(model, tokenizer, [spec.prompt for spec in specs], [spec.output_len for spec in specs],
-                              args.hf_batch, temperature=args.temperature, top_p=args.top_p)
+    return run_static_batches(
+        model,
+        tokenizer,
+        [spec.prompt for spec in specs],
+        [spec.output_len for spec in specs],
+        args.hf_batch,
+        temperature=args.temperature,
+        top_p=args.top_p,
+    )
 
 
 def _fill_headline(record: dict[str, Any]) -> None:
@@ -307,8 +368,10 @@ def _fill_headline(record: dict[str, Any]) -> None:
     if phases:
         first = next(iter(phases.values()))["summary"]
         record["headline"] = {
-            "output_throughput": first["output_throughput"], "request_throughput": first["request_throughput"],
-            "ttft_ms_median": first["ttft_ms"]["median"], "tpot_ms_median": first["tpot_ms"]["median"],
+            "output_throughput": first["output_throughput"],
+            "request_throughput": first["request_throughput"],
+            "ttft_ms_median": first["ttft_ms"]["median"],
+            "tpot_ms_median": first["tpot_ms"]["median"],
             "failed": sum(p["summary"]["failed"] for p in phases.values()),
         }
         if "hf_baseline" in record:
@@ -330,20 +393,27 @@ def report(record: dict[str, Any]) -> str:
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             d = s[key]
             if d["count"]:
-                lines.append(f"  {key:8s} mean {d['mean']:9.1f}  median {d['median']:9.1f}  p90 {d['p90']:9.1f}  "
-                             f"p99 {d['p99']:9.1f}")
+                lines.append(
+                    f"  {key:8s} mean {d['mean']:9.1f}  median {d['median']:9.1f}  p90 {d['p90']:9.1f}  "
+                    f"p99 {d['p99']:9.1f}"
+                )
         if "goodput" in s:
             lines.append(f"  goodput {s['goodput']:.2f} req/s ({s['good_requests']} met the SLO)")
         rate = server.get("prefix_cache_hit_rate")
-        lines.append(f"  prefix-cache hit rate {'-' if rate is None else f'{rate:.1%}'}, "
-                     f"preemptions {server.get('preemptions')}")
+        lines.append(
+            f"  prefix-cache hit rate {'-' if rate is None else f'{rate:.1%}'}, preemptions {server.get('preemptions')}"
+        )
         cpu = server.get("server_cpu_seconds")
-        lines.append(f"  CPU seconds: server {'-' if cpu is None else f'{cpu:.1f}'}, "
-                     f"this load generator {server['client_cpu_seconds']:.1f} (wall {s['duration_s']:.1f})")
+        lines.append(
+            f"  CPU seconds: server {'-' if cpu is None else f'{cpu:.1f}'}, "
+            f"this load generator {server['client_cpu_seconds']:.1f} (wall {s['duration_s']:.1f})"
+        )
     if record.get("peak_kv_usage") is not None:
         lines.append(f"peak KV usage {record['peak_kv_usage']:.1%}")
     if "hf_baseline" in record:
         hf = record["hf_baseline"]
-        lines.append(f"HF static batches of {hf['batch_size']}: {hf['useful_tok_s']:.1f} useful tok/s "
-                     f"(useful share {hf['useful_share']:.0%}); ratio {record['headline']['ratio_vs_hf']:.2f}x")
+        lines.append(
+            f"HF static batches of {hf['batch_size']}: {hf['useful_tok_s']:.1f} useful tok/s "
+            f"(useful share {hf['useful_share']:.0%}); ratio {record['headline']['ratio_vs_hf']:.2f}x"
+        )
     return "\n".join(lines)

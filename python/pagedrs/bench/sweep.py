@@ -14,11 +14,13 @@ from pagedrs.bench.serve import add_bench_serve_arguments, run
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_bench_serve_arguments(parser)
-    parser.add_argument("--concurrency", default="1,4,16",
-                        help="comma-separated max-concurrency levels (inf: no limit)")
+    parser.add_argument(
+        "--concurrency", default="1,4,16", help="comma-separated max-concurrency levels (inf: no limit)"
+    )
     parser.add_argument("--out-dir", default="results/sweep", help="records and plots go here")
-    parser.add_argument("--min-requests-per-slot", type=int, default=2,
-                        help="send at least this many requests per concurrency slot")
+    parser.add_argument(
+        "--min-requests-per-slot", type=int, default=2, help="send at least this many requests per concurrency slot"
+    )
     return parser
 
 
@@ -77,8 +79,13 @@ def plot(records: list[dict[str, Any]], out_dir: str) -> list[str]:
 
     figure, left = plt.subplots(figsize=(6, 4))
     left.plot(positions, [s["output_throughput"] for s in first_phase], "o-", label="output tokens/s")
-    left.plot(positions, [s["total_token_throughput"] for s in first_phase], "o:", color="tab:green",
-              label="prompt + output tokens/s")
+    left.plot(
+        positions,
+        [s["total_token_throughput"] for s in first_phase],
+        "o:",
+        color="tab:green",
+        label="prompt + output tokens/s",
+    )
     left.set_xlabel("max concurrency")
     left.set_ylabel("tokens/s")
     right = left.twinx()
@@ -90,7 +97,10 @@ def plot(records: list[dict[str, Any]], out_dir: str) -> list[str]:
     save(figure, "throughput")
 
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for axis, key, title in [(axes[0], "ttft_ms", "time to first token"), (axes[1], "tpot_ms", "time per output token")]:
+    for axis, key, title in [
+        (axes[0], "ttft_ms", "time to first token"),
+        (axes[1], "tpot_ms", "time per output token"),
+    ]:
         for stat, style in [("median", "o-"), ("p90", "s--"), ("p99", "^:")]:
             axis.plot(positions, [s[key][stat] for s in first_phase], style, label=stat)
         axis.set_xticks(positions, labels)
@@ -122,8 +132,10 @@ def plot(records: list[dict[str, Any]], out_dir: str) -> list[str]:
         figure, axis = plt.subplots(figsize=(6, 4))
         width = 0.8 / len(phases)
         for i, phase in enumerate(phases):
-            rates = [100 * ((r["phases"].get(phase) or {}).get("server", {}).get("prefix_cache_hit_rate") or 0.0)
-                     for r in measured]
+            rates = [
+                100 * ((r["phases"].get(phase) or {}).get("server", {}).get("prefix_cache_hit_rate") or 0.0)
+                for r in measured
+            ]
             axis.bar([p + i * width for p in positions], rates, width, label=phase)
         axis.set_xticks([p + width * (len(phases) - 1) / 2 for p in positions], labels)
         axis.set_xlabel("max concurrency")

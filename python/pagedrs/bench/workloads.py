@@ -75,16 +75,48 @@ class Preset:
 PRESETS = {
     preset.name: preset
     for preset in [
-        Preset("cold-start", "process start to the first generated token of one short request", 1, "16", "8",
-               max_concurrency=1),
-        Preset("no-reuse", "random distinct prompts: steady operation with no prefix reuse", 48, "64:256", "32:96",
-               max_concurrency=16),
-        Preset("shared-prefix", "one long system prefix and distinct user turns, run cold then warm", 32, "16:64",
-               "32", max_concurrency=8, shared_prefix_len=512, phases=("cold", "warm")),
-        Preset("mixed-lengths", "short and long outputs together (8..256): continuous vs static batching", 64,
-               "16:64", "8:256"),
-        Preset("memory-pressure", "more concurrent long requests than the KV cache holds: preemption", 24, "256",
-               "256", max_concurrency=24, server_args=["--kv-cache-memory", "48MiB"]),
+        Preset(
+            "cold-start",
+            "process start to the first generated token of one short request",
+            1,
+            "16",
+            "8",
+            max_concurrency=1,
+        ),
+        Preset(
+            "no-reuse",
+            "random distinct prompts: steady operation with no prefix reuse",
+            48,
+            "64:256",
+            "32:96",
+            max_concurrency=16,
+        ),
+        Preset(
+            "shared-prefix",
+            "one long system prefix and distinct user turns, run cold then warm",
+            32,
+            "16:64",
+            "32",
+            max_concurrency=8,
+            shared_prefix_len=512,
+            phases=("cold", "warm"),
+        ),
+        Preset(
+            "mixed-lengths",
+            "short and long outputs together (8..256): continuous vs static batching",
+            64,
+            "16:64",
+            "8:256",
+        ),
+        Preset(
+            "memory-pressure",
+            "more concurrent long requests than the KV cache holds: preemption",
+            24,
+            "256",
+            "256",
+            max_concurrency=24,
+            server_args=["--kv-cache-memory", "48MiB"],
+        ),
     ]
 }
 

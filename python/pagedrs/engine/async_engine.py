@@ -42,7 +42,9 @@ class StatLogger(Protocol):
     """What the engine thread reports, for metrics. Called on the engine thread."""
 
     def record_step(self, engine: LLMEngine) -> None: ...
-    def record_request_tokens(self, output: RequestOutput, num_new_tokens: int, first: bool, since_last: float) -> None: ...
+    def record_request_tokens(
+        self, output: RequestOutput, num_new_tokens: int, first: bool, since_last: float
+    ) -> None: ...
     def record_finished(self, output: RequestOutput, e2e_seconds: float) -> None: ...
 
 
@@ -244,7 +246,7 @@ class AsyncLLMEngine:
                 self._deliver(outputs)
         except KeyboardInterrupt:
             raise
-        except BaseException as error:  # noqa: BLE001 - every waiting stream must hear of it
+        except BaseException as error:
             logger.exception("the engine loop died")
             self._dead = error
         finally:

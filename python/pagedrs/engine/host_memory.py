@@ -27,6 +27,7 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 1 << 30
 _TRIM_THRESHOLD_BYTES = (1 << 31) - 1
 
+
 @functools.cache
 def retain_freed_host_memory() -> bool:
     """Sets glibc's thresholds once per process; ``False`` where that is not possible (not
@@ -39,7 +40,10 @@ def retain_freed_host_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1
+    ok = (
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) == 1
+        and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1
+    )
     if not ok:
         logger.info("could not raise glibc's mmap/trim thresholds; large host tensors are page-faulted every step")
     return ok

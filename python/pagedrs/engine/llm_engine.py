@@ -100,8 +100,9 @@ class LLMEngine:
             max_num_partial_prefills=config.max_num_partial_prefills,
             namespace=f"{self.model_name}|{self.dtype}",
         )
-        self.runner = ModelRunner(self.model, capacity.num_blocks, config.block_size, self.dtype, self.device,
-                                  config.attention_backend)
+        self.runner = ModelRunner(
+            self.model, capacity.num_blocks, config.block_size, self.dtype, self.device, config.attention_backend
+        )
         self.sampler = Sampler(self.hf_config.vocab_size, config.seed, self.device)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._requests: dict[str, _Request] = {}
@@ -111,8 +112,13 @@ class LLMEngine:
         """The last step's batch (`SchedulerOutput`), for metrics and benchmarks."""
         logger.info(
             "pagedrs engine: %s (%s) %s on %s, %d KV blocks of %d tokens (%d tokens)",
-            self.model_name, self.architecture, self.dtype, self.device,
-            capacity.num_blocks, config.block_size, capacity.num_tokens,
+            self.model_name,
+            self.architecture,
+            self.dtype,
+            self.device,
+            capacity.num_blocks,
+            config.block_size,
+            capacity.num_tokens,
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -238,7 +244,7 @@ class LLMEngine:
             logits, prompt_logits = self.runner.execute(out, extra_rows)
             self._record_prompt_logprobs(prompt_rows, prompt_logits)
             return self.sampler(logits, rows, banned)
-        except Exception as error:  # noqa: BLE001 - the batch fails, the engine lives on
+        except Exception as error:
             logger.exception("step failed; failing the %d requests of its batch", len(out.request_ids))
             for request_id in set(out.request_ids):
                 self._fail(request_id, error, touched)
@@ -248,8 +254,12 @@ class LLMEngine:
         """The core's columns into outputs: each new token detokenized and checked against
         stop strings, logprobs recorded, finish reasons set."""
         request_ids = updates.request_ids
-        columns = zip(updates.choice_indices.tolist(), updates.token_ids.tolist(), updates.logits_rows.tolist(),
-                      updates.finish_codes.tolist())
+        columns = zip(
+            updates.choice_indices.tolist(),
+            updates.token_ids.tolist(),
+            updates.logits_rows.tolist(),
+            updates.finish_codes.tolist(),
+        )
         for request_id, (index, token, row, finish_code) in zip(request_ids, columns):
             request = self._requests.get(request_id)
             if request is None:
@@ -265,7 +275,7 @@ class LLMEngine:
                     choice.output.finish_reason = reason
                     if reason == "stop" and row >= 0 and token != self.eos_token_id:
                         choice.output.stop_reason = token
-            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+            except Exception as error:
                 logger.exception("request %s failed", request_id)
                 self._fail(request_id, error, touched)
                 continue
@@ -314,11 +324,14 @@ class LLMEngine:
         for (_, request, _), token, row in zip(prompt_rows, targets, columns.cpu().tolist()):
             top_ids = [int(top_id) for top_id in row[2 : 2 + num_top]]
             request.prompt_logprobs.append(
-                self._logprob_entry(token, row[0], int(row[1]), top_ids, row[2 + num_top :],
-                                    request.params.prompt_logprobs))
+                self._logprob_entry(
+                    token, row[0], int(row[1]), top_ids, row[2 + num_top :], request.params.prompt_logprobs
+                )
+            )
 
-    def _logprob_entry(self, token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float],
-                       num_top: int) -> dict[int, Logprob]:
+    def _logprob_entry(
+        self, token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float], num_top: int
+    ) -> dict[int, Logprob]:
         """The token's `Logprob`, then the ``num_top`` most likely tokens' (ranked 1, 2, ...)."""
         entry = {token: Logprob(logprob, rank, self._token_text(token))}
         for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids[:num_top], top_logprobs[:num_top]), start=1):
@@ -338,22 +351,27 @@ class LLMEngine:
         banned per row for choices still short of ``min_tokens``."""
         request_ids = out.request_ids
         rows, banned = [], []
-        for row, (seq, index) in enumerate(zip(out.logits_request_indices.tolist(),
-                                                out.logits_choice_indices.tolist())):
+        for row, (seq, index) in enumerate(
+            zip(out.logits_request_indices.tolist(), out.logits_choice_indices.tolist())
+        ):
             choice = self._requests[request_ids[seq]].choices[index]
             rows.append(choice.sampling)
             if choice.banned_token_ids and len(choice.output.token_ids) < choice.sampling.params.min_tokens:
                 banned.append((row, choice.banned_token_ids))
         return rows, banned
 
-    def _append(self, request: _Request, choice: _Choice, token: int, sampled: SamplerOutput, row: int,
-                core_finished: bool) -> None:
+    def _append(
+        self, request: _Request, choice: _Choice, token: int, sampled: SamplerOutput, row: int, core_finished: bool
+    ) -> None:
         output = choice.output
         output.token_ids.append(token)
         if output.logprobs is not None and sampled.logprobs is not None:
             logprobs, ranks, top_ids, top_logprobs = sampled.logprob_lists()
-            output.logprobs.append(self._logprob_entry(token, logprobs[row], ranks[row], top_ids[row],
-                                                       top_logprobs[row], request.params.logprobs))
+            output.logprobs.append(
+                self._logprob_entry(
+                    token, logprobs[row], ranks[row], top_ids[row], top_logprobs[row], request.params.logprobs
+                )
+            )
             output.cumulative_logprob = (output.cumulative_logprob or 0.0) + logprobs[row]
         previous_length = len(output.text)
         output.text += choice.detokenizer.add(token)

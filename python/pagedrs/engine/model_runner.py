@@ -13,13 +13,21 @@ from pagedrs.engine.staging import StagedInputs
 class ModelRunner:
     """Owns the model and its per-layer KV caches (``[num_blocks, block_size, KVH, D]``)."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, attention_backend: str = "auto"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention_backend: str = "auto",
+    ):
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.attention_backend = select_backend(attention_backend, device, model.head_dim, model.num_heads,
-                                                model.num_kv_heads)
+        self.attention_backend = select_backend(
+            attention_backend, device, model.head_dim, model.num_heads, model.num_kv_heads
+        )
         self._metadata = metadata_class(self.attention_backend)
         if self.attention_backend == "cuda":
             from pagedrs.attention.cuda_ops import load

@@ -16,7 +16,12 @@ _ARCHITECTURES = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 
@@ -36,7 +41,7 @@ def architecture_of(config: Any) -> str:
     )
 
 
-def build_model(config: Any, dtype: torch.dtype, tp: TensorParallel = TensorParallel()) -> LlamaFamilyForCausalLM:
+def build_model(config: Any, dtype: torch.dtype, tp: TensorParallel | None = None) -> LlamaFamilyForCausalLM:
     bias, qk_norm = _ARCHITECTURES[architecture_of(config)]
     bias = bias or bool(getattr(config, "attention_bias", False))
-    return LlamaFamilyForCausalLM(config, dtype, tp, bias=bias, qk_norm=qk_norm)
+    return LlamaFamilyForCausalLM(config, dtype, tp or TensorParallel(), bias=bias, qk_norm=qk_norm)

@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedrs import __version__
-from pagedrs.envinfo import environment, model_fingerprint
 from pagedrs.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from pagedrs.envinfo import environment, model_fingerprint
 from pagedrs.server.chat import create_chat_completion, render_chat
 from pagedrs.server.completions import create_completion
 from pagedrs.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -35,7 +35,9 @@ def _validation_message(error: RequestValidationError) -> str:
     parts = []
     for item in error.errors():
         if item.get("type") == "json_invalid":
-            return f"malformed JSON body: {item.get('ctx', {}).get('error', 'invalid JSON')} at position {item['loc'][-1]}"
+            return (
+                f"malformed JSON body: {item.get('ctx', {}).get('error', 'invalid JSON')} at position {item['loc'][-1]}"
+            )
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         parts.append(f"{location}: {item.get('msg')}" if location else str(item.get("msg")))
     return "; ".join(parts) or "invalid request body"
@@ -64,8 +66,9 @@ class AccessMiddleware:
 
         try:
             if self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
-                response = _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                  "AuthenticationError")
+                response = _error(
+                    401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError"
+                )
                 await response(scope, receive, send_logged)
             else:
                 await self.app(scope, receive, send_logged)
@@ -75,8 +78,14 @@ class AccessMiddleware:
                 client = scope.get("client") or ("-", 0)
                 state = scope.get("state") or {}
                 logger.info(
-                    '%s:%s "%s %s" %s %.3fs%s', client[0], client[1], scope["method"], scope["path"],
-                    status or "disconnected", time.monotonic() - start, state.get("log_extra", ""),
+                    '%s:%s "%s %s" %s %.3fs%s',
+                    client[0],
+                    client[1],
+                    scope["method"],
+                    scope["path"],
+                    status or "disconnected",
+                    time.monotonic() - start,
+                    state.get("log_extra", ""),
                 )
 
     def _authorized(self, scope) -> bool:
@@ -110,7 +119,9 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException):
-        return _error(error.status_code, str(error.detail), "NotFoundError" if error.status_code == 404 else "BadRequestError")
+        return _error(
+            error.status_code, str(error.detail), "NotFoundError" if error.status_code == 404 else "BadRequestError"
+        )
 
     @app.exception_handler(QueueFullError)
     async def queue_full(_: Request, error: QueueFullError):
@@ -139,10 +150,20 @@ def build_app(
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "pagedrs",
-            "root": engine.engine.model_name, "parent": None, "max_model_len": serving.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "pagedrs",
+                    "root": engine.engine.model_name,
+                    "parent": None,
+                    "max_model_len": serving.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():

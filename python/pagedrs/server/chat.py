@@ -24,8 +24,12 @@ from pagedrs.server.serving import (
 )
 
 
-def render_chat(serving: Serving, conversation: list[dict[str, str]], add_generation_prompt: bool,
-                continue_final_message: bool = False) -> list[int]:
+def render_chat(
+    serving: Serving,
+    conversation: list[dict[str, str]],
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+) -> list[int]:
     """Token ids of the conversation under the checkpoint's chat template."""
     tokenizer = serving.tokenizer
     if not getattr(tokenizer, "chat_template", None):
@@ -34,10 +38,12 @@ def render_chat(serving: Serving, conversation: list[dict[str, str]], add_genera
         raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true")
     try:
         ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=True,
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=True,
         )
-    except Exception as error:  # noqa: BLE001 - a template error is the request's fault
+    except Exception as error:
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from error
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
@@ -56,7 +62,9 @@ def _content_logprobs(serving: Serving, choice: CompletionOutput, start: int, nu
         if text is None:
             text = serving.tokenizer.decode([token])
         item = _token_logprob(text, entry[token].logprob)
-        item["top_logprobs"] = [_token_logprob(lp.decoded_token or "", lp.logprob) for _, lp in top_entries(entry, num_top)]
+        item["top_logprobs"] = [
+            _token_logprob(lp.decoded_token or "", lp.logprob) for _, lp in top_entries(entry, num_top)
+        ]
         content.append(item)
     return content
 
@@ -83,52 +91,75 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     (final,) = await serving.run_to_end(run, raw_request)
     choices = []
     for choice in final.outputs:
-        choices.append({
-            "index": choice.index,
-            "message": {"role": "assistant", "content": echo + choice.text},
-            "logprobs": {"content": _content_logprobs(serving, choice, 0, num_top)} if body.logprobs else None,
-            "finish_reason": finish_reason(choice),
-            "stop_reason": choice.stop_reason,
-        })
+        choices.append(
+            {
+                "index": choice.index,
+                "message": {"role": "assistant", "content": echo + choice.text},
+                "logprobs": {"content": _content_logprobs(serving, choice, 0, num_top)} if body.logprobs else None,
+                "finish_reason": finish_reason(choice),
+                "stop_reason": choice.stop_reason,
+            }
+        )
     return {
-        "id": run.request_id, "object": "chat.completion", "created": run.created, "model": run.model,
-        "choices": choices, "usage": run.usage(),
+        "id": run.request_id,
+        "object": "chat.completion",
+        "created": run.created,
+        "model": run.model,
+        "choices": choices,
+        "usage": run.usage(),
     }
 
 
-async def _events(serving: Serving, run: Run, body: ChatCompletionRequest, echo: str, num_top: int,
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _events(
+    serving: Serving, run: Run, body: ChatCompletionRequest, echo: str, num_top: int, include_usage: bool
+) -> AsyncIterator[str]:
     cursors: dict[int, ChoiceCursor] = {}
 
     def chunk(choices: list[dict[str, Any]], chunk_usage: dict[str, int] | None = None) -> str:
-        payload = {"id": run.request_id, "object": "chat.completion.chunk", "created": run.created,
-                   "model": run.model, "choices": choices}
+        payload = {
+            "id": run.request_id,
+            "object": "chat.completion.chunk",
+            "created": run.created,
+            "model": run.model,
+            "choices": choices,
+        }
         if include_usage:
             payload["usage"] = chunk_usage
         return sse(payload)
 
     # The first chunk of every choice carries the role, as OpenAI's do.
-    yield chunk([
-        {"index": index, "delta": {"role": "assistant", "content": echo}, "logprobs": None, "finish_reason": None}
-        for index in range(body.n)
-    ])
+    yield chunk(
+        [
+            {"index": index, "delta": {"role": "assistant", "content": echo}, "logprobs": None, "finish_reason": None}
+            for index in range(body.n)
+        ]
+    )
     async for _, output in serving.outputs(run):
         check_failed(output)
         for choice in output.outputs:
             cursor = cursors.setdefault(choice.index, ChoiceCursor())
             if cursor.done:
                 continue
-            text = choice.text[cursor.text:]
+            text = choice.text[cursor.text :]
             new_tokens = len(choice.token_ids) > cursor.tokens
             reason = finish_reason(choice)
             if not text and reason is None and not (new_tokens and body.logprobs):
                 continue  # nothing to show yet (held back, or half a character)
-            logprobs = {"content": _content_logprobs(serving, choice, cursor.tokens, num_top)} if body.logprobs else None
+            logprobs = (
+                {"content": _content_logprobs(serving, choice, cursor.tokens, num_top)} if body.logprobs else None
+            )
             cursor.text, cursor.tokens, cursor.done = len(choice.text), len(choice.token_ids), reason is not None
             delta = {"content": text} if text else {}
-            yield chunk([{
-                "index": choice.index, "delta": delta, "logprobs": logprobs,
-                "finish_reason": reason, "stop_reason": choice.stop_reason if reason else None,
-            }])
+            yield chunk(
+                [
+                    {
+                        "index": choice.index,
+                        "delta": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": reason,
+                        "stop_reason": choice.stop_reason if reason else None,
+                    }
+                ]
+            )
     if include_usage:
         yield chunk([], run.usage())

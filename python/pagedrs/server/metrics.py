@@ -24,8 +24,29 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # No `*_created` series: they double the page and vLLM does not send them either.
 disable_created_metrics()
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -45,21 +66,43 @@ class _SchedulerCollector:
         stats = self.engine.stats
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         yield self._family(gauge, "pagedrs:num_requests_running", "Sequences in the running batch.", stats.num_running)
-        yield self._family(gauge, "pagedrs:num_requests_waiting", "Sequences waiting (preempted ones included).", stats.num_waiting)
-        yield self._family(gauge, "pagedrs:kv_cache_usage_perc",
-                           "Fraction of KV blocks referenced by a request (cached-free blocks count as free).",
-                           stats.kv_cache_usage)
-        yield self._family(gauge, "pagedrs:kv_cache_used_blocks", "KV blocks referenced by a request.", stats.num_used_blocks)
-        yield self._family(gauge, "pagedrs:kv_cache_cached_free_blocks",
-                           "Free KV blocks still holding a reusable cached prefix.", stats.num_cached_free_blocks)
+        yield self._family(
+            gauge, "pagedrs:num_requests_waiting", "Sequences waiting (preempted ones included).", stats.num_waiting
+        )
+        yield self._family(
+            gauge,
+            "pagedrs:kv_cache_usage_perc",
+            "Fraction of KV blocks referenced by a request (cached-free blocks count as free).",
+            stats.kv_cache_usage,
+        )
+        yield self._family(
+            gauge, "pagedrs:kv_cache_used_blocks", "KV blocks referenced by a request.", stats.num_used_blocks
+        )
+        yield self._family(
+            gauge,
+            "pagedrs:kv_cache_cached_free_blocks",
+            "Free KV blocks still holding a reusable cached prefix.",
+            stats.num_cached_free_blocks,
+        )
         yield self._family(gauge, "pagedrs:kv_cache_num_blocks", "All KV blocks.", stats.num_blocks)
-        yield self._family(counter, "pagedrs:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                           stats.prefix_cache_queries)
-        yield self._family(counter, "pagedrs:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                           stats.prefix_cache_hits)
-        yield self._family(counter, "pagedrs:num_preemptions", "Preemptions (a running sequence requeued to recompute).",
-                           stats.num_preemptions_total)
-        yield self._family(counter, "pagedrs:kv_cache_evictions", "Cached blocks evicted for reuse.", stats.num_evictions)
+        yield self._family(
+            counter,
+            "pagedrs:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )
+        yield self._family(
+            counter, "pagedrs:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
+        )
+        yield self._family(
+            counter,
+            "pagedrs:num_preemptions",
+            "Preemptions (a running sequence requeued to recompute).",
+            stats.num_preemptions_total,
+        )
+        yield self._family(
+            counter, "pagedrs:kv_cache_evictions", "Cached blocks evicted for reuse.", stats.num_evictions
+        )
 
 
 class ServerMetrics:
@@ -81,21 +124,29 @@ class ServerMetrics:
         self.prompt_tokens = counter("pagedrs:prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("pagedrs:generation_tokens", "Generated tokens delivered.")
         self.request_success = Counter(
-            "pagedrs:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"],
+            "pagedrs:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
             registry=self.registry,
         )
         self.time_to_first_token = histogram(
-            "pagedrs:time_to_first_token_seconds", "Arrival to first generated token.", _LATENCY_BUCKETS)
+            "pagedrs:time_to_first_token_seconds", "Arrival to first generated token.", _LATENCY_BUCKETS
+        )
         self.inter_token_latency = histogram(
-            "pagedrs:inter_token_latency_seconds", "Time between successive tokens of a request.", _LATENCY_BUCKETS)
+            "pagedrs:inter_token_latency_seconds", "Time between successive tokens of a request.", _LATENCY_BUCKETS
+        )
         self.e2e_request_latency = histogram(
-            "pagedrs:e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
+            "pagedrs:e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS
+        )
         self.iteration_tokens = histogram(
-            "pagedrs:iteration_tokens_total", "Tokens computed per engine step (prefill and decode).", _TOKEN_BUCKETS)
+            "pagedrs:iteration_tokens_total", "Tokens computed per engine step (prefill and decode).", _TOKEN_BUCKETS
+        )
         self.request_prompt_tokens = histogram(
-            "pagedrs:request_prompt_tokens", "Prompt length of finished requests.", _TOKEN_BUCKETS)
+            "pagedrs:request_prompt_tokens", "Prompt length of finished requests.", _TOKEN_BUCKETS
+        )
         self.request_generation_tokens = histogram(
-            "pagedrs:request_generation_tokens", "Generated tokens of finished requests (all choices).", _TOKEN_BUCKETS)
+            "pagedrs:request_generation_tokens", "Generated tokens of finished requests (all choices).", _TOKEN_BUCKETS
+        )
 
     def attach(self, engine) -> None:
         """Starts reporting the scheduler counters of `engine` (an `AsyncLLMEngine`)."""

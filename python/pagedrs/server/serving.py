@@ -186,8 +186,13 @@ class Serving:
         refused, none stays queued."""
         results = await asyncio.gather(
             *(
-                self.engine.add_request(f"{run.request_id}-{index}", prompt.token_ids, param,
-                                        priority=body.priority, cache_salt=body.cache_salt)
+                self.engine.add_request(
+                    f"{run.request_id}-{index}",
+                    prompt.token_ids,
+                    param,
+                    priority=body.priority,
+                    cache_salt=body.cache_salt,
+                )
                 for index, (prompt, param) in enumerate(zip(run.prompts, params))
             ),
             return_exceptions=True,
@@ -266,7 +271,9 @@ class Serving:
         return run.finals
 
 
-def log_usage(raw_request: Request, request_id: str, counts: dict[str, int], finals: list[RequestOutput | None]) -> None:
+def log_usage(
+    raw_request: Request, request_id: str, counts: dict[str, int], finals: list[RequestOutput | None]
+) -> None:
     """Adds the request's id, token counts and finish reasons to its access log line."""
     reasons = ",".join(str(finish_reason(c)) for final in finals if final for c in final.outputs) or "none"
     raw_request.state.log_extra = (
@@ -294,7 +301,7 @@ def event_stream(run: Run, events: AsyncIterator[str], raw_request: Request) -> 
                     yield event
         except APIError as error:
             yield sse(error_body(error.status, error.message, error.kind, error.param))
-        except Exception as error:  # noqa: BLE001 - the status line has gone: say it in the stream
+        except Exception as error:
             logger.exception("%s: the stream failed", run.request_id)
             yield sse(error_body(500, f"{type(error).__name__}: {error}", "InternalServerError"))
         finally:
