@@ -10,9 +10,11 @@ DEPS_STAMP := $(VENV)/.pagedrs-deps
 MODEL_DEPS_STAMP := $(VENV)/.pagedrs-model-deps
 CUDA_DEPS_STAMP := $(VENV)/.pagedrs-cuda-deps
 EXTENSION := python/pagedrs/_core.abi3.so
-RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) rust/Cargo.toml $(wildcard rust/src/*.rs)
+# Every Rust source, the binding's (rust/src/python/) included: editing any of them rebuilds the
+# extension, so `make test` never tests a stale one.
+RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) rust/Cargo.toml $(shell find rust/src -name '*.rs')
 
-.PHONY: setup build test test-rust test-python cpu-kernels cuda-check gpu-check bench bench-rust bench-python bench-model \
+.PHONY: setup build test lint lint-python lint-rust test-rust test-python cpu-kernels cuda-check gpu-check bench bench-rust bench-python bench-model \
 	bench-presets serve wheel clean
 
 setup: $(EXTENSION)
@@ -44,7 +46,22 @@ $(EXTENSION): $(RUST_SOURCES) $(DEPS_STAMP)
 
 build: $(EXTENSION)
 
-test: test-rust cuda-check test-python
+test: lint test-rust cuda-check test-python
+
+# Static checks: ruff (lint and format), mypy over the package, stubtest (the compiled core
+# against python/pagedrs/_core.pyi), clippy with warnings as errors (with and without the
+# binding).
+lint: lint-python lint-rust
+
+lint-python: $(EXTENSION) $(MODEL_DEPS_STAMP)
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/mypy
+	$(PY) -m mypy.stubtest pagedrs._core
+
+lint-rust: $(DEPS_STAMP)
+	cargo clippy --locked --quiet --all-targets -- -D warnings
+	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --locked --quiet --all-targets --features python -- -D warnings
 
 test-rust:
 	cargo test --locked --quiet

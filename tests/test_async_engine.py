@@ -120,6 +120,8 @@ def test_queue_limit(tiny_llama):
 
         async def run():
             first = await engine.add_request("a", [5, 6], params)
+            # Until a step schedules it, "a" is waiting too, and counts against the limit.
+            assert wait_for(lambda: engine.stats.num_running == 1, timeout=5)
             second = await engine.add_request("b", [5, 7], params)  # waits: one sequence at a time
             assert wait_for(lambda: engine.stats.num_waiting == 1, timeout=5)
             with pytest.raises(QueueFullError):

@@ -91,6 +91,32 @@ class SamplerOutput:
             )
         return self._lists
 
+    @staticmethod
+    def of_rows(outputs: list[SamplerOutput | None]) -> SamplerOutput:
+        """One output from single-row outputs (rows sampled one at a time); a ``None`` row
+        (one that failed) gets token 0 and zero logprobs."""
+        token_ids = np.array([0 if out is None else int(out.token_ids[0]) for out in outputs], dtype=np.int64)
+        with_logprobs = [out for out in outputs if out is not None and out.logprobs is not None]
+        if not with_logprobs:
+            return SamplerOutput(token_ids)
+        num_top = max(out.top_token_ids.shape[1] for out in with_logprobs)
+        merged = SamplerOutput(
+            token_ids,
+            logprobs=np.zeros(len(outputs)),
+            ranks=np.zeros(len(outputs), dtype=np.int64),
+            top_token_ids=np.zeros((len(outputs), num_top), dtype=np.int64),
+            top_logprobs=np.zeros((len(outputs), num_top)),
+        )
+        for row, out in enumerate(outputs):
+            if out is not None and out.logprobs is not None:
+                width = out.top_token_ids.shape[1]
+                merged.logprobs[row], merged.ranks[row] = out.logprobs[0], out.ranks[0]
+                merged.top_token_ids[row, :width], merged.top_logprobs[row, :width] = (
+                    out.top_token_ids[0],
+                    out.top_logprobs[0],
+                )
+        return merged
+
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)

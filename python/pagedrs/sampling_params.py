@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
+
+logger = logging.getLogger("pagedrs")
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+MIN_TEMPERATURE = 1e-2
+"""Smaller positive temperatures are raised to this, as vLLM does: dividing logits by a
+temperature near 0 overflows float32 (1e-320 is 0 in float32) and gives NaN probabilities.
+At 0.01 the distribution is all but greedy already."""
 
 
 @dataclass
@@ -19,7 +30,8 @@ class SamplingParams:
     """0 (or -1) keeps every token."""
     min_p: float = 0.0
     seed: int | None = None
-    """Per-request seed: the same seed gives the same text whatever else is in the batch."""
+    """Per-request seed (a 64-bit integer): the same seed gives the same text whatever else is
+    in the batch."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -43,8 +55,24 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, name)
+            # The core and torch store these as 64-bit integers; past that they overflow there.
+            check(
+                value is None or (isinstance(value, int) and INT64_MIN <= value <= INT64_MAX),
+                f"{name} must be a 64-bit integer, got {value!r}",
+            )
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            check(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                f"{name} must be a finite number, got {value!r}",
+            )
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %g is below %g; using %g", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         check(
             isinstance(self.top_k, int) and self.top_k >= -1,
@@ -74,12 +102,14 @@ class SamplingParams:
             self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}",
         )
-        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         check(all(isinstance(s, str) and s for s in stop), "stop must be a string or a list of non-empty strings")
         self._stop = stop
         ids = list(self.stop_token_ids or [])
-        check(all(isinstance(t, int) and t >= 0 for t in ids), "stop_token_ids must be non-negative integers")
+        check(
+            all(isinstance(t, int) and 0 <= t <= INT64_MAX for t in ids),
+            "stop_token_ids must be non-negative integers (token ids of the vocabulary)",
+        )
         self.stop_token_ids = ids
 
     @property

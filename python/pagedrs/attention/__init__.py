@@ -5,8 +5,10 @@ key_cache, value_cache, scale)``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from pagedrs.attention.torch_ref import AttentionMetadata as TorchAttentionMetadata
@@ -24,6 +26,24 @@ class AttentionMetadata(Protocol):
         value_cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor: ...
+
+
+class AttentionMetadataClass(Protocol):
+    """A backend's metadata class; `build` makes one step's metadata from the scheduler's arrays."""
+
+    def build(
+        self,
+        *,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        query_start_loc: np.ndarray,
+        context_lens: np.ndarray,
+        block_tables: np.ndarray,
+        block_size: int,
+        sliding_window: int | None,
+        device: torch.device,
+        upload: Callable[..., list[torch.Tensor]] | None = None,
+    ) -> AttentionMetadata: ...
 
 
 CUDA_HEAD_SIZES = (64, 128)
@@ -64,7 +84,7 @@ def select_backend(
 
         try:
             load()  # build now, not in the first request's step
-        except Exception as error:
+        except Exception as error:  # the compiler's own message, one level up
             raise RuntimeError(
                 f"attention_backend 'cpu': the CPU kernel did not build ({error}); use 'torch'"
             ) from error
@@ -75,7 +95,7 @@ def select_backend(
     return name
 
 
-def metadata_class(backend: str) -> type:
+def metadata_class(backend: str) -> AttentionMetadataClass:
     if backend == "cpu":
         from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 

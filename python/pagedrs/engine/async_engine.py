@@ -161,7 +161,8 @@ class AsyncLLMEngine:
 
     def num_waiting(self) -> int:
         """Requests queued but not running: the engine's waiting queue and adds in flight."""
-        return self.stats.num_waiting + self._pending_adds
+        with self._pending_lock:
+            return self.stats.num_waiting + self._pending_adds
 
     async def add_request(
         self,
@@ -177,12 +178,16 @@ class AsyncLLMEngine:
         reads the returned stream and must `RequestStream.abort` it if it stops early."""
         if not self.is_alive():
             raise EngineDeadError("the engine has stopped") from self._dead
-        if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
-            raise QueueFullError(f"{self.num_waiting()} requests are waiting (limit {self.max_waiting_requests})")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, hold_back=max(map(len, params.stop_strings), default=1) - 1)
         added = loop.create_future()
+        # NOTE: checked and counted under one lock, and the engine thread publishes its
+        # waiting count before it stops counting an add as pending (`_add`), so a request is
+        # always counted once: the queue never exceeds the limit, however many arrive at once.
         with self._pending_lock:
+            waiting = self.stats.num_waiting + self._pending_adds
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_waiting_requests})")
             self._pending_adds += 1
         self._commands.put(("add", request_id, prompt, params, priority, cache_salt, stream, added))
         if not self.is_alive():  # stopped after the check above: nobody will read the command
@@ -246,7 +251,7 @@ class AsyncLLMEngine:
                 self._deliver(outputs)
         except KeyboardInterrupt:
             raise
-        except BaseException as error:
+        except BaseException as error:  # every waiting stream must hear of it
             logger.exception("the engine loop died")
             self._dead = error
         finally:
@@ -281,7 +286,9 @@ class AsyncLLMEngine:
             if not _call_soon(stream.loop, _set_result, added, None):
                 self._abort(request_id)  # the caller's loop has closed
         finally:
+            stats = self.engine.scheduler.stats()
             with self._pending_lock:
+                self.stats = stats
                 self._pending_adds -= 1
 
     def _abort(self, request_id: str) -> None:

@@ -23,7 +23,7 @@ from pagedrs.models import architecture_of, build_model
 from pagedrs.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.sampler import Sampler, SamplerOutput, SamplingRow
-from pagedrs.sampling_params import SamplingParams
+from pagedrs.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 logger = logging.getLogger("pagedrs")
 
@@ -132,10 +132,17 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
-        """Queues a request. Bad input raises ``ValueError`` and queues nothing."""
+        """Queues a request. Bad input raises ``ValueError`` and queues nothing.
+
+        Admission is atomic: everything the request needs (token ids, generators, penalty
+        slots, detokenizers) is checked and built before the core sees it, and if the core
+        refuses it, what was built is released. A refused request leaves no trace.
+        """
         params = params or SamplingParams()
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already live")
+        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         if isinstance(prompt, str):
             # As vLLM does for text prompts: the tokenizer adds its special tokens (e.g. BOS).
             text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -146,52 +153,66 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         if any(not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
-                "(prompt and output together)"
-            )
-        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
         stop_token_ids = list(params.stop_token_ids or [])
+        if any(not 0 <= t < vocab for t in stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+        # The core refuses a prompt that leaves no room for output (its rule, stated there).
+        max_tokens = params.max_tokens or max(self.max_model_len - len(token_ids), 1)
         if params.prompt_logprobs is not None:
             # NOTE: every prompt position's logits are needed, so this request must compute
             # its whole prompt: a salt of its own keeps it off everyone's cached blocks.
             cache_salt = f"{cache_salt or ''}|prompt-logprobs|{request_id}|{time.monotonic_ns()}"
-        self.scheduler.add_request(
-            request_id,
-            token_ids,
-            max_tokens=max_tokens,
-            min_tokens=min(params.min_tokens, max_tokens),
-            eos_token_id=self.eos_token_id,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=params.ignore_eos,
-            n=params.n,
-            priority=priority,
-            cache_salt=cache_salt,
-        )
+        request = self._new_request(request_id, text, token_ids, params, stop_token_ids)
+        try:
+            self.scheduler.add_request(
+                request_id,
+                token_ids,
+                max_tokens=max_tokens,
+                min_tokens=min(params.min_tokens, max_tokens),
+                eos_token_id=self.eos_token_id,
+                stop_token_ids=stop_token_ids,
+                ignore_eos=params.ignore_eos,
+                n=params.n,
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+        except BaseException:
+            self._release(request)
+            raise
+        self._requests[request_id] = request
+
+    def _new_request(
+        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, stop_token_ids: list[int]
+    ) -> _Request:
+        """The Python side of a request, not yet registered anywhere."""
         banned = []
         if params.min_tokens:
             banned = list(stop_token_ids)
             if not params.ignore_eos and self.eos_token_id is not None:
                 banned.append(self.eos_token_id)
-        choices = []
-        for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed + index * 1_000_003)
-            penalty_slot = self.sampler.penalties.acquire(token_ids, params) if params.uses_penalties else None
-            choices.append(
-                _Choice(
-                    output=CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None),
-                    detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
-                    sampling=SamplingRow(params, generator, penalty_slot),
-                    banned_token_ids=banned,
+        request = _Request(request_id, text, token_ids, params, [])
+        try:
+            for index in range(params.n):
+                generator = None
+                if params.seed is not None:
+                    # Each choice its own stream; torch takes seeds in [0, 2**64).
+                    choice_seed = (params.seed + index * 1_000_003) % 2**64
+                    generator = torch.Generator(device=self.device).manual_seed(choice_seed)
+                penalty_slot = self.sampler.penalties.acquire(token_ids, params) if params.uses_penalties else None
+                request.choices.append(
+                    _Choice(
+                        output=CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None),
+                        detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+                        sampling=SamplingRow(params, generator, penalty_slot),
+                        banned_token_ids=banned,
+                    )
                 )
-            )
-        request = _Request(request_id, text, token_ids, params, choices)
+        except BaseException:
+            self._release(request)
+            raise
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
-        self._requests[request_id] = request
+        return request
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; unknown ids are ignored."""
@@ -204,6 +225,10 @@ class LLMEngine:
     def _forget(self, request: _Request) -> None:
         """The one place a request leaves the engine: its sampler state goes with it."""
         del self._requests[request.request_id]
+        self._release(request)
+
+    def _release(self, request: _Request) -> None:
+        """Gives back the sampler state a request holds (its penalty slots)."""
         for choice in request.choices:
             if choice.sampling.penalty_slot is not None:
                 self.sampler.penalties.release(choice.sampling.penalty_slot)
@@ -235,20 +260,58 @@ class LLMEngine:
         return outputs
 
     def _execute(self, out: SchedulerOutput, touched: dict[str, _Request]) -> SamplerOutput | None:
-        """Arrays in, sampled arrays out: the forward pass and the sampler. If either fails,
-        every request of the batch fails (and ``None`` is returned)."""
+        """Arrays in, sampled arrays out: the forward pass and the sampler. If the forward
+        pass fails, every request of the batch fails (and ``None`` is returned); if the
+        sampler fails, the rows are sampled one at a time and only the rows that fail alone
+        fail their requests."""
         try:
             rows, banned = self._sampling_rows(out)
             prompt_rows = self._prompt_logprob_rows(out)
             extra_rows = np.array([row for row, _, _ in prompt_rows], dtype=np.int64)
             logits, prompt_logits = self.runner.execute(out, extra_rows)
             self._record_prompt_logprobs(prompt_rows, prompt_logits)
-            return self.sampler(logits, rows, banned)
-        except Exception as error:
+        except Exception as error:  # the batch fails, the engine lives on
             logger.exception("step failed; failing the %d requests of its batch", len(out.request_ids))
             for request_id in set(out.request_ids):
                 self._fail(request_id, error, touched)
             return None
+        try:
+            sampled = self.sampler(logits, rows, banned)
+        except Exception:  # find the rows at fault, sample the others
+            logger.exception("sampling the batch failed; sampling its %d rows one at a time", len(rows))
+            sampled = self._sample_rows_alone(out, logits, rows, banned, touched)
+        bad_rows = np.flatnonzero((sampled.token_ids < 0) | (sampled.token_ids >= self.hf_config.vocab_size))
+        for row in bad_rows.tolist():  # e.g. non-finite logits drawn from on a device without checks
+            sampled.token_ids[row] = 0
+            request_id = out.request_ids[int(out.logits_request_indices[row])]
+            self._fail(request_id, ValueError("the model's logits for this request are not finite"), touched)
+        return sampled
+
+    def _sample_rows_alone(
+        self,
+        out: SchedulerOutput,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        banned: list[tuple[int, list[int]]],
+        touched: dict[str, _Request],
+    ) -> SamplerOutput:
+        """Each row sampled on its own; a row that still fails fails its request alone.
+
+        NOTE: penalties edit the logits in place; if the batch failed after applying them,
+        the rows retried here get them a second time. This path runs only in a step that
+        already failed, and it keeps every healthy request going.
+        """
+        banned_by_row = dict(banned)
+        outputs: list[SamplerOutput | None] = []
+        for row, sampling in enumerate(rows):
+            row_banned = [(0, banned_by_row[row])] if row in banned_by_row else []
+            try:
+                outputs.append(self.sampler(logits[row : row + 1], [sampling], row_banned))
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                outputs.append(None)
+                request_id = out.request_ids[int(out.logits_request_indices[row])]
+                self._fail(request_id, error, touched)
+        return SamplerOutput.of_rows(outputs)
 
     def _apply(self, updates: StepUpdates, sampled: SamplerOutput | None, touched: dict[str, _Request]) -> None:
         """The core's columns into outputs: each new token detokenized and checked against
@@ -275,7 +338,7 @@ class LLMEngine:
                     choice.output.finish_reason = reason
                     if reason == "stop" and row >= 0 and token != self.eos_token_id:
                         choice.output.stop_reason = token
-            except Exception as error:
+            except Exception as error:  # this request fails, the others go on
                 logger.exception("request %s failed", request_id)
                 self._fail(request_id, error, touched)
                 continue

@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,6 +18,7 @@ from pagedrs.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFu
 from pagedrs.envinfo import environment, model_fingerprint
 from pagedrs.server.chat import create_chat_completion, render_chat
 from pagedrs.server.completions import create_completion
+from pagedrs.server.launch import DEFAULT_MAX_REQUEST_BYTES
 from pagedrs.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagedrs.server.serving import APIError, ClientDisconnected, Serving, error_body
@@ -41,6 +42,44 @@ def _validation_message(error: RequestValidationError) -> str:
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         parts.append(f"{location}: {item.get('msg')}" if location else str(item.get("msg")))
     return "; ".join(parts) or "invalid request body"
+
+
+_ERROR_TYPES = {404: "NotFoundError", 413: "RequestTooLargeError"}
+
+
+def _too_large(max_bytes: int) -> str:
+    return f"the request body is larger than the server's limit of {max_bytes} bytes (--max-request-bytes)"
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over ``max_bytes`` with 413: at once when ``Content-Length``
+    says so, else as soon as the body read so far passes the limit (a chunked upload)."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await _error(413, _too_large(self.max_bytes), _ERROR_TYPES[413])(scope, receive, send)
+                return
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # FastAPI passes an HTTPException raised while reading the body through.
+                    raise HTTPException(413, _too_large(self.max_bytes))
+            return message
+
+        await self.app(scope, counted_receive, send)
 
 
 class AccessMiddleware:
@@ -103,6 +142,7 @@ def build_app(
     metrics: ServerMetrics,
     api_key: str | None = None,
     scheduling_policy: str = "fcfs",
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> Any:
     """The ASGI application serving `engine` (started by the caller)."""
     serving = Serving(engine, served_model_name, engine.engine.max_model_len, scheduling_policy)
@@ -119,9 +159,7 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException):
-        return _error(
-            error.status_code, str(error.detail), "NotFoundError" if error.status_code == 404 else "BadRequestError"
-        )
+        return _error(error.status_code, str(error.detail), _ERROR_TYPES.get(error.status_code, "BadRequestError"))
 
     @app.exception_handler(QueueFullError)
     async def queue_full(_: Request, error: QueueFullError):
@@ -210,9 +248,11 @@ def build_app(
             raise APIError(400, "give exactly one of prompt and messages")
         if body.messages is not None:
             conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-            tokens = render_chat(serving, conversation, body.add_generation_prompt)
+            tokens = await serving.tokenize(render_chat, conversation, body.add_generation_prompt)
         else:
-            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await serving.tokenize(
+                lambda tokenizer, text: tokenizer.encode(text, add_special_tokens=body.add_special_tokens), body.prompt
+            )
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -221,6 +261,6 @@ def build_app(
         vocab = len(serving.tokenizer)
         if any(not 0 <= token < vocab for token in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+        return {"prompt": await serving.tokenize(lambda tokenizer, tokens: tokenizer.decode(tokens), body.tokens)}
 
-    return AccessMiddleware(app, api_key)
+    return AccessMiddleware(BodyLimitMiddleware(app, max_request_bytes), api_key)

@@ -25,13 +25,12 @@ from pagedrs.server.serving import (
 
 
 def render_chat(
-    serving: Serving,
+    tokenizer: Any,
     conversation: list[dict[str, str]],
     add_generation_prompt: bool,
     continue_final_message: bool = False,
 ) -> list[int]:
     """Token ids of the conversation under the checkpoint's chat template."""
-    tokenizer = serving.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     if add_generation_prompt and continue_final_message:
@@ -43,7 +42,7 @@ def render_chat(
             continue_final_message=continue_final_message,
             tokenize=True,
         )
-    except Exception as error:
+    except Exception as error:  # a template error is the request's fault
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from error
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
@@ -74,7 +73,10 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     conversation = body.conversation()
-    prompt = Prompt(render_chat(serving, conversation, body.add_generation_prompt, body.continue_final_message))
+    token_ids = await serving.tokenize(
+        render_chat, conversation, body.add_generation_prompt, body.continue_final_message
+    )
+    prompt = Prompt(token_ids)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = serving.check_length(prompt, requested, "messages")
     num_top = body.top_logprobs or 0

@@ -25,7 +25,8 @@ from pagedrs.server.serving import (
 )
 
 
-def _prompts(serving: Serving, prompt: Any) -> list[Prompt]:
+def _prompts(tokenizer: Any, prompt: Any) -> list[Prompt]:
+    """The request's prompts as token ids (on a tokenizer thread: `Serving.tokenize`)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -35,7 +36,7 @@ def _prompts(serving: Serving, prompt: Any) -> list[Prompt]:
     prompts = []
     for item in prompt:
         if isinstance(item, str):
-            prompts.append(Prompt(serving.tokenizer.encode(item), item))
+            prompts.append(Prompt(tokenizer.encode(item), item))
         else:
             prompts.append(Prompt(list(item)))
         if not prompts[-1].token_ids:
@@ -93,7 +94,7 @@ def _choice_logprobs(
 
 async def create_completion(serving: Serving, body: CompletionRequest, raw_request: Request):
     serving.check_model(body.model)
-    prompts = _prompts(serving, body.prompt)
+    prompts = await serving.tokenize(_prompts, body.prompt)
     max_tokens = [serving.check_length(prompt, body.max_tokens) for prompt in prompts]
     extra = {"logprobs": body.logprobs}
     if body.echo and body.logprobs is not None:

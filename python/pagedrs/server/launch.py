@@ -10,6 +10,7 @@ import sys
 import threading
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -61,6 +62,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=512,
         help="answer 503 to new requests while this many wait (0: no limit)",
     )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="answer 413 to request bodies larger than this (default: 32 MiB)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -106,7 +113,12 @@ def build_server(args: argparse.Namespace, start_engine_thread: bool = True):
     )
     metrics.attach(engine)
     app = build_app(
-        engine, served_model_name=name, metrics=metrics, api_key=args.api_key, scheduling_policy=args.scheduling_policy
+        engine,
+        served_model_name=name,
+        metrics=metrics,
+        api_key=args.api_key,
+        scheduling_policy=args.scheduling_policy,
+        max_request_bytes=args.max_request_bytes,
     )
     return app, engine
 

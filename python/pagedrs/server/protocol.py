@@ -7,13 +7,37 @@ checked once, by `SamplingParams`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def _check_unicode(where: str, value: Any) -> None:
+    """JSON escapes can spell lone surrogates (``"\\ud800"``), which are not text: no
+    tokenizer or encoder takes them."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ValueError(f"{where} is not valid Unicode (a lone surrogate at {error.start})") from None
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_unicode(f"{where}[{index}]", item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(f"{where}.{key}", key)
+            _check_unicode(f"{where}.{key}", item)
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="after")
+    def _text_is_unicode(self) -> _Body:
+        for name, value in self:  # nested bodies have checked themselves
+            _check_unicode(name, value)
+        return self
 
 
 class StreamOptions(_Body):

@@ -9,9 +9,11 @@ import copy
 import json
 import logging
 import math
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,14 +109,35 @@ class Run:
 class Serving:
     """Turns API requests into engine requests."""
 
+    TOKENIZER_THREADS = 4
+    """Prompts are tokenized on this many threads, off the event loop: a prompt of many
+    megabytes takes seconds, and /health and every other client must not wait for it."""
+
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str, max_model_len: int, scheduling_policy: str):
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.scheduling_policy = scheduling_policy
-        # The engine thread decodes with its tokenizer; the event loop encodes with its own
-        # copy (a fast tokenizer refuses concurrent use from two threads).
+        # NOTE: a fast tokenizer refuses concurrent use from two threads, so each thread has
+        # its own copy: the engine thread's, the event loop's (`tokenizer`: decoding single
+        # tokens for streams and logprobs), and one per tokenizer thread.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self._tokenizer_pool = ThreadPoolExecutor(self.TOKENIZER_THREADS, thread_name_prefix="pagedrs-tokenizer")
+        self._thread_tokenizers = threading.local()
+
+    def _thread_tokenizer(self) -> Any:
+        tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._thread_tokenizers.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        return tokenizer
+
+    async def tokenize(self, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(tokenizer, *args)`` on a tokenizer thread, with that thread's tokenizer."""
+
+        def call() -> Any:
+            return work(self._thread_tokenizer(), *args)
+
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, call)
 
     # -- checks --------------------------------------------------------------------------
 
@@ -184,6 +207,14 @@ class Serving:
     async def start(self, run: Run, params: list[SamplingParams], body: _Generation) -> None:
         """Queues one engine request per prompt (all in the same engine step); if one is
         refused, none stays queued."""
+        limit = self.engine.max_waiting_requests
+        if limit is not None and len(run.prompts) > limit:
+            raise APIError(
+                400,
+                f"this request has {len(run.prompts)} prompts; the server queues at most {limit} at a time "
+                "(--max-waiting-requests): send them in smaller requests",
+                param="prompt",
+            )
         results = await asyncio.gather(
             *(
                 self.engine.add_request(
@@ -301,7 +332,7 @@ def event_stream(run: Run, events: AsyncIterator[str], raw_request: Request) -> 
                     yield event
         except APIError as error:
             yield sse(error_body(error.status, error.message, error.kind, error.param))
-        except Exception as error:
+        except Exception as error:  # the status line has gone: say it in the stream
             logger.exception("%s: the stream failed", run.request_id)
             yield sse(error_body(500, f"{type(error).__name__}: {error}", "InternalServerError"))
         finally:
