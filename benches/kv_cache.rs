@@ -15,7 +15,7 @@ const BLOCK_SIZE: usize = 16;
 const NUM_BLOCKS: usize = 4096;
 
 fn admit_and_free(manager: &mut KVCacheManager, prompt: &[u32]) {
-    let id = manager.add_request(prompt, None).unwrap();
+    let id = manager.add_sequence(prompt, None).unwrap();
     let num_cached = manager.get_computed_blocks(id).unwrap();
     let copies = manager.allocate_slots(id, prompt.len() - num_cached).unwrap();
     black_box(copies.expect("the pool is large enough"));
@@ -68,7 +68,7 @@ fn bench_lookup(c: &mut Criterion) {
     admit_and_free(&mut manager, &prompt);
     c.bench_function("lookup_4096_cached", |b| {
         b.iter(|| {
-            let id = manager.add_request(&prompt, None).unwrap();
+            let id = manager.add_sequence(&prompt, None).unwrap();
             assert_eq!(manager.get_computed_blocks(id).unwrap(), 4080);
             manager.free(id).unwrap();
         });

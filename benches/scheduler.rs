@@ -35,7 +35,6 @@ fn scheduler(num_running: usize, enable_prefix_caching: bool) -> Scheduler {
 fn params() -> RequestParams {
     RequestParams {
         stop: StopConditions { max_tokens: 100_000, ignore_eos: true, ..Default::default() },
-        n: 1,
         ..Default::default()
     }
 }
@@ -121,7 +120,7 @@ fn bench_admission(c: &mut Criterion) {
                 }
                 let out = s.schedule().unwrap();
                 total += start.elapsed();
-                assert_eq!(out.request_ids.len(), 256);
+                assert_eq!(out.sequence_ids.len(), 256);
                 s.update_from_output(&vec![1; out.logits_indices.len()]).unwrap();
                 for id in &ids {
                     s.abort_request(id).unwrap();

@@ -29,6 +29,7 @@ class FakeModel:
         self.kv: dict[int, int] = {}  # slot -> fingerprint of the prefix it holds
         self.finished: dict[tuple[str, int], str] = {}
         self.unforked: set[str] = set()  # requests with n > 1 whose prompt is not done
+        self.num_cached_tokens: dict[str, int] = {}  # as first reported, per request
 
     def add(self, request_id: str, prompt: list[int], n: int = 1, **kwargs) -> None:
         self.scheduler.add_request(request_id, prompt, n=n, **kwargs)
@@ -39,6 +40,7 @@ class FakeModel:
             self.unforked.add(request_id)
 
     def forget(self, request_id: str) -> None:
+        self.num_cached_tokens.pop(request_id, None)
         for key in [key for key in self.tokens if key[0] == request_id]:
             del self.tokens[key]
             del self.computed[key]
@@ -69,9 +71,17 @@ class FakeModel:
         sampled = np.array([self.rng.randrange(self.vocab) for _ in out.logits_indices], dtype=np.int64)
         updates = self.scheduler.update_from_output(sampled)
         check_columns(updates, out, sampled)
+        self.check_num_cached_tokens(updates)
         self.apply(updates.to_list())
         self.scheduler.check_invariants()
         return updates
+
+    def check_num_cached_tokens(self, updates: StepUpdates) -> None:
+        """Each request reports one prefix hit, in whole blocks, on all its rows, whatever
+        preemptions and recomputations came after its first step."""
+        for request_id, num_cached in zip(updates.request_ids, updates.num_cached_tokens.tolist()):
+            assert num_cached % self.block_size == 0
+            assert self.num_cached_tokens.setdefault(request_id, num_cached) == num_cached
 
     def row_owner(self, out, token_row: int) -> tuple[str, int]:
         seq = int(np.searchsorted(out.query_start_loc, token_row, side="right")) - 1
@@ -148,6 +158,7 @@ def check_columns(updates: StepUpdates, out, sampled: np.ndarray) -> None:
     last schedule that sampled it, for the same request and choice."""
     assert updates.choice_indices.dtype == np.int32 and updates.token_ids.dtype == np.int64
     assert updates.logits_rows.dtype == np.int32 and updates.finish_codes.dtype == np.uint8
+    assert updates.num_cached_tokens.dtype == np.int64 and len(updates.num_cached_tokens) == len(updates)
     rows = list(
         zip(
             updates.request_ids,
@@ -390,3 +401,43 @@ def test_a_finish_the_caller_decided_is_not_echoed():
     out = scheduler.schedule()
     assert scheduler.update_from_output([0] * len(out.logits_indices)).to_list() == [("r", 0, 0, "length")]
     assert scheduler.stats().num_used_blocks == 0
+
+
+def run_to_end(scheduler: Scheduler) -> list[tuple[str, int, int]]:
+    """Runs every request to its end; returns ``(request_id, choice, num_cached_tokens)`` per row."""
+    rows = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        updates = scheduler.update_from_output([0] * len(out.logits_indices))
+        rows += zip(updates.request_ids, updates.choice_indices.tolist(), updates.num_cached_tokens.tolist())
+    return rows
+
+
+def test_num_cached_tokens_reports_each_requests_prefix_hit_on_all_its_rows():
+    scheduler = Scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    prompt = list(range(100, 118))  # 18 tokens: 4 full blocks can hit, never the last token
+    scheduler.add_request("first", prompt, max_tokens=2)
+    assert {cached for *_, cached in run_to_end(scheduler)} == {0}, "nothing was cached yet"
+    scheduler.add_request("again", prompt, n=3, max_tokens=2)
+    scheduler.add_request("fresh", list(range(500, 518)), max_tokens=2)
+    rows = run_to_end(scheduler)
+    again = sorted((choice, cached) for request_id, choice, cached in rows if request_id == "again")
+    assert again == [(0, 16), (0, 16), (1, 16), (1, 16), (2, 16), (2, 16)]
+    assert [cached for request_id, _, cached in rows if request_id == "fresh"] == [0, 0]
+    assert scheduler.stats().num_used_blocks == 0
+
+
+def test_a_prompt_of_max_model_len_tokens_generates_exactly_one_token():
+    scheduler = Scheduler(num_blocks=16, block_size=4, max_model_len=16, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.add_request("full", list(range(16)), max_tokens=100)
+    out = scheduler.schedule()
+    assert out.positions.max() == 15
+    assert scheduler.update_from_output([7]).to_list() == [("full", 0, 7, "length")]
+    assert not scheduler.has_unfinished_requests()
+    message = "the prompt has 17 tokens; max_model_len is 16 (prompt and output together)"
+    with pytest.raises(ValueError) as error:
+        scheduler.add_request("long", list(range(17)))
+    assert str(error.value) == message
+    with pytest.raises(InvalidArgumentError):
+        scheduler.add_request("long", list(range(17)))
+    assert not scheduler.has_unfinished_requests()

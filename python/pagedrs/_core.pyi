@@ -1,10 +1,24 @@
 """Type stubs for the compiled core (``pagedrs._core``). Import these names from ``pagedrs``."""
 
+from typing import final
+
 import numpy as np
 import numpy.typing as npt
 
+__all__ = [
+    "KVCacheManager",
+    "KVCacheStats",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "StepUpdates",
+    "FINISH_REASONS",
+    "__version__",
+]
+
 __version__: str
 
+@final
 class KVCacheStats:
     """A snapshot of the KV cache counters."""
 
@@ -29,6 +43,7 @@ class KVCacheStats:
     def num_evictions(self) -> int:
         """Cached blocks evicted for reuse."""
 
+@final
 class KVCacheManager:
     """Block tables of live requests over a pool of ``num_blocks`` blocks of ``block_size``
     token slots, with exact prefix caching (keyed by ``namespace`` and each request's
@@ -38,13 +53,13 @@ class KVCacheManager:
     below 1.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
         namespace: str = "",
-    ) -> None: ...
+    ) -> KVCacheManager: ...
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -58,7 +73,7 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks referenced by requests (cached-free blocks count as free)."""
     def stats(self) -> KVCacheStats: ...
-    def __contains__(self, request_id: str) -> bool: ...
+    def __contains__(self, request_id: str, /) -> bool: ...
     def add_request(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> None:
         """Registers a request. Raises ``DuplicateRequestError`` for a live id and
         ``InvalidArgumentError`` for an empty prompt or a token id outside [0, 2**32)."""
@@ -85,6 +100,7 @@ class KVCacheManager:
     def _force_hash_collisions(self, bits: int) -> None:
         """Test hook: keep only ``bits`` bits of each block key, forcing collisions."""
 
+@final
 class SchedulerOutput:
     """One step's batch. Arrays are fresh numpy arrays (``torch.from_numpy`` shares them)."""
 
@@ -141,6 +157,7 @@ class SchedulerOutput:
         """``(request_id, choice_index)`` of sequences preempted while building this batch."""
     def __len__(self) -> int: ...
 
+@final
 class SchedulerStats:
     """A snapshot of the scheduler's counters."""
 
@@ -164,10 +181,11 @@ FINISH_REASONS: tuple[str, ...]
 """``("stop", "length", "abort", "capacity")``: ``StepUpdates.finish_codes`` code ``c > 0``
 is ``FINISH_REASONS[c - 1]``."""
 
-RequestUpdate = tuple[str, int, int | None, str | None]
+_UpdateRow = tuple[str, int, int | None, str | None]
 """``(request_id, choice_index, new_token_id, finish_reason)``; ``finish_reason`` is one of
 ``"stop"``, ``"length"``, ``"capacity"`` or ``None``."""
 
+@final
 class StepUpdates:
     """What ``update_from_output`` did, as columns of ``k`` rows: first the sequences
     ``schedule`` ended on its own (no token), then one row per sequence that got a token, in
@@ -192,10 +210,18 @@ class StepUpdates:
     @property
     def finish_codes(self) -> npt.NDArray[np.uint8]:
         """0 while running, else ``1 + FINISH_REASONS.index(reason)``. ``[k]``"""
+    @property
+    def num_cached_tokens(self) -> npt.NDArray[np.int64]:
+        """Prompt tokens of the row's request served from the prefix cache (whole blocks),
+        found when the request was first scheduled: the same on every row of a request,
+        whatever its choice, and never changed by preemption or recomputation; 0 for a
+        request never scheduled (ended for capacity while waiting). vLLM's
+        ``RequestOutput.num_cached_tokens``. ``[k]``"""
     def __len__(self) -> int: ...
-    def to_list(self) -> list[RequestUpdate]:
+    def to_list(self) -> list[_UpdateRow]:
         """The rows as ``(request_id, choice_index, token | None, reason | None)`` tuples."""
 
+@final
 class Scheduler:
     """The per-step scheduler: continuous batching, chunked prefill, preemption.
 
@@ -204,8 +230,8 @@ class Scheduler:
     empty batch). Raises ``InvalidArgumentError`` (a ``ValueError``) for a bad setting.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         num_blocks: int,
         block_size: int = 16,
         *,
@@ -217,7 +243,7 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         max_num_partial_prefills: int = 1,
         namespace: str = "",
-    ) -> None: ...
+    ) -> Scheduler: ...
     def add_request(
         self,
         request_id: str,
@@ -234,8 +260,13 @@ class Scheduler:
         arrival_time: float | None = None,
     ) -> None:
         """Queues a request. ``DuplicateRequestError`` for a live id; ``InvalidArgumentError``
-        for an empty prompt, one longer than ``max_model_len``, ``max_tokens < 1``,
-        ``min_tokens > max_tokens`` or ``n`` outside ``[1, max_num_seqs]``."""
+        (a ``ValueError``) for an empty prompt, one longer than ``max_model_len``,
+        ``max_tokens < 1``, ``min_tokens > max_tokens`` or ``n`` outside ``[1, max_num_seqs]``.
+
+        A prompt may have up to ``max_model_len`` tokens: every computed position is below
+        ``max_model_len``, and generation ends with ``"length"`` once prompt and output
+        together hold ``max_model_len`` tokens (a prompt of exactly ``max_model_len`` tokens
+        generates one token)."""
     def abort_request(self, request_id: str) -> None:
         """Ends the request and all its choices now, freeing every block."""
     def finish_request(self, request_id: str, reason: str = "stop", index: int = 0) -> None:

@@ -1,7 +1,7 @@
 //! `SchedulerOutput`: one step's batch as flat arrays the runner hands to torch without a
 //! Python loop.
 //!
-//! For a step with requests A (a 3-token prefill chunk starting at position 0) and B (one
+//! For a step with sequences A (a 3-token prefill chunk starting at position 0) and B (one
 //! decode token at position 9), block size 4:
 //!
 //! ```text
@@ -9,7 +9,7 @@
 //!   query_start_loc   [0, 3, 4]                context_lens [3, 10]
 //!   slot_mapping      [A0*4+0, A0*4+1, A0*4+2 | B2*4+1]   (Ak = k-th block of A)
 //!   block_tables      [[A0, 0, 0], [B0, B1, B2]]  (padded with 0 past each row's blocks)
-//!   logits_indices    [2, 3]   rows whose hidden state is sampled (a request that caught
+//!   logits_indices    [2, 3]   rows whose hidden state is sampled (a sequence that caught
 //!                              up with its tokens; a prompt with n > 1 appears n times)
 //!   logits_request_indices [0, 1]     logits_choice_indices [0, 0]
 //! ```
@@ -28,15 +28,18 @@
 //! computing in this very step (prefixes are cached when allocated, as in vLLM).
 
 use crate::block_pool::BlockId;
-use crate::kv_cache_manager::{BlockCopy, RequestId};
-use crate::request::FinishReason;
+use crate::kv_cache_manager::{BlockCopy, SequenceId};
+use crate::sequence::FinishReason;
 
-/// What happened to one sequence in `update_from_output` (or to a request the scheduler
+/// What happened to one sequence in `update_from_output` (or to a sequence the scheduler
 /// had to end on its own).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RequestUpdate {
-    /// The caller's request (see `Scheduler::external_id`).
-    pub group: u64,
+pub struct SequenceUpdate {
+    /// Handle of the caller's request (see `Scheduler::external_id`).
+    pub request: u64,
+    /// Prompt tokens of that request served from the prefix cache when it was first
+    /// scheduled; 0 if it never was (ended by `schedule` before its first step).
+    pub num_cached_tokens: usize,
     /// Which of its `n` choices.
     pub choice_index: usize,
     /// The token sampled for it this step, if any.
@@ -52,9 +55,9 @@ pub struct RequestUpdate {
 #[derive(Debug, Clone, Default)]
 pub struct SchedulerOutput {
     /// Scheduled sequences, in batch order.
-    pub request_ids: Vec<RequestId>,
-    /// The caller's request of each scheduled sequence.
-    pub groups: Vec<u64>,
+    pub sequence_ids: Vec<SequenceId>,
+    /// Handle of the caller's request of each scheduled sequence.
+    pub requests: Vec<u64>,
     /// Choice index of each scheduled sequence.
     pub choice_indices: Vec<u32>,
     /// Tokens each scheduled sequence computes this step.
@@ -77,7 +80,9 @@ pub struct SchedulerOutput {
     pub block_table_width: usize,
     /// Input rows whose logits are sampled. `[num_logits]`
     pub logits_indices: Vec<i64>,
-    /// For each logits row, the index of its sequence in `request_ids`. `[num_logits]`
+    /// For each logits row, the index of its sequence in `sequence_ids` (named after the
+    /// Python column, which indexes `request_ids`, one per scheduled sequence).
+    /// `[num_logits]`
     pub logits_request_indices: Vec<i32>,
     /// For each logits row, the choice (0..n) its token goes to: a prompt with `n > 1`
     /// has rows for choices 0..n, in order, though only choice 0 is scheduled.
@@ -90,7 +95,7 @@ pub struct SchedulerOutput {
     /// Tokens of sequences decoding one new token.
     pub num_decode_tokens: usize,
     /// Sequences preempted while building this batch.
-    pub preempted: Vec<RequestId>,
+    pub preempted: Vec<SequenceId>,
 }
 
 impl SchedulerOutput {
@@ -101,7 +106,7 @@ impl SchedulerOutput {
 
     /// Whether nothing was scheduled.
     pub fn is_empty(&self) -> bool {
-        self.request_ids.is_empty()
+        self.sequence_ids.is_empty()
     }
 }
 
@@ -109,9 +114,9 @@ impl SchedulerOutput {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ScheduledSeq {
     /// The sequence.
-    pub id: RequestId,
-    /// Its caller's request.
-    pub group: u64,
+    pub id: SequenceId,
+    /// Handle of its caller's request.
+    pub request: u64,
     /// Its choice index.
     pub choice_index: usize,
     /// First position computed this step.
@@ -140,8 +145,8 @@ impl SchedulerOutput {
             query_start_loc.push(0);
         }
         SchedulerOutput {
-            request_ids: Vec::with_capacity(num_seqs),
-            groups: Vec::with_capacity(num_seqs),
+            sequence_ids: Vec::with_capacity(num_seqs),
+            requests: Vec::with_capacity(num_seqs),
             choice_indices: Vec::with_capacity(num_seqs),
             num_scheduled_tokens: Vec::with_capacity(num_seqs),
             input_token_ids: Vec::with_capacity(num_tokens),
@@ -167,10 +172,10 @@ impl SchedulerOutput {
         block_table: &[BlockId],
         block_size: usize,
     ) {
-        let row = self.request_ids.len();
+        let row = self.sequence_ids.len();
         let end = seq.start + seq.num_tokens;
-        self.request_ids.push(seq.id);
-        self.groups.push(seq.group);
+        self.sequence_ids.push(seq.id);
+        self.requests.push(seq.request);
         self.choice_indices.push(seq.choice_index as u32);
         self.num_scheduled_tokens.push(seq.num_tokens as i32);
         let first_row = self.input_token_ids.len();

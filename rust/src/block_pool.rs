@@ -138,7 +138,7 @@ impl BlockPool {
         self.num_cached_free
     }
 
-    /// Blocks referenced by at least one request.
+    /// Blocks referenced by at least one sequence.
     pub fn num_used_blocks(&self) -> usize {
         self.blocks.len() - self.free_queue.len()
     }

@@ -1,7 +1,7 @@
 //! The scheduler's settings and a new request's parameters.
 
 use crate::error::{Error, Result};
-use crate::request::StopConditions;
+use crate::sequence::StopConditions;
 
 /// Order in which waiting requests are admitted (and, reversed, running ones preempted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +85,7 @@ impl SchedulerConfig {
 }
 
 /// Everything about a new request besides its id and prompt.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct RequestParams {
     /// When to stop.
     pub stop: StopConditions,
@@ -97,4 +97,17 @@ pub struct RequestParams {
     pub cache_salt: Option<String>,
     /// Arrival time for ordering; `None`: the order of `add_request` calls.
     pub arrival_time: Option<f64>,
+}
+
+impl Default for RequestParams {
+    /// One choice, the default stop conditions, priority 0, no salt, arrival by call order.
+    fn default() -> Self {
+        RequestParams {
+            stop: StopConditions::default(),
+            n: 1,
+            priority: 0,
+            cache_salt: None,
+            arrival_time: None,
+        }
+    }
 }

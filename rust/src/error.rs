@@ -1,6 +1,6 @@
 //! The one error type of the crate. Running out of blocks is *not* an error (it is an
-//! `Option`/`None` outcome); these are misuse and bad input, mapped by `python.rs` onto
-//! declared Python exception classes.
+//! `Option`/`None` outcome); these are misuse and bad input, mapped by the binding
+//! (`python/`) onto declared Python exception classes.
 
 use std::fmt;
 

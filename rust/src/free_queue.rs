@@ -6,7 +6,7 @@
 //! are all O(1) with no allocation after construction.
 //!
 //! Order is the eviction order: the front is evicted first (least recently freed). Callers
-//! free a request's blocks tail-first, so within one chain the tail is evicted before the
+//! free a sequence's blocks tail-first, so within one chain the tail is evicted before the
 //! head, and a shorter prefix outlives a longer one.
 
 use crate::block_pool::BlockId;

@@ -17,29 +17,29 @@ fn ids(blocks: &[BlockId]) -> Vec<u32> {
 }
 
 thread_local! {
-    /// Tests name their requests by small numbers; this maps them to the manager's handles
+    /// Tests name their sequences by small numbers; this maps them to the manager's handles
     /// (each test runs on its own thread).
-    static NAMES: RefCell<HashMap<u64, RequestId>> = RefCell::new(HashMap::new());
+    static NAMES: RefCell<HashMap<u64, SequenceId>> = RefCell::new(HashMap::new());
 }
 
-/// The handle of the request a test calls `name`.
-fn id(name: u64) -> RequestId {
+/// The handle of the sequence a test calls `name`.
+fn id(name: u64) -> SequenceId {
     NAMES.with(|names| names.borrow()[&name])
 }
 
-/// Adds a request under a test name.
+/// Adds a sequence under a test name.
 fn add(m: &mut KVCacheManager, name: u64, prompt: &[u32], salt: Option<&str>) {
-    let handle = m.add_request(prompt, salt).unwrap();
+    let handle = m.add_sequence(prompt, salt).unwrap();
     NAMES.with(|names| names.borrow_mut().insert(name, handle));
 }
 
-/// Forks `parent` into a request the test calls `child`.
+/// Forks `parent` into a sequence the test calls `child`.
 fn fork(m: &mut KVCacheManager, parent: u64, child: u64) {
     let handle = m.fork(id(parent)).unwrap();
     NAMES.with(|names| names.borrow_mut().insert(child, handle));
 }
 
-/// Adds a request, looks up its prefix and allocates its whole prompt. Returns the hit.
+/// Adds a sequence, looks up its prefix and allocates its whole prompt. Returns the hit.
 fn admit(m: &mut KVCacheManager, name: u64, prompt: &[u32], salt: Option<&str>) -> usize {
     add(m, name, prompt, salt);
     let hit = m.get_computed_blocks(id(name)).unwrap();
@@ -117,7 +117,7 @@ fn forced_hash_collision_is_rejected_by_the_token_check() {
     m.force_hash_collisions_for_testing(0);
     let first: Vec<u32> = (0..9).collect();
     admit(&mut m, 1, &first, None);
-    // Every block of every request now has the same key. Only exact matches may hit.
+    // Every block of every sequence now has the same key. Only exact matches may hit.
     let mut second = first.clone();
     second[0] = 77;
     assert_eq!(admit(&mut m, 2, &second, None), 0);
@@ -135,11 +135,11 @@ fn narrow_keys_collide_often_but_never_hand_out_wrong_blocks() {
     m.force_hash_collisions_for_testing(3);
     let mut rng = SmallRng::seed_from_u64(7);
     let mut prompts: Vec<Vec<u32>> = Vec::new();
-    for request in 0..200u64 {
+    for sequence in 0..200u64 {
         let prompt: Vec<u32> = (0..rng.gen_range(1..20)).map(|_| rng.gen_range(0..2)).collect();
-        let hit = admit(&mut m, request, &prompt, None);
+        let hit = admit(&mut m, sequence, &prompt, None);
         // Whatever was reused must have been computed for exactly these leading tokens.
-        let table = m.block_table(id(request)).unwrap().to_vec();
+        let table = m.block_table(id(sequence)).unwrap().to_vec();
         for (other, other_prompt) in prompts.iter().enumerate() {
             if !m.contains(id(other as u64)) {
                 continue;
@@ -152,8 +152,8 @@ fn narrow_keys_collide_often_but_never_hand_out_wrong_blocks() {
             }
         }
         prompts.push(prompt);
-        if request >= 3 {
-            m.free(id(request - 3)).unwrap();
+        if sequence >= 3 {
+            m.free(id(sequence - 3)).unwrap();
         }
         m.pool().check_invariants().unwrap();
     }
@@ -198,7 +198,7 @@ fn allocation_without_enough_blocks_returns_none_and_changes_nothing() {
 
 #[test]
 fn a_hit_on_free_cached_blocks_counts_them_as_taken() {
-    // Three blocks: a cached chain of two free blocks plus one spare. A request that hits
+    // Three blocks: a cached chain of two free blocks plus one spare. A sequence that hits
     // both cached blocks and needs two more must be refused, not evict its own hit.
     let mut m = manager(3);
     let prompt: Vec<u32> = (0..8).collect();
@@ -226,7 +226,7 @@ fn decode_appends_fill_blocks_that_are_then_cached() {
     assert_eq!(m.block_table(id(1)).unwrap().len(), 2);
     assert!(m.pool().is_cached(m.block_table(id(1)).unwrap()[0]));
     assert!(!m.pool().is_cached(m.block_table(id(1)).unwrap()[1]));
-    // A new request with the generated text as prompt reuses the filled block.
+    // A new sequence with the generated text as prompt reuses the filled block.
     assert_eq!(admit(&mut m, 2, &[1, 2, 3, 4, 5, 6], None), 4);
 }
 
@@ -266,8 +266,8 @@ fn fork_shares_every_block_and_copies_the_partial_one_on_first_write() {
     m.append_token_ids(id(1), &[9]).unwrap();
     assert_eq!(m.allocate_slots(id(1), 1).unwrap(), Some(vec![]));
     assert_eq!(ids(m.block_table(id(1)).unwrap()), parent_table);
-    for request in 1..=3 {
-        m.free(id(request)).unwrap();
+    for sequence in 1..=3 {
+        m.free(id(sequence)).unwrap();
     }
     assert_eq!(m.num_free_blocks(), 8);
     m.pool().check_invariants().unwrap();
@@ -279,13 +279,13 @@ fn misuse_is_an_error_not_a_panic() {
     assert!(matches!(KVCacheManager::new(0, 4, true, ""), Err(Error::InvalidArgument(_))));
     assert!(matches!(KVCacheManager::new(4, 0, true, ""), Err(Error::InvalidArgument(_))));
     admit(&mut m, 1, &[1, 2], None);
-    assert!(matches!(m.add_request(&[], None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(m.add_sequence(&[], None), Err(Error::InvalidArgument(_))));
     assert!(matches!(m.get_computed_blocks(id(1)), Err(Error::InvalidArgument(_))));
     m.free(id(1)).unwrap();
     assert!(matches!(m.free(id(1)), Err(Error::UnknownRequest(_))));
     assert!(matches!(m.fork(id(1)), Err(Error::UnknownRequest(_))));
     assert!(matches!(m.allocate_slots(id(1), 1), Err(Error::UnknownRequest(_))));
-    // The freed slot is reused, but the old handle never reaches the new request.
+    // The freed slot is reused, but the old handle never reaches the new sequence.
     add(&mut m, 2, &[5], None);
     assert_eq!(id(2).index(), id(1).index());
     assert!(matches!(m.append_token_ids(id(1), &[1]), Err(Error::UnknownRequest(_))));
@@ -302,7 +302,7 @@ fn stale_prefix_hit_is_refused() {
     m.free(id(1)).unwrap();
     add(&mut m, 2, &prompt, None);
     assert_eq!(m.get_computed_blocks(id(2)).unwrap(), 8);
-    // Another request evicts the whole chain between lookup and allocation.
+    // Another sequence evicts the whole chain between lookup and allocation.
     admit(&mut m, 3, &(40..52).collect::<Vec<u32>>(), None);
     assert!(matches!(m.allocate_slots(id(2), 1), Err(Error::StalePrefixHit(_))));
     m.pool().check_invariants().unwrap();
@@ -315,41 +315,41 @@ fn randomized_operations_keep_every_invariant_and_free_every_block() {
     let mut rng = SmallRng::seed_from_u64(20261129);
     let num_blocks = 48;
     let mut m = manager(num_blocks);
-    let mut live: Vec<RequestId> = Vec::new();
+    let mut live: Vec<SequenceId> = Vec::new();
     let mut allocations_refused = 0;
     for _ in 0..100_000 {
         match rng.gen_range(0..100) {
-            // Admit a new request (lookup + first chunk).
+            // Admit a new sequence (lookup + first chunk).
             0..=24 => {
                 let len = rng.gen_range(1..24);
                 let prompt: Vec<u32> = (0..len).map(|_| rng.gen_range(0..2)).collect();
                 let salt = if rng.gen_bool(0.1) { Some("s") } else { None };
-                let request = m.add_request(&prompt, salt).unwrap();
-                let hit = m.get_computed_blocks(request).unwrap();
+                let sequence = m.add_sequence(&prompt, salt).unwrap();
+                let hit = m.get_computed_blocks(sequence).unwrap();
                 assert!(hit < len && hit % BS == 0);
                 let chunk = rng.gen_range(1..=len - hit);
-                match m.allocate_slots(request, chunk).unwrap() {
+                match m.allocate_slots(sequence, chunk).unwrap() {
                     Some(copies) => assert!(copies.is_empty()),
                     None => allocations_refused += 1,
                 }
-                live.push(request);
+                live.push(sequence);
             }
-            // Compute more of a request: the rest of its prompt, or a new decode token.
+            // Compute more of a sequence: the rest of its prompt, or a new decode token.
             25..=64 if !live.is_empty() => {
-                let request = live[rng.gen_range(0..live.len())];
-                let known = m.token_ids(request).unwrap().len();
-                let computed = m.num_computed_tokens(request).unwrap();
+                let sequence = live[rng.gen_range(0..live.len())];
+                let known = m.token_ids(sequence).unwrap().len();
+                let computed = m.num_computed_tokens(sequence).unwrap();
                 if computed == known {
-                    m.append_token_ids(request, &[rng.gen_range(0..2)]).unwrap();
+                    m.append_token_ids(sequence, &[rng.gen_range(0..2)]).unwrap();
                 }
-                let remaining = m.token_ids(request).unwrap().len() - computed;
-                if m.block_table(request).unwrap().is_empty() {
-                    m.get_computed_blocks(request).unwrap();
+                let remaining = m.token_ids(sequence).unwrap().len() - computed;
+                if m.block_table(sequence).unwrap().is_empty() {
+                    m.get_computed_blocks(sequence).unwrap();
                 }
-                let pending = m.pending_hit_blocks(request).unwrap().len() * BS;
+                let pending = m.pending_hit_blocks(sequence).unwrap().len() * BS;
                 if remaining > pending {
                     let n = rng.gen_range(1..=remaining - pending);
-                    if let Some(copies) = m.allocate_slots(request, n).unwrap() {
+                    if let Some(copies) = m.allocate_slots(sequence, n).unwrap() {
                         for copy in copies {
                             assert_eq!(m.pool().ref_count(copy.dst), 1);
                         }
@@ -365,24 +365,24 @@ fn randomized_operations_keep_every_invariant_and_free_every_block() {
             }
             // Free.
             75..=99 if !live.is_empty() => {
-                let request = live.swap_remove(rng.gen_range(0..live.len()));
-                m.free(request).unwrap();
-                assert!(matches!(m.free(request), Err(Error::UnknownRequest(_))));
+                let sequence = live.swap_remove(rng.gen_range(0..live.len()));
+                m.free(sequence).unwrap();
+                assert!(matches!(m.free(sequence), Err(Error::UnknownRequest(_))));
             }
             _ => {}
         }
         m.pool().check_invariants().unwrap();
         let held: usize = live.iter().map(|&r| m.block_table(r).unwrap().len()).sum();
-        assert!(m.stats().num_used_blocks <= held, "a block is used by no request");
+        assert!(m.stats().num_used_blocks <= held, "a block is used by no sequence");
     }
     assert!(allocations_refused > 0, "memory was never tight");
     assert!(m.stats().prefix_cache_hits > 0 && m.stats().num_evictions > 0);
-    for request in live {
-        m.free(request).unwrap();
+    for sequence in live {
+        m.free(sequence).unwrap();
     }
     assert_eq!(m.num_free_blocks(), num_blocks);
     assert_eq!(m.stats().num_used_blocks, 0);
-    assert_eq!(m.num_requests(), 0);
+    assert_eq!(m.num_sequences(), 0);
     m.pool().check_invariants().unwrap();
 }
 

@@ -1,6 +1,10 @@
 //! pagedrs scheduling core: the paged KV block pool, exact prefix caching and the
 //! per-iteration scheduler. Plain Rust, tested with `cargo test`; the PyO3 binding in
-//! `python.rs` is compiled only with the `python` feature.
+//! `python/` is compiled only with the `python` feature.
+//!
+//! Vocabulary: a caller's *request* (one id, `n` choices) runs as `n` *sequences*, one per
+//! choice; the scheduler batches sequences and the KV cache holds one block table per
+//! sequence.
 
 pub mod batch;
 pub mod block_pool;
@@ -10,17 +14,17 @@ pub mod free_queue;
 pub mod kv_cache_manager;
 pub mod metrics;
 pub mod prefix_cache;
-pub mod request;
 pub mod scheduler;
+pub mod sequence;
 
 #[cfg(feature = "python")]
 mod python;
 
-pub use batch::{RequestUpdate, SchedulerOutput};
+pub use batch::{SchedulerOutput, SequenceUpdate};
 pub use block_pool::{BlockId, BlockPool, BlockRef};
 pub use error::{Error, Result};
-pub use kv_cache_manager::{BlockCopy, KVCacheManager, KVCacheStats, RequestId};
+pub use kv_cache_manager::{BlockCopy, KVCacheManager, KVCacheStats, SequenceId};
 pub use metrics::SchedulerStats;
 pub use prefix_cache::BlockHash;
-pub use request::{FinishReason, StopConditions};
 pub use scheduler::{RequestParams, Scheduler, SchedulerConfig, SchedulingPolicy};
+pub use sequence::{FinishReason, StopConditions};

@@ -91,7 +91,7 @@ fn token_bytes(token_ids: &[u32]) -> &[u8] {
 }
 
 /// A `Hasher` for keys that are already uniformly distributed (xxh3 output, sequential
-/// request ids): it folds the key instead of hashing it again.
+/// request handles): it folds the key instead of hashing it again.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct PrehashedHasher(u64);
 
@@ -120,7 +120,7 @@ impl Hasher for PrehashedHasher {
     }
 }
 
-/// `BuildHasher` for maps keyed by block hashes or request ids.
+/// `BuildHasher` for maps keyed by block hashes or request handles.
 pub type BuildPrehashed = BuildHasherDefault<PrehashedHasher>;
 
 #[cfg(test)]

@@ -1,26 +1,27 @@
 //! The per-iteration scheduler: continuous batching, chunked prefill, preemption.
 //!
-//! It owns every request and the `KVCacheManager`. Each step the caller runs:
-//! `schedule()` (which sequences compute how many tokens), the model, then
-//! `update_from_output(sampled)` (append the sampled tokens, apply stop conditions, free
-//! what finished). Requests may be added, aborted or finished between steps.
+//! It owns every request and the `KVCacheManager`. A caller's *request* (one id, `n`
+//! choices) runs as `n` *sequences*, one per choice; the scheduler batches sequences. Each
+//! step the caller runs: `schedule()` (which sequences compute how many tokens), the model,
+//! then `update_from_output(sampled)` (append the sampled tokens, apply stop conditions,
+//! free what finished). Requests may be added, aborted or finished between steps.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use crate::batch::{RequestUpdate, ScheduledSeq, SchedulerOutput};
+use crate::batch::{ScheduledSeq, SchedulerOutput, SequenceUpdate};
 pub use crate::config::{RequestParams, SchedulerConfig, SchedulingPolicy};
 use crate::error::{Error, Result};
-use crate::kv_cache_manager::{BlockCopy, KVCacheManager, RequestId};
+use crate::kv_cache_manager::{BlockCopy, KVCacheManager, SequenceId};
 use crate::metrics::SchedulerStats;
 use crate::prefix_cache::BuildPrehashed;
-use crate::request::{FinishReason, QueueKey, Request, RequestStatus, RequestTable};
+use crate::sequence::{FinishReason, QueueKey, Sequence, SequenceStatus, SequenceTable};
 
 /// What building a batch changed besides the batch itself.
 #[derive(Default)]
 struct StepChanges {
     /// Sequences preempted, in order.
-    preempted: Vec<RequestId>,
+    preempted: Vec<SequenceId>,
     /// Copy-on-write copies for the runner.
     block_copies: Vec<BlockCopy>,
 }
@@ -37,13 +38,23 @@ struct Admission {
 
 /// A caller's request: one id, `n` sequences once its prompt is computed.
 #[derive(Debug, Clone)]
-struct Group {
+struct Request {
     /// The caller's id.
     external_id: Arc<str>,
-    /// Sequences by choice index (just the first until the prompt is computed).
-    members: Vec<RequestId>,
+    /// Its sequences by choice index (just the first until the prompt is computed).
+    choices: Vec<SequenceId>,
     /// Sequences not finished, plus forks still to come.
     num_live: usize,
+    /// Prompt tokens served from the prefix cache, found when its first sequence was first
+    /// scheduled (`None` until then). Preemption and recomputation leave it as it is.
+    num_cached_tokens: Option<usize>,
+}
+
+impl Request {
+    /// `num_cached_tokens` as reported: 0 for a request never scheduled.
+    fn reported_num_cached_tokens(&self) -> usize {
+        self.num_cached_tokens.unwrap_or(0)
+    }
 }
 
 /// The scheduler.
@@ -54,27 +65,27 @@ pub struct Scheduler {
     /// Blocks of every sequence.
     kv: KVCacheManager,
     /// Every live sequence.
-    requests: RequestTable,
+    sequences: SequenceTable,
     /// Running sequences sorted by queue key: scheduled from the front, preempted from the
     /// back.
-    running: Vec<RequestId>,
+    running: Vec<SequenceId>,
     /// Waiting and preempted sequences in admission order.
-    waiting: BTreeMap<QueueKey, RequestId>,
+    waiting: BTreeMap<QueueKey, SequenceId>,
     /// Live caller requests by handle.
-    groups: HashMap<u64, Group, BuildPrehashed>,
+    requests: HashMap<u64, Request, BuildPrehashed>,
     /// Caller ids of live requests to their handle.
-    external_id_to_group: HashMap<Arc<str>, u64>,
+    external_id_to_request: HashMap<Arc<str>, u64>,
     /// Sequences of the last schedule that sample, with their number of logits rows (1,
     /// or `n` for a prompt that forks), in row order.
-    last_logits_owners: Vec<(RequestId, usize)>,
+    last_logits_owners: Vec<(SequenceId, usize)>,
     /// Sequences `schedule` ended on its own (capacity), delivered by the next
     /// `update_from_output`. Finishes the caller decided (aborts, stop strings) are not
     /// queued: the caller already knows.
-    pending_updates: Vec<RequestUpdate>,
-    /// Next group handle.
-    next_group: u64,
-    /// Next queue sequence number.
-    next_sequence: u64,
+    pending_updates: Vec<SequenceUpdate>,
+    /// Handle of the next request added.
+    next_request_handle: u64,
+    /// `QueueKey::arrival_order` of the next sequence queued (added or forked).
+    next_arrival_order: u64,
     /// Counters.
     stats: SchedulerStats,
 }
@@ -92,15 +103,15 @@ impl Scheduler {
         Ok(Scheduler {
             config,
             kv,
-            requests: RequestTable::default(),
+            sequences: SequenceTable::default(),
             running: Vec::new(),
             waiting: BTreeMap::new(),
-            groups: HashMap::default(),
-            external_id_to_group: HashMap::new(),
+            requests: HashMap::default(),
+            external_id_to_request: HashMap::new(),
             last_logits_owners: Vec::new(),
             pending_updates: Vec::new(),
-            next_group: 0,
-            next_sequence: 0,
+            next_request_handle: 0,
+            next_arrival_order: 0,
             stats: SchedulerStats::default(),
         })
     }
@@ -115,20 +126,26 @@ impl Scheduler {
         &self.kv
     }
 
-    /// Queues a request. Returns its handle (as used in `RequestUpdate::group`).
+    /// Queues a request. Returns its handle (as used in `SequenceUpdate::request`).
+    ///
+    /// A prompt may have up to `max_model_len` tokens: every position the model computes
+    /// is below `max_model_len`, and generation ends with `FinishReason::Length` once the
+    /// sequence holds `max_model_len` tokens (a prompt of exactly `max_model_len` tokens
+    /// thus generates one token).
     pub fn add_request(
         &mut self,
         external_id: &str,
         prompt_token_ids: &[u32],
         params: RequestParams,
     ) -> Result<u64> {
-        if self.external_id_to_group.contains_key(external_id) {
+        if self.external_id_to_request.contains_key(external_id) {
             return Err(Error::DuplicateRequest(external_id.to_owned()));
         }
         let num_prompt_tokens = prompt_token_ids.len();
         if num_prompt_tokens > self.config.max_model_len {
             return Err(Error::InvalidArgument(format!(
-                "the prompt has {num_prompt_tokens} tokens but max_model_len is {}",
+                "the prompt has {num_prompt_tokens} tokens; max_model_len is {} (prompt and \
+                 output together)",
                 self.config.max_model_len
             )));
         }
@@ -147,31 +164,34 @@ impl Scheduler {
                 params.stop.min_tokens, params.stop.max_tokens
             )));
         }
-        let id = self.kv.add_request(prompt_token_ids, params.cache_salt.as_deref())?;
-        let sequence = self.take_sequence();
+        let id = self.kv.add_sequence(prompt_token_ids, params.cache_salt.as_deref())?;
+        let arrival_order = self.take_arrival_order();
         let key = QueueKey {
             priority: match self.config.policy {
                 SchedulingPolicy::Fcfs => 0,
                 SchedulingPolicy::Priority => params.priority,
             },
-            arrival_time: params.arrival_time.unwrap_or(sequence as f64),
-            sequence,
+            arrival_time: params.arrival_time.unwrap_or(arrival_order as f64),
+            arrival_order,
         };
-        let group = self.next_group;
-        self.next_group += 1;
+        let handle = self.next_request_handle;
+        self.next_request_handle += 1;
         let external_id: Arc<str> = Arc::from(external_id);
-        self.groups.insert(
-            group,
-            Group { external_id: external_id.clone(), members: vec![id], num_live: params.n },
-        );
-        self.external_id_to_group.insert(external_id, group);
-        self.requests.insert(Request {
+        let request = Request {
+            external_id: external_id.clone(),
+            choices: vec![id],
+            num_live: params.n,
+            num_cached_tokens: None,
+        };
+        self.requests.insert(handle, request);
+        self.external_id_to_request.insert(external_id, handle);
+        self.sequences.insert(Sequence {
             id,
-            group,
+            request: handle,
             choice_index: 0,
             num_pending_forks: params.n - 1,
             key,
-            status: RequestStatus::Waiting,
+            status: SequenceStatus::Waiting,
             num_prompt_tokens,
             num_tokens: num_prompt_tokens,
             num_computed_tokens: 0,
@@ -179,22 +199,22 @@ impl Scheduler {
             num_preemptions: 0,
         });
         self.waiting.insert(key, id);
-        Ok(group)
+        Ok(handle)
     }
 
     /// Ends a request and all its choices now, in whatever state, freeing every block.
     pub fn abort_request(&mut self, external_id: &str) -> Result<()> {
-        let group = self.group_of(external_id)?;
-        let members = self.groups[&group].members.clone();
-        for id in members {
-            if self.requests.contains(id) {
+        let handle = self.handle_of(external_id)?;
+        let choices = self.requests[&handle].choices.clone();
+        for id in choices {
+            if self.sequences.contains(id) {
                 self.release(id)?;
             }
         }
-        // Forks that never happened die with the group, and so does news of choices
+        // Forks that never happened die with the request, and so does news of choices
         // `schedule` ended: nothing about an aborted request is reported any more.
-        self.remove_group(group);
-        self.pending_updates.retain(|update| update.group != group);
+        self.remove_request(handle);
+        self.pending_updates.retain(|update| update.request != handle);
         Ok(())
     }
 
@@ -206,19 +226,19 @@ impl Scheduler {
     }
 
     /// Where one choice of a live request is: waiting, running or preempted.
-    pub fn status(&self, external_id: &str, choice_index: usize) -> Result<RequestStatus> {
+    pub fn status(&self, external_id: &str, choice_index: usize) -> Result<SequenceStatus> {
         let id = self.live_choice(external_id, choice_index)?;
-        Ok(self.requests[id].status)
+        Ok(self.sequences[id].status)
     }
 
     /// The sequence of one live choice of a live request.
-    fn live_choice(&self, external_id: &str, choice_index: usize) -> Result<RequestId> {
-        let group = self.group_of(external_id)?;
-        self.groups[&group]
-            .members
+    fn live_choice(&self, external_id: &str, choice_index: usize) -> Result<SequenceId> {
+        let handle = self.handle_of(external_id)?;
+        self.requests[&handle]
+            .choices
             .get(choice_index)
             .copied()
-            .filter(|&id| self.requests.contains(id))
+            .filter(|&id| self.sequences.contains(id))
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
                     "request {external_id:?} has no live choice {choice_index}"
@@ -227,23 +247,29 @@ impl Scheduler {
     }
 
     /// The handle of a live request.
-    pub fn group(&self, external_id: &str) -> Option<u64> {
-        self.external_id_to_group.get(external_id).copied()
+    pub fn request_handle(&self, external_id: &str) -> Option<u64> {
+        self.external_id_to_request.get(external_id).copied()
     }
 
     /// The caller's id of a request handle, while the request is live.
-    pub fn external_id(&self, group: u64) -> Option<&Arc<str>> {
-        self.groups.get(&group).map(|g| &g.external_id)
+    pub fn external_id(&self, handle: u64) -> Option<&Arc<str>> {
+        self.requests.get(&handle).map(|request| &request.external_id)
+    }
+
+    /// Prompt tokens of a live request served from the prefix cache when it was first
+    /// scheduled (`None` until then).
+    pub fn num_cached_tokens(&self, handle: u64) -> Option<usize> {
+        self.requests.get(&handle)?.num_cached_tokens
     }
 
     /// The caller's request handle and choice index of a live sequence.
-    pub fn sequence_of(&self, id: RequestId) -> Option<(u64, usize)> {
-        self.requests.get(id).map(|request| (request.group, request.choice_index))
+    pub fn sequence_of(&self, id: SequenceId) -> Option<(u64, usize)> {
+        self.sequences.get(id).map(|seq| (seq.request, seq.choice_index))
     }
 
     /// Whether any request is waiting or running.
     pub fn has_unfinished_requests(&self) -> bool {
-        !self.requests.is_empty() || !self.pending_updates.is_empty()
+        !self.sequences.is_empty() || !self.pending_updates.is_empty()
     }
 
     /// Sequences running.
@@ -265,7 +291,7 @@ impl Scheduler {
             num_preempted_waiting: self
                 .waiting
                 .values()
-                .filter(|&&id| self.requests[id].status == RequestStatus::Preempted)
+                .filter(|&&id| self.sequences[id].status == SequenceStatus::Preempted)
                 .count(),
             prefix_cache_queries: kv.prefix_cache_queries,
             prefix_cache_hits: kv.prefix_cache_hits,
@@ -300,16 +326,16 @@ impl Scheduler {
         let mut num_fork_seats = 0;
         for id in &self.running {
             num_decodes_behind += usize::from(self.is_decode(id));
-            num_fork_seats += self.requests[*id].num_pending_forks;
+            num_fork_seats += self.sequences[*id].num_pending_forks;
         }
         let mut num_partial_prefills = 0;
 
         let mut index = 0;
         while index < self.running.len() {
             let id = self.running[index];
-            let request = &self.requests[id];
-            let start = request.num_computed_tokens;
-            let remaining = request.num_tokens - start;
+            let seq = &self.sequences[id];
+            let start = seq.num_computed_tokens;
+            let remaining = seq.num_tokens - start;
             let is_decode = remaining == 1;
             if is_decode {
                 num_decodes_behind -= 1;
@@ -326,18 +352,18 @@ impl Scheduler {
                 continue;
             }
             budget -= num_new;
-            let request = self.requests.get_mut(id).expect("running");
-            request.num_computed_tokens += num_new;
-            let caught_up = request.num_computed_tokens == request.num_tokens;
+            let seq = self.sequences.get_mut(id).expect("running");
+            seq.num_computed_tokens += num_new;
+            let caught_up = seq.num_computed_tokens == seq.num_tokens;
             num_partial_prefills += usize::from(!caught_up);
             scheduled.push(ScheduledSeq {
                 id,
-                group: request.group,
-                choice_index: request.choice_index,
+                request: seq.request,
+                choice_index: seq.choice_index,
                 start,
                 num_tokens: num_new,
-                num_samples: if caught_up { 1 + request.num_pending_forks } else { 0 },
-                is_decode: is_decode && start >= request.num_prompt_tokens,
+                num_samples: if caught_up { 1 + seq.num_pending_forks } else { 0 },
+                is_decode: is_decode && start >= seq.num_prompt_tokens,
             });
             index += 1;
         }
@@ -369,12 +395,12 @@ impl Scheduler {
     /// Appends each sampled token (one per `logits_indices` row of the last schedule, in
     /// order) to its sequence, forks `n > 1` requests whose prompt just finished, applies
     /// stop conditions and frees what finished. Call it after every `schedule`, even an
-    /// empty one: it also delivers requests `schedule` ended on its own.
+    /// empty one: it also delivers sequences `schedule` ended on its own.
     ///
-    /// Returns those requests first (no token, no logits row), then one update per
+    /// Returns those sequences first (no token, no logits row), then one update per
     /// sequence that got a token, in logits-row order. A sequence aborted or finished by
     /// the caller since `schedule` gets nothing: its rows are dropped.
-    pub fn update_from_output(&mut self, sampled_token_ids: &[u32]) -> Result<Vec<RequestUpdate>> {
+    pub fn update_from_output(&mut self, sampled_token_ids: &[u32]) -> Result<Vec<SequenceUpdate>> {
         let num_rows: usize = self.last_logits_owners.iter().map(|&(_, rows)| rows).sum();
         if sampled_token_ids.len() != num_rows {
             return Err(Error::InvalidArgument(format!(
@@ -391,7 +417,7 @@ impl Scheduler {
             let first_row = next_row;
             next_row += num_rows;
             // A sequence aborted (or finished) since `schedule` drops its rows.
-            if !self.requests.contains(id) {
+            if !self.sequences.contains(id) {
                 continue;
             }
             // NOTE: fork before the parent's token is appended: the children start from
@@ -412,9 +438,9 @@ impl Scheduler {
 
     /// Whether a running sequence lacks exactly one token (a decode, or the last token of
     /// a prefill: either way one token that will be sampled from).
-    fn is_decode(&self, id: &RequestId) -> bool {
-        let request = &self.requests[*id];
-        request.num_tokens - request.num_computed_tokens == 1
+    fn is_decode(&self, id: &SequenceId) -> bool {
+        let seq = &self.sequences[*id];
+        seq.num_tokens - seq.num_computed_tokens == 1
     }
 
     /// Tokens a sequence lacking `remaining` may compute within `budget`.
@@ -432,7 +458,7 @@ impl Scheduler {
     /// running list until it fits. Returns false when `id` itself left the running list.
     fn allocate_or_preempt(
         &mut self,
-        id: RequestId,
+        id: SequenceId,
         num_new: usize,
         num_decodes_behind: &mut usize,
         changes: &mut StepChanges,
@@ -469,13 +495,13 @@ impl Scheduler {
         changes: &mut StepChanges,
     ) -> Result<()> {
         while let Some((&key, &id)) = self.waiting.first_key_value() {
-            let num_seats = 1 + self.requests[id].num_pending_forks;
+            let num_seats = 1 + self.sequences[id].num_pending_forks;
             let seats_in_use = self.running.len() + admission.num_fork_seats;
             if seats_in_use + num_seats > self.config.max_num_seqs || admission.budget == 0 {
                 break;
             }
             let num_cached = self.kv.get_computed_blocks(id)?;
-            let remaining = self.requests[id].num_tokens - num_cached;
+            let remaining = self.sequences[id].num_tokens - num_cached;
             let num_new = self.cap_chunk(remaining, admission.budget, false);
             let is_partial = num_new < remaining;
             if is_partial && admission.num_partial_prefills >= self.config.max_num_partial_prefills
@@ -495,32 +521,36 @@ impl Scheduler {
             admission.budget -= num_new;
             admission.num_partial_prefills += usize::from(is_partial);
             admission.num_fork_seats += num_seats - 1;
-            let request = self.requests.get_mut(id).expect("waiting");
-            request.status = RequestStatus::Running;
-            request.num_computed_tokens = num_cached + num_new;
+            let seq = self.sequences.get_mut(id).expect("waiting");
+            seq.status = SequenceStatus::Running;
+            seq.num_computed_tokens = num_cached + num_new;
+            // NOTE: set once, as vLLM reports it: a preempted sequence that finds its
+            // prefix again when it is readmitted does not change it.
+            let request = self.requests.get_mut(&seq.request).expect("live request");
+            request.num_cached_tokens.get_or_insert(num_cached);
             scheduled.push(ScheduledSeq {
                 id,
-                group: request.group,
-                choice_index: request.choice_index,
+                request: seq.request,
+                choice_index: seq.choice_index,
                 start: num_cached,
                 num_tokens: num_new,
                 num_samples: if is_partial { 0 } else { num_seats },
                 is_decode: false,
             });
-            let position = self.running.partition_point(|other| self.requests[*other].key < key);
+            let position = self.running.partition_point(|other| self.sequences[*other].key < key);
             self.running.insert(position, id);
         }
         Ok(())
     }
 
     /// Frees a running sequence's blocks and requeues it, tokens kept, to recompute.
-    fn preempt(&mut self, id: RequestId) -> Result<()> {
+    fn preempt(&mut self, id: SequenceId) -> Result<()> {
         self.kv.reset(id)?;
-        let request = self.requests.get_mut(id).expect("running");
-        request.status = RequestStatus::Preempted;
-        request.num_computed_tokens = 0;
-        request.num_preemptions += 1;
-        let key = request.key;
+        let seq = self.sequences.get_mut(id).expect("running");
+        seq.status = SequenceStatus::Preempted;
+        seq.num_computed_tokens = 0;
+        seq.num_preemptions += 1;
+        let key = seq.key;
         self.running.retain(|&other| other != id);
         self.waiting.insert(key, id);
         self.stats.num_preemptions_total += 1;
@@ -529,25 +559,25 @@ impl Scheduler {
 
     /// Forks `num_forks` children off a sequence whose prompt was just computed; they share
     /// its blocks and sort right after it.
-    fn fork(&mut self, parent: RequestId, num_forks: usize) -> Result<Vec<RequestId>> {
+    fn fork(&mut self, parent: SequenceId, num_forks: usize) -> Result<Vec<SequenceId>> {
         let mut children = Vec::with_capacity(num_forks);
         for _ in 0..num_forks {
             let child = self.kv.fork(parent)?;
-            let sequence = self.take_sequence();
-            let mut request = self.requests[parent].clone();
-            let group = self.groups.get_mut(&request.group).expect("live group");
-            request.id = child;
-            request.choice_index = group.members.len();
-            request.num_pending_forks = 0;
-            request.key.sequence = sequence;
-            group.members.push(child);
-            let key = request.key;
-            self.requests.insert(request);
-            let position = self.running.partition_point(|other| self.requests[*other].key < key);
+            let arrival_order = self.take_arrival_order();
+            let mut seq = self.sequences[parent].clone();
+            let request = self.requests.get_mut(&seq.request).expect("live request");
+            seq.id = child;
+            seq.choice_index = request.choices.len();
+            seq.num_pending_forks = 0;
+            seq.key.arrival_order = arrival_order;
+            request.choices.push(child);
+            let key = seq.key;
+            self.sequences.insert(seq);
+            let position = self.running.partition_point(|other| self.sequences[*other].key < key);
             self.running.insert(position, child);
             children.push(child);
         }
-        self.requests.get_mut(parent).expect("live").num_pending_forks = 0;
+        self.sequences.get_mut(parent).expect("live").num_pending_forks = 0;
         Ok(children)
     }
 
@@ -555,23 +585,20 @@ impl Scheduler {
     /// a stop condition holds.
     fn append_token(
         &mut self,
-        id: RequestId,
+        id: SequenceId,
         token: u32,
         logits_row: usize,
-    ) -> Result<RequestUpdate> {
+    ) -> Result<SequenceUpdate> {
         self.kv.append_token_ids(id, &[token])?;
         let max_model_len = self.config.max_model_len;
-        let request = self.requests.get_mut(id).expect("live");
-        request.num_tokens += 1;
-        let finish_reason = request.stop.check(
-            token,
-            request.num_output_tokens(),
-            request.num_tokens,
-            max_model_len,
-        );
-        let update = RequestUpdate {
-            group: request.group,
-            choice_index: request.choice_index,
+        let seq = self.sequences.get_mut(id).expect("live");
+        seq.num_tokens += 1;
+        let finish_reason =
+            seq.stop.check(token, seq.num_output_tokens(), seq.num_tokens, max_model_len);
+        let update = SequenceUpdate {
+            request: seq.request,
+            num_cached_tokens: self.requests[&seq.request].reported_num_cached_tokens(),
+            choice_index: seq.choice_index,
             new_token_id: Some(token),
             logits_row: Some(logits_row),
             finish_reason,
@@ -584,11 +611,12 @@ impl Scheduler {
 
     /// Ends a sequence that can never fit the KV cache, from `schedule`; the next
     /// `update_from_output` reports it.
-    fn end_for_capacity(&mut self, id: RequestId) -> Result<()> {
-        let request = &self.requests[id];
-        self.pending_updates.push(RequestUpdate {
-            group: request.group,
-            choice_index: request.choice_index,
+    fn end_for_capacity(&mut self, id: SequenceId) -> Result<()> {
+        let seq = &self.sequences[id];
+        self.pending_updates.push(SequenceUpdate {
+            request: seq.request,
+            num_cached_tokens: self.requests[&seq.request].reported_num_cached_tokens(),
+            choice_index: seq.choice_index,
             new_token_id: None,
             logits_row: None,
             finish_reason: Some(FinishReason::Capacity),
@@ -596,39 +624,41 @@ impl Scheduler {
         self.release(id)
     }
 
-    /// Frees a finished sequence's blocks and forgets it (and its group once empty).
-    fn release(&mut self, id: RequestId) -> Result<()> {
+    /// Frees a finished sequence's blocks and forgets it (and its request once no choice
+    /// is left).
+    fn release(&mut self, id: SequenceId) -> Result<()> {
         self.kv.free(id)?;
-        let request = self.requests.remove(id).expect("live");
-        match request.status {
-            RequestStatus::Running => self.running.retain(|&other| other != id),
-            RequestStatus::Waiting | RequestStatus::Preempted => {
-                self.waiting.remove(&request.key);
+        let seq = self.sequences.remove(id).expect("live");
+        match seq.status {
+            SequenceStatus::Running => self.running.retain(|&other| other != id),
+            SequenceStatus::Waiting | SequenceStatus::Preempted => {
+                self.waiting.remove(&seq.key);
             }
         }
-        let group = self.groups.get_mut(&request.group).expect("live group");
+        let request = self.requests.get_mut(&seq.request).expect("live request");
         // Forks that will now never happen are finished along with their parent.
-        group.num_live -= 1 + request.num_pending_forks;
-        if group.num_live == 0 {
-            self.remove_group(request.group);
+        request.num_live -= 1 + seq.num_pending_forks;
+        if request.num_live == 0 {
+            self.remove_request(seq.request);
         }
         Ok(())
     }
 
-    fn remove_group(&mut self, group: u64) {
-        if let Some(removed) = self.groups.remove(&group) {
-            self.external_id_to_group.remove(&removed.external_id);
+    fn remove_request(&mut self, handle: u64) {
+        if let Some(removed) = self.requests.remove(&handle) {
+            self.external_id_to_request.remove(&removed.external_id);
         }
     }
 
-    fn group_of(&self, external_id: &str) -> Result<u64> {
-        self.group(external_id).ok_or_else(|| Error::UnknownRequest(external_id.to_owned()))
+    fn handle_of(&self, external_id: &str) -> Result<u64> {
+        self.request_handle(external_id)
+            .ok_or_else(|| Error::UnknownRequest(external_id.to_owned()))
     }
 
-    fn take_sequence(&mut self) -> u64 {
-        let sequence = self.next_sequence;
-        self.next_sequence += 1;
-        sequence
+    fn take_arrival_order(&mut self) -> u64 {
+        let arrival_order = self.next_arrival_order;
+        self.next_arrival_order += 1;
+        arrival_order
     }
 }
 

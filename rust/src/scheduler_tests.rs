@@ -2,7 +2,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::*;
-use crate::request::StopConditions;
+use crate::sequence::StopConditions;
 
 fn config(num_blocks: usize, max_num_batched_tokens: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -18,7 +18,6 @@ fn config(num_blocks: usize, max_num_batched_tokens: usize) -> SchedulerConfig {
 fn params(max_tokens: usize) -> RequestParams {
     RequestParams {
         stop: StopConditions { max_tokens, ..Default::default() },
-        n: 1,
         ..Default::default()
     }
 }
@@ -28,7 +27,7 @@ fn prompt(len: usize, first: u32) -> Vec<u32> {
 }
 
 /// One step with a fake model that samples `token` for every logits row.
-fn step(s: &mut Scheduler, token: u32) -> (SchedulerOutput, Vec<RequestUpdate>) {
+fn step(s: &mut Scheduler, token: u32) -> (SchedulerOutput, Vec<SequenceUpdate>) {
     let out = s.schedule().unwrap();
     let sampled = vec![token; out.logits_indices.len()];
     let updates = s.update_from_output(&sampled).unwrap();
@@ -76,7 +75,7 @@ fn output_arrays_describe_the_batch() {
     assert_eq!(out.input_token_ids, vec![10, 11, 12, 13, 14, 15]);
     assert_eq!(out.query_start_loc, vec![0, 6]);
     assert_eq!(out.context_lens, vec![6]);
-    let table = s.kv_cache().block_table(out.request_ids[0]).unwrap().to_vec();
+    let table = s.kv_cache().block_table(out.sequence_ids[0]).unwrap().to_vec();
     let slot = |p: usize| (table[p / 4].0 as usize * 4 + p % 4) as i64;
     assert_eq!(out.slot_mapping, (0..6).map(slot).collect::<Vec<_>>());
     assert_eq!(out.block_table_width, 2);
@@ -104,7 +103,7 @@ fn decodes_are_never_starved_by_a_long_prefill() {
         assert!(out.num_batched_tokens() <= 16);
     }
     // The long prompt advances with whatever the decodes leave.
-    let long = s.requests.iter().find(|r| r.num_prompt_tokens == 400).unwrap();
+    let long = s.sequences.iter().find(|r| r.num_prompt_tokens == 400).unwrap();
     assert!(long.num_computed_tokens >= 100);
 }
 
@@ -134,7 +133,7 @@ fn priority_policy_admits_lower_values_first() {
     let mut order = Vec::new();
     while s.has_unfinished_requests() {
         let out = s.schedule().unwrap();
-        order.extend(out.groups.iter().map(|&g| s.external_id(g).unwrap().to_string()));
+        order.extend(out.requests.iter().map(|&g| s.external_id(g).unwrap().to_string()));
         s.update_from_output(&vec![1; out.logits_indices.len()]).unwrap();
     }
     assert_eq!(order, vec!["high", "mid", "low"]);
@@ -146,9 +145,12 @@ fn fcfs_ignores_priority_and_keeps_arrival_order() {
     s.add_request("first", &prompt(8, 0), RequestParams { priority: 9, ..params(1) }).unwrap();
     s.add_request("second", &prompt(8, 50), RequestParams { priority: -9, ..params(1) }).unwrap();
     let (out, _) = step(&mut s, 1);
-    assert_eq!(s.external_id(out.groups[0]).map(|id| id.to_string()), None, "finished");
+    assert_eq!(s.external_id(out.requests[0]).map(|id| id.to_string()), None, "finished");
     assert_eq!(s.num_waiting(), 1);
-    assert_eq!(s.external_id(s.requests.iter().next().unwrap().group).unwrap().as_ref(), "second");
+    assert_eq!(
+        s.external_id(s.sequences.iter().next().unwrap().request).unwrap().as_ref(),
+        "second"
+    );
 }
 
 #[test]
@@ -165,14 +167,14 @@ fn preemption_frees_blocks_resumes_with_the_same_tokens_and_is_counted() {
         token += 1;
         let (out, updates) = step(&mut s, token);
         for &id in &out.preempted {
-            let (group, _) = s.sequence_of(id).expect("preempted sequences stay queued");
-            let name = s.external_id(group).unwrap().to_string();
-            seen_preempted_status |= s.status(&name, 0) == Ok(RequestStatus::Preempted);
+            let (request, _) = s.sequence_of(id).expect("preempted sequences stay queued");
+            let name = s.external_id(request).unwrap().to_string();
+            seen_preempted_status |= s.status(&name, 0) == Ok(SequenceStatus::Preempted);
             preempted.push(name);
         }
         for update in updates {
             texts
-                .entry((update.group, update.choice_index))
+                .entry((update.request, update.choice_index))
                 .or_default()
                 .extend(update.new_token_id);
         }
@@ -205,7 +207,7 @@ fn abort_in_every_state_frees_everything() {
     let updates = s.update_from_output(&vec![1; out.logits_indices.len()]).unwrap();
     assert!(updates
         .iter()
-        .all(|u| s.external_id(u.group).map(|id| id.as_ref()) != Some("running")));
+        .all(|u| s.external_id(u.request).map(|id| id.as_ref()) != Some("running")));
     s.abort_request("partial").unwrap();
     s.abort_request("waiting").unwrap();
     assert!(!s.has_unfinished_requests());
@@ -249,6 +251,107 @@ fn prefix_hits_skip_compute() {
 }
 
 #[test]
+fn num_cached_tokens_is_the_prefix_hit_when_first_scheduled() {
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    s.add_request("first", &prompt(18, 0), params(2)).unwrap();
+    let (_, updates) = step(&mut s, 1);
+    assert_eq!(updates[0].num_cached_tokens, 0, "nothing was cached yet");
+    run_to_completion(&mut s);
+    // The same prompt again: its first 4 full blocks are cached (never its last token).
+    s.add_request("again", &prompt(18, 0), RequestParams { n: 3, ..params(2) }).unwrap();
+    s.add_request("fresh", &prompt(18, 500), params(2)).unwrap();
+    let (again, fresh) = (s.request_handle("again").unwrap(), s.request_handle("fresh").unwrap());
+    let mut again_rows = Vec::new();
+    let mut fresh_rows = Vec::new();
+    while s.has_unfinished_requests() {
+        for update in step(&mut s, 1).1 {
+            let row = (update.choice_index, update.num_cached_tokens);
+            if update.request == again {
+                again_rows.push(row);
+            } else if update.request == fresh {
+                fresh_rows.push(row);
+            }
+        }
+    }
+    // Two tokens for each of the three choices, each row with the request's hit.
+    again_rows.sort();
+    assert_eq!(again_rows, vec![(0, 16), (0, 16), (1, 16), (1, 16), (2, 16), (2, 16)]);
+    assert_eq!(fresh_rows, vec![(0, 0), (0, 0)]);
+}
+
+#[test]
+fn num_cached_tokens_is_kept_through_preemption() {
+    // As in the preemption test: "new" is preempted and recomputed, finding its own
+    // prefix cached when it is readmitted, yet it keeps reporting its first hit (none).
+    let mut s = Scheduler::new(config(6, 64)).unwrap();
+    s.add_request("old", &prompt(8, 0), params(12)).unwrap();
+    s.add_request("new", &prompt(8, 100), params(12)).unwrap();
+    let new = s.request_handle("new").unwrap();
+    let mut num_preempted = 0;
+    while s.has_unfinished_requests() {
+        let (out, updates) = step(&mut s, 1);
+        num_preempted += out.preempted.len();
+        assert!(updates.iter().all(|u| u.num_cached_tokens == 0));
+        if let Some(num_cached) = s.num_cached_tokens(new) {
+            assert_eq!(num_cached, 0);
+        }
+    }
+    assert!(num_preempted > 0);
+    assert!(s.stats().prefix_cache_hits > 0, "the recomputation found its prefix cached");
+}
+
+#[test]
+fn a_prompt_of_max_model_len_tokens_generates_one_token() {
+    let cfg = SchedulerConfig { max_model_len: 16, ..config(64, 64) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request("full", &prompt(16, 0), params(100)).unwrap();
+    let (out, updates) = step(&mut s, 1);
+    assert!(out.positions.iter().all(|&p| p < 16), "every computed position is < 16");
+    assert_eq!(updates.len(), 1);
+    assert_eq!(updates[0].new_token_id, Some(1));
+    assert_eq!(updates[0].finish_reason, Some(FinishReason::Length));
+    assert!(!s.has_unfinished_requests());
+    // A shorter prompt stops once prompt and output together reach max_model_len.
+    s.add_request("short", &prompt(10, 0), params(100)).unwrap();
+    let mut num_generated = 0;
+    while s.has_unfinished_requests() {
+        let (out, updates) = step(&mut s, 1);
+        assert!(out.positions.iter().all(|&p| p < 16));
+        num_generated += updates.len();
+    }
+    assert_eq!(num_generated, 6);
+}
+
+#[test]
+fn a_prompt_longer_than_max_model_len_is_refused_naming_both_lengths() {
+    let cfg = SchedulerConfig { max_model_len: 16, ..config(64, 64) };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let err = s.add_request("long", &prompt(17, 0), params(1)).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)));
+    assert_eq!(
+        err.to_string(),
+        "the prompt has 17 tokens; max_model_len is 16 (prompt and output together)"
+    );
+    assert!(!s.has_unfinished_requests());
+    assert_eq!(s.request_handle("long"), None);
+}
+
+#[test]
+fn default_request_params_ask_for_one_choice() {
+    let defaults = RequestParams::default();
+    assert_eq!(defaults.n, 1);
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    s.add_request("plain", &prompt(3, 0), RequestParams::default()).unwrap();
+    let mut num_generated = 0;
+    while s.has_unfinished_requests() {
+        let (_, updates) = step(&mut s, 1);
+        assert!(updates.iter().all(|u| u.choice_index == 0));
+        num_generated += updates.len();
+    }
+    assert_eq!(num_generated, defaults.stop.max_tokens);
+}
+
+#[test]
 fn n_choices_prefill_once_then_fork_and_decode_independently() {
     let mut s = Scheduler::new(config(64, 64)).unwrap();
     s.add_request("multi", &prompt(6, 0), RequestParams { n: 3, ..params(4) }).unwrap();
@@ -274,7 +377,6 @@ fn stop_conditions_end_requests_and_free_their_blocks() {
     let mut s = Scheduler::new(config(64, 64)).unwrap();
     let eos = RequestParams {
         stop: StopConditions { max_tokens: 10, eos_token_id: Some(2), ..Default::default() },
-        n: 1,
         ..Default::default()
     };
     s.add_request("eos", &prompt(3, 0), eos).unwrap();
@@ -311,9 +413,9 @@ fn a_finish_the_caller_decided_is_not_echoed() {
     // Between steps, and between `schedule` and `update_from_output` (its row is dropped).
     s.finish_request("stopped", 0).unwrap();
     let (out, updates) = step(&mut s, 1);
-    assert_eq!(out.request_ids.len(), 1);
+    assert_eq!(out.sequence_ids.len(), 1);
     let names: Vec<&str> =
-        updates.iter().map(|u| s.external_id(u.group).unwrap().as_ref()).collect();
+        updates.iter().map(|u| s.external_id(u.request).unwrap().as_ref()).collect();
     assert_eq!(names, vec!["other"]);
     let out = s.schedule().unwrap();
     s.finish_request("other", 0).unwrap();
@@ -328,7 +430,7 @@ fn nothing_more_is_reported_about_an_aborted_request() {
     s.add_request("r", &prompt(3, 0), RequestParams { n: 2, ..params(10) }).unwrap();
     step(&mut s, 1);
     // As if `schedule` had ended choice 1 for capacity while choice 0 lives on.
-    let child = s.groups.values().next().unwrap().members[1];
+    let child = s.requests.values().next().unwrap().choices[1];
     s.end_for_capacity(child).unwrap();
     s.abort_request("r").unwrap();
     assert!(!s.has_unfinished_requests());
@@ -367,7 +469,7 @@ fn updates_name_the_logits_row_of_their_token() {
         let row = update.logits_row.unwrap();
         assert_eq!(update.new_token_id, Some(20 + row as u32));
         assert_eq!(out.logits_choice_indices[row], update.choice_index as i32);
-        assert_eq!(out.groups[out.logits_request_indices[row] as usize], update.group);
+        assert_eq!(out.requests[out.logits_request_indices[row] as usize], update.request);
     }
     // A sequence `schedule` ends on its own got no token, so it has no row.
     let mut s = Scheduler::new(config(4, 64)).unwrap();
@@ -445,7 +547,7 @@ fn randomized_simulation_keeps_invariants_and_ends_with_every_block_free() {
         }
         let out = s.schedule().unwrap();
         assert!(out.num_batched_tokens() <= 32);
-        assert!(out.request_ids.len() <= 12);
+        assert!(out.sequence_ids.len() <= 12);
         assert_eq!(
             out.query_start_loc.last().copied().unwrap_or(0) as usize,
             out.num_batched_tokens()
@@ -462,6 +564,6 @@ fn randomized_simulation_keeps_invariants_and_ends_with_every_block_free() {
     assert!(s.stats().num_preemptions_total > 0, "memory was never tight");
     assert!(s.stats().prefix_cache_hits > 0);
     assert_eq!(s.kv_cache().num_free_blocks(), 40);
-    assert_eq!(s.kv_cache().num_requests(), 0);
-    assert!(s.groups.is_empty() && s.external_id_to_group.is_empty());
+    assert_eq!(s.kv_cache().num_sequences(), 0);
+    assert!(s.requests.is_empty() && s.external_id_to_request.is_empty());
 }

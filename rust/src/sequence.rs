@@ -1,11 +1,12 @@
-//! A request as the scheduler sees it: its stop conditions, its ordering key and its state.
-//! Its tokens and blocks live in the `KVCacheManager`, under the same `RequestId`.
+//! A sequence as the scheduler sees it: one choice of a caller's request, with its stop
+//! conditions, its ordering key and its state. Its tokens and blocks live in the
+//! `KVCacheManager`, under the same `SequenceId`.
 
 use std::cmp::Ordering;
 
-use crate::kv_cache_manager::RequestId;
+use crate::kv_cache_manager::SequenceId;
 
-/// Why a request ended.
+/// Why a sequence ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
     /// EOS or a stop token (or, from Python, a stop string).
@@ -14,7 +15,7 @@ pub enum FinishReason {
     Length,
     /// Aborted by the caller (e.g. the client disconnected).
     Abort,
-    /// The request outgrew the whole KV cache: even alone it cannot get the blocks it
+    /// The sequence outgrew the whole KV cache: even alone it cannot get the blocks it
     /// needs, so retrying would loop forever.
     Capacity,
 }
@@ -63,25 +64,25 @@ impl FinishReason {
     }
 }
 
-/// Where a live request is in its life (a finished one is forgotten, its `FinishReason`
+/// Where a live sequence is in its life (a finished one is forgotten, its `FinishReason`
 /// reported once).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RequestStatus {
+pub enum SequenceStatus {
     /// Queued, never run.
     Waiting,
     /// Holding blocks and scheduled each step.
     Running,
-    /// Was running, lost its blocks to a higher-priority request; queued to recompute.
+    /// Was running, lost its blocks to a higher-priority sequence; queued to recompute.
     Preempted,
 }
 
-impl RequestStatus {
+impl SequenceStatus {
     /// The name Python sees (`"waiting"`, `"running"`, `"preempted"`).
     pub fn as_str(self) -> &'static str {
         match self {
-            RequestStatus::Waiting => "waiting",
-            RequestStatus::Running => "running",
-            RequestStatus::Preempted => "preempted",
+            SequenceStatus::Waiting => "waiting",
+            SequenceStatus::Running => "running",
+            SequenceStatus::Preempted => "preempted",
         }
     }
 }
@@ -91,11 +92,11 @@ impl RequestStatus {
 pub struct StopConditions {
     /// Most tokens to generate.
     pub max_tokens: usize,
-    /// Fewest tokens to generate before EOS or a stop token may end the request.
+    /// Fewest tokens to generate before EOS or a stop token may end the sequence.
     pub min_tokens: usize,
     /// The model's end-of-sequence token, if any.
     pub eos_token_id: Option<u32>,
-    /// More tokens that end the request (kept in the output).
+    /// More tokens that end the sequence (kept in the output).
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past EOS.
     pub ignore_eos: bool,
@@ -115,7 +116,7 @@ impl Default for StopConditions {
 
 impl StopConditions {
     /// Whether generation ends after `token` became the `num_output_tokens`-th output
-    /// token of a request that now holds `num_tokens` tokens.
+    /// token of a sequence that now holds `num_tokens` tokens.
     pub fn check(
         &self,
         token: u32,
@@ -137,15 +138,15 @@ impl StopConditions {
 }
 
 /// Order of admission and (reversed) of preemption: lower priority value first, then
-/// earlier arrival, then earlier `add_request`.
+/// earlier arrival, then earlier `add_request` (or fork).
 #[derive(Debug, Clone, Copy)]
 pub struct QueueKey {
-    /// The request's priority (always 0 under FCFS).
+    /// Its request's priority (always 0 under FCFS).
     pub priority: i64,
     /// Caller-given arrival time.
     pub arrival_time: f64,
-    /// Position in `add_request` order; breaks every tie.
-    pub sequence: u64,
+    /// Position in the order of `add_request` calls and forks; breaks every tie.
+    pub arrival_order: u64,
 }
 
 impl PartialEq for QueueKey {
@@ -167,26 +168,28 @@ impl Ord for QueueKey {
         self.priority
             .cmp(&other.priority)
             .then(self.arrival_time.total_cmp(&other.arrival_time))
-            .then(self.sequence.cmp(&other.sequence))
+            .then(self.arrival_order.cmp(&other.arrival_order))
     }
 }
 
-/// One sequence the scheduler runs. A request with `n > 1` is one `Request` until its
-/// prompt is computed, then `n` (the parent is choice 0, forks are choices 1..n).
+/// One sequence the scheduler runs: one choice of a caller's request. A request with
+/// `n > 1` has one `Sequence` until its prompt is computed, then `n` (the parent is
+/// choice 0, forks are choices 1..n).
 #[derive(Debug, Clone)]
-pub struct Request {
+pub struct Sequence {
     /// Handle shared with the `KVCacheManager`.
-    pub id: RequestId,
-    /// Index of the caller's request this sequence belongs to (see `Scheduler::groups`).
-    pub group: u64,
-    /// Which of the group's `n` choices this is.
+    pub id: SequenceId,
+    /// Handle of the caller's request this sequence is a choice of (see
+    /// `Scheduler::request_handle`).
+    pub request: u64,
+    /// Which of the request's `n` choices this is.
     pub choice_index: usize,
     /// Choices still to be forked off when the prompt is done (`n - 1`, then 0).
     pub num_pending_forks: usize,
     /// Where it sorts in the queues.
     pub key: QueueKey,
     /// Waiting, running or preempted.
-    pub status: RequestStatus,
+    pub status: SequenceStatus,
     /// Prompt length in tokens.
     pub num_prompt_tokens: usize,
     /// Prompt plus generated tokens.
@@ -195,14 +198,82 @@ pub struct Request {
     pub num_computed_tokens: usize,
     /// When to stop.
     pub stop: StopConditions,
-    /// Times this request was preempted.
+    /// Times this sequence was preempted.
     pub num_preemptions: u32,
 }
 
-impl Request {
+impl Sequence {
     /// Tokens generated so far.
     pub fn num_output_tokens(&self) -> usize {
         self.num_tokens - self.num_prompt_tokens
+    }
+}
+
+/// Live sequences indexed by their `SequenceId`'s slot: lookups are array accesses.
+#[derive(Debug, Default)]
+pub struct SequenceTable {
+    /// Entry `i` holds the live sequence whose id has slot `i`, if any.
+    entries: Vec<Option<Sequence>>,
+    /// Live sequences.
+    len: usize,
+}
+
+impl SequenceTable {
+    /// The live sequence `id`, if it is live.
+    pub fn get(&self, id: SequenceId) -> Option<&Sequence> {
+        self.entries.get(id.index())?.as_ref().filter(|seq| seq.id == id)
+    }
+
+    /// The live sequence `id`, mutably.
+    pub fn get_mut(&mut self, id: SequenceId) -> Option<&mut Sequence> {
+        self.entries.get_mut(id.index())?.as_mut().filter(|seq| seq.id == id)
+    }
+
+    /// Whether `id` is live.
+    pub fn contains(&self, id: SequenceId) -> bool {
+        self.get(id).is_some()
+    }
+
+    /// Stores a sequence under its id's slot (which must be free).
+    pub fn insert(&mut self, seq: Sequence) {
+        let index = seq.id.index();
+        if self.entries.len() <= index {
+            self.entries.resize_with(index + 1, || None);
+        }
+        debug_assert!(self.entries[index].is_none(), "slot {index} taken");
+        self.entries[index] = Some(seq);
+        self.len += 1;
+    }
+
+    /// Takes a live sequence out.
+    pub fn remove(&mut self, id: SequenceId) -> Option<Sequence> {
+        self.get(id)?;
+        self.len -= 1;
+        self.entries[id.index()].take()
+    }
+
+    /// Number of live sequences.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no sequence is live.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Every live sequence, in slot order.
+    pub fn iter(&self) -> impl Iterator<Item = &Sequence> {
+        self.entries.iter().flatten()
+    }
+}
+
+impl std::ops::Index<SequenceId> for SequenceTable {
+    type Output = Sequence;
+
+    /// The live sequence `id`; the scheduler only indexes ids it knows are live.
+    fn index(&self, id: SequenceId) -> &Sequence {
+        self.get(id).expect("a live sequence id")
     }
 }
 
@@ -239,79 +310,15 @@ mod tests {
     }
 
     #[test]
-    fn queue_key_orders_by_priority_then_arrival_then_sequence() {
-        let key = |priority, arrival_time, sequence| QueueKey { priority, arrival_time, sequence };
+    fn queue_key_orders_by_priority_then_arrival_then_add_order() {
+        let key = |priority, arrival_time, arrival_order| QueueKey {
+            priority,
+            arrival_time,
+            arrival_order,
+        };
         let mut keys = [key(1, 0.0, 0), key(0, 2.0, 1), key(0, 1.0, 3), key(0, 1.0, 2)];
         keys.sort();
-        let order: Vec<u64> = keys.iter().map(|k| k.sequence).collect();
+        let order: Vec<u64> = keys.iter().map(|k| k.arrival_order).collect();
         assert_eq!(order, vec![2, 3, 1, 0]);
-    }
-}
-
-/// Live sequences indexed by their `RequestId`'s slot: lookups are array accesses.
-#[derive(Debug, Default)]
-pub struct RequestTable {
-    /// Entry `i` holds the live sequence whose id has slot `i`, if any.
-    entries: Vec<Option<Request>>,
-    /// Live sequences.
-    len: usize,
-}
-
-impl RequestTable {
-    /// The live sequence `id`, if it is live.
-    pub fn get(&self, id: RequestId) -> Option<&Request> {
-        self.entries.get(id.index())?.as_ref().filter(|request| request.id == id)
-    }
-
-    /// The live sequence `id`, mutably.
-    pub fn get_mut(&mut self, id: RequestId) -> Option<&mut Request> {
-        self.entries.get_mut(id.index())?.as_mut().filter(|request| request.id == id)
-    }
-
-    /// Whether `id` is live.
-    pub fn contains(&self, id: RequestId) -> bool {
-        self.get(id).is_some()
-    }
-
-    /// Stores a sequence under its id's slot (which must be free).
-    pub fn insert(&mut self, request: Request) {
-        let index = request.id.index();
-        if self.entries.len() <= index {
-            self.entries.resize_with(index + 1, || None);
-        }
-        debug_assert!(self.entries[index].is_none(), "slot {index} taken");
-        self.entries[index] = Some(request);
-        self.len += 1;
-    }
-
-    /// Takes a live sequence out.
-    pub fn remove(&mut self, id: RequestId) -> Option<Request> {
-        self.get(id)?;
-        self.len -= 1;
-        self.entries[id.index()].take()
-    }
-
-    /// Number of live sequences.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether no sequence is live.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Every live sequence, in slot order.
-    pub fn iter(&self) -> impl Iterator<Item = &Request> {
-        self.entries.iter().flatten()
-    }
-}
-
-impl std::ops::Index<RequestId> for RequestTable {
-    type Output = Request;
-
-    /// The live sequence `id`; the scheduler only indexes ids it knows are live.
-    fn index(&self, id: RequestId) -> &Request {
-        self.get(id).expect("a live request id")
     }
 }

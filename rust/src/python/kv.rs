@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 
 use super::{name_request, to_count, to_py_err, to_token_ids};
 use crate::error::Error;
-use crate::kv_cache_manager::{KVCacheManager, KVCacheStats, RequestId};
+use crate::kv_cache_manager::{KVCacheManager, KVCacheStats, SequenceId};
 
 /// Snapshot of the KV cache counters.
 #[pyclass(name = "KVCacheStats", module = "pagedrs._core", frozen, get_all)]
@@ -64,12 +64,12 @@ impl PyKVCacheStats {
 pub(super) struct PyKVCacheManager {
     /// The core.
     inner: KVCacheManager,
-    /// Python request id to the core's handle.
-    request_id_to_handle: HashMap<String, RequestId>,
+    /// Python request id to the core's handle of its sequence.
+    request_id_to_handle: HashMap<String, SequenceId>,
 }
 
 impl PyKVCacheManager {
-    fn handle(&self, request_id: &str) -> Result<RequestId, Error> {
+    fn handle(&self, request_id: &str) -> Result<SequenceId, Error> {
         self.request_id_to_handle
             .get(request_id)
             .copied()
@@ -128,7 +128,7 @@ impl PyKVCacheManager {
 
     #[getter]
     fn num_requests(&self) -> usize {
-        self.inner.num_requests()
+        self.inner.num_sequences()
     }
 
     fn usage(&self) -> f64 {
@@ -151,7 +151,7 @@ impl PyKVCacheManager {
             self.inner.block_size(),
             if self.inner.enable_prefix_caching() { "True" } else { "False" },
             self.inner.num_free_blocks(),
-            self.inner.num_requests()
+            self.inner.num_sequences()
         )
     }
 
@@ -166,7 +166,7 @@ impl PyKVCacheManager {
         let result = (|| {
             let token_ids = to_token_ids(prompt_token_ids)?;
             self.check_new(request_id)?;
-            let handle = self.inner.add_request(&token_ids, cache_salt)?;
+            let handle = self.inner.add_sequence(&token_ids, cache_salt)?;
             self.request_id_to_handle.insert(request_id.to_owned(), handle);
             Ok(())
         })();

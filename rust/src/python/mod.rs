@@ -5,14 +5,16 @@
 mod kv;
 mod scheduler;
 
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyTuple, PyType};
 
 use crate::error::Error;
-use crate::request::FinishReason;
+use crate::sequence::FinishReason;
 
-/// Raises `Error` as the matching `pagedrs.errors` class.
+/// Raises `Error` as the matching `pagedrs.errors` class (or, should that module fail to
+/// import, as the standard class it derives from, so callers catching `ValueError` or
+/// `KeyError` still do).
 pub(super) fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
     let class_name = match err {
         Error::InvalidArgument(_) => "InvalidArgumentError",
@@ -27,9 +29,13 @@ pub(super) fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
         .import("pagedrs.errors")
         .and_then(|module| module.getattr(class_name))
         .and_then(|class| class.cast_into::<PyType>().map_err(PyErr::from));
-    match class {
-        Ok(class) => PyErr::from_type(class, message),
-        Err(_) => PyRuntimeError::new_err(message),
+    match (class, err) {
+        (Ok(class), _) => PyErr::from_type(class, message),
+        (Err(_), Error::InvalidArgument(_) | Error::DuplicateRequest(_)) => {
+            PyValueError::new_err(message)
+        }
+        (Err(_), Error::UnknownRequest(_)) => PyKeyError::new_err(message),
+        (Err(_), _) => PyRuntimeError::new_err(message),
     }
 }
 

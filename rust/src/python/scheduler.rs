@@ -8,11 +8,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString};
 
 use super::{name_request, to_count, to_py_err, to_token_ids};
-use crate::batch::RequestUpdate;
+use crate::batch::SequenceUpdate;
 use crate::error::Error;
 use crate::metrics::SchedulerStats;
-use crate::request::{FinishReason, StopConditions};
 use crate::scheduler::{RequestParams, Scheduler, SchedulerConfig, SchedulingPolicy};
+use crate::sequence::{FinishReason, StopConditions};
 
 /// One step's batch. Every array is a fresh numpy array handed over without a copy.
 #[pyclass(name = "SchedulerOutput", module = "pagedrs._core", frozen, get_all)]
@@ -87,6 +87,10 @@ pub(super) struct PyStepUpdates {
     logits_rows: Py<PyArray1<i32>>,
     /// 0 while running, else 1 + the reason's index in `FINISH_REASONS`. `uint8 [k]`
     finish_codes: Py<PyArray1<u8>>,
+    /// Prompt tokens of the row's request served from the prefix cache, found when its
+    /// first sequence was first scheduled (the same on every row of the request; 0 for a
+    /// request never scheduled). `int64 [k]`
+    num_cached_tokens: Py<PyArray1<i64>>,
 }
 
 #[pymethods]
@@ -193,41 +197,45 @@ impl From<SchedulerStats> for PySchedulerStats {
 pub(super) struct PyScheduler {
     /// The core.
     inner: Scheduler,
-    /// Each live request's id as a Python string, so outputs reuse one object.
-    group_to_py_id: HashMap<u64, Py<PyString>>,
-    /// Requests the caller finished (`finish_request`) since the last `update_from_output`,
-    /// whose ids are forgotten there.
-    finished_groups: Vec<u64>,
+    /// Each live request's id (by the core's request handle) as a Python string, so
+    /// outputs reuse one object.
+    handle_to_py_id: HashMap<u64, Py<PyString>>,
+    /// Handles of requests the caller finished (`finish_request`) since the last
+    /// `update_from_output`, whose ids are forgotten there.
+    finished_handles: Vec<u64>,
 }
 
 impl PyScheduler {
-    fn py_id(&self, py: Python<'_>, group: u64) -> Py<PyString> {
-        match self.group_to_py_id.get(&group) {
+    fn py_id(&self, py: Python<'_>, handle: u64) -> Py<PyString> {
+        match self.handle_to_py_id.get(&handle) {
             Some(id) => id.clone_ref(py),
             None => PyString::new(py, "").unbind(),
         }
     }
 
     /// The updates as columns.
-    fn step_updates(&self, py: Python<'_>, updates: &[RequestUpdate]) -> PyResult<PyStepUpdates> {
+    fn step_updates(&self, py: Python<'_>, updates: &[SequenceUpdate]) -> PyResult<PyStepUpdates> {
         let num_rows = updates.len();
         let mut choice_indices = Vec::with_capacity(num_rows);
         let mut token_ids = Vec::with_capacity(num_rows);
         let mut logits_rows = Vec::with_capacity(num_rows);
         let mut finish_codes = Vec::with_capacity(num_rows);
+        let mut num_cached_tokens = Vec::with_capacity(num_rows);
         for update in updates {
             choice_indices.push(update.choice_index as i32);
             token_ids.push(update.new_token_id.map_or(-1, i64::from));
             logits_rows.push(update.logits_row.map_or(-1, |row| row as i32));
             finish_codes.push(update.finish_reason.map_or(0, FinishReason::code));
+            num_cached_tokens.push(update.num_cached_tokens as i64);
         }
-        let request_ids = updates.iter().map(|update| self.py_id(py, update.group));
+        let request_ids = updates.iter().map(|update| self.py_id(py, update.request));
         Ok(PyStepUpdates {
             request_ids: PyList::new(py, request_ids)?.unbind(),
             choice_indices: choice_indices.into_pyarray(py).unbind(),
             token_ids: token_ids.into_pyarray(py).unbind(),
             logits_rows: logits_rows.into_pyarray(py).unbind(),
             finish_codes: finish_codes.into_pyarray(py).unbind(),
+            num_cached_tokens: num_cached_tokens.into_pyarray(py).unbind(),
         })
     }
 
@@ -235,12 +243,12 @@ impl PyScheduler {
     /// them: those that ended with these updates, and those the caller finished since the
     /// last `update_from_output` (a capacity update of another choice may still have been
     /// pending then).
-    fn forget_finished(&mut self, updates: &[RequestUpdate]) {
+    fn forget_finished(&mut self, updates: &[SequenceUpdate]) {
         let finished = updates.iter().filter(|update| update.finish_reason.is_some());
-        let ended = finished.map(|update| update.group).chain(self.finished_groups.drain(..));
-        for group in ended {
-            if self.inner.external_id(group).is_none() {
-                self.group_to_py_id.remove(&group);
+        let ended = finished.map(|update| update.request).chain(self.finished_handles.drain(..));
+        for handle in ended {
+            if self.inner.external_id(handle).is_none() {
+                self.handle_to_py_id.remove(&handle);
             }
         }
     }
@@ -283,6 +291,7 @@ impl PyScheduler {
         max_num_partial_prefills = 1,
         namespace = "",
     ))]
+    // One parameter per Python keyword argument: the signature is the Python API.
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -317,7 +326,7 @@ impl PyScheduler {
             })
         };
         let inner = build().map_err(|err| to_py_err(py, err))?;
-        Ok(PyScheduler { inner, group_to_py_id: HashMap::new(), finished_groups: Vec::new() })
+        Ok(PyScheduler { inner, handle_to_py_id: HashMap::new(), finished_handles: Vec::new() })
     }
 
     /// Queues a request.
@@ -335,6 +344,7 @@ impl PyScheduler {
         cache_salt = None,
         arrival_time = None,
     ))]
+    // One parameter per Python keyword argument: the signature is the Python API.
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -373,17 +383,17 @@ impl PyScheduler {
             };
             self.inner.add_request(external_id, &prompt, params)
         })();
-        let group = result.map_err(|err| to_py_err(py, name_request(err, external_id)))?;
-        self.group_to_py_id.insert(group, request_id.clone().unbind());
+        let handle = result.map_err(|err| to_py_err(py, name_request(err, external_id)))?;
+        self.handle_to_py_id.insert(handle, request_id.clone().unbind());
         Ok(())
     }
 
     /// Ends a request (all its choices) now, freeing its blocks.
     fn abort_request(&mut self, py: Python<'_>, request_id: &str) -> PyResult<()> {
-        let group = self.inner.group(request_id);
+        let handle = self.inner.request_handle(request_id);
         self.inner.abort_request(request_id).map_err(|err| to_py_err(py, err))?;
-        if let Some(group) = group {
-            self.group_to_py_id.remove(&group);
+        if let Some(handle) = handle {
+            self.handle_to_py_id.remove(&handle);
         }
         Ok(())
     }
@@ -399,7 +409,7 @@ impl PyScheduler {
         reason: &str,
         index: i64,
     ) -> PyResult<()> {
-        let group = self.inner.group(request_id);
+        let handle = self.inner.request_handle(request_id);
         let result = (|| {
             if FinishReason::parse(reason).is_none() {
                 return Err(Error::InvalidArgument(format!(
@@ -409,23 +419,23 @@ impl PyScheduler {
             self.inner.finish_request(request_id, to_count(index, "index")?)
         })();
         result.map_err(|err| to_py_err(py, err))?;
-        self.finished_groups.extend(group);
+        self.finished_handles.extend(handle);
         Ok(())
     }
 
     /// Decides this step's batch.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
         let out = self.inner.schedule().map_err(|err| to_py_err(py, err))?;
-        let ids = out.groups.iter().map(|&group| self.py_id(py, group));
+        let ids = out.requests.iter().map(|&handle| self.py_id(py, handle));
         let request_ids = PyList::new(py, ids)?.unbind();
         let preempted = out
             .preempted
             .iter()
             .filter_map(|&id| self.inner.sequence_of(id))
-            .map(|(group, choice_index)| (self.py_id(py, group), choice_index));
+            .map(|(handle, choice_index)| (self.py_id(py, handle), choice_index));
         let preempted = PyList::new(py, preempted)?.unbind();
         let width = out.block_table_width;
-        let rows = out.request_ids.len();
+        let rows = out.sequence_ids.len();
         let block_tables = Array2::from_shape_vec((rows, width), out.block_tables)
             .map_err(|err| to_py_err(py, Error::InvariantViolation(err.to_string())))?;
         let copies: Vec<i64> = out
