@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -13,8 +13,23 @@ from pagedrs.engine.llm_engine import LLMEngine
 from pagedrs.outputs import RequestOutput
 from pagedrs.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 Prompt = str | list[int]
 Message = dict[str, str]
+
+
+def _is_one_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
+    """A string or a non-empty list of token ids is one prompt; anything else is a sequence of prompts."""
+    return isinstance(prompts, str) or (
+        isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts)
+    )
+
+
+def _is_one_conversation(messages: list[Message] | Sequence[list[Message]]) -> TypeIs[list[Message]]:
+    """Messages (dicts) are one conversation; anything else is a sequence of conversations."""
+    return bool(messages) and isinstance(messages[0], dict)
 
 
 class LLM:
@@ -41,11 +56,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for each prompt (text, or a list of token ids); outputs come back in the
         order of the prompts. All prompts are validated before any is queued."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [prompts] if _is_one_prompt(prompts) else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -73,7 +84,7 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Applies the checkpoint's chat template to one conversation or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = [messages] if _is_one_conversation(messages) else list(messages)
         prompts = [self.apply_chat_template(conversation, add_generation_prompt) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -128,17 +128,22 @@ class CpuAttentionMetadata:
         write_kv(key, value, key_cache, value_cache, self.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype)
         if self.kernel is not None:
-            self._attend_kernel(query, key_cache, value_cache, scale, out)
+            self._attend_kernel(self.kernel, query, key_cache, value_cache, scale, out)
         for chunk in self.sdpa_chunks:
             _attend_sdpa(chunk, query, key_cache, value_cache, scale, out)
         return out
 
     def _attend_kernel(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float, out: torch.Tensor
+        self,
+        group: _KernelRows,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
     ) -> None:
         from pagedrs.attention.cpu_ops import load
 
-        group = self.kernel
         q = query if group.rows is None else query.index_select(0, group.rows)
         o = out if group.rows is None else torch.empty(q.shape, dtype=q.dtype)
         load().paged_attention(

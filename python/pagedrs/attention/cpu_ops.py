@@ -15,6 +15,7 @@ import shutil
 import sys
 import sysconfig
 from pathlib import Path
+from types import ModuleType
 
 SOURCES = ("paged_attention.cpp", "sampling.cpp")
 
@@ -83,7 +84,7 @@ def _put_ninja_on_path() -> None:
 
 
 @functools.cache
-def load() -> object:
+def load() -> ModuleType:
     """Builds (once per version, see `build_version`) and loads the kernel; returns
     ``torch.ops.pagedrs_cpu``. Raises when it cannot be built (no compiler, no ninja, no
     sources)."""

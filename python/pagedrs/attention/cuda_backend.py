@@ -103,7 +103,7 @@ class CudaAttentionMetadata:
         # Every array of the step in one upload (one copy when the runner stages its inputs).
         tensors = upload(slot_mapping, *(array for group in groups if group is not None for array in group[0]))
         slot_mapping_tensor, rest = tensors[0], tensors[1:]
-        built = []
+        built: list[_Group | None] = []
         for group in groups:
             if group is None:
                 built.append(None)

@@ -16,6 +16,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 SOURCES = ("cache_kernels.cu", "paged_attention.cu", "torch_bindings.cpp")
 HEADERS = ("ops.h", "dtype.cuh")
@@ -41,7 +42,7 @@ def _source_hash(directory: Path) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def load() -> object:
+def load() -> ModuleType:
     """Builds (once per source version, cached under ``~/.cache/pagedrs``) and loads the
     kernels; returns ``torch.ops.pagedrs``."""
     import torch
@@ -76,8 +77,8 @@ def find_nvcc() -> str:
     candidates = []
     if os.environ.get("CUDA_HOME"):
         candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
-    if shutil.which("nvcc"):
-        candidates.append(shutil.which("nvcc"))
+    if nvcc_on_path := shutil.which("nvcc"):
+        candidates.append(nvcc_on_path)
     candidates += sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "*", "bin", "nvcc")))
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):

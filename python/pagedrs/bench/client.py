@@ -9,6 +9,7 @@ import random
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedrs.bench.stats import RequestResult
@@ -34,10 +35,7 @@ PLAIN_METRICS = {"process_cpu_seconds_total": "server_cpu_seconds"}
 
 def parse_metrics(text: str) -> dict[str, float]:
     """The `METRICS` found in a Prometheus page, each summed over its labels."""
-    wanted = {}
-    for key, name in METRICS.items():
-        wanted[f"pagedrs:{name}"] = key
-        wanted[f"vllm:{name}"] = key
+    wanted = {f"{prefix}:{name}": key for key, name in METRICS.items() for prefix in ("pagedrs", "vllm")}
     wanted.update(PLAIN_METRICS)
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -114,11 +112,10 @@ class Endpoint:
             prompt_tokens=spec.prompt_len or 0, expected_output_tokens=spec.output_len if ignore_eos else None
         )
         extra = {"ignore_eos": True} if ignore_eos else {}
-        common = dict(
+        common: dict[str, Any] = dict(
             model=self.model,
             max_tokens=spec.output_len,
             temperature=temperature,
-            stream=True,
             stream_options={"include_usage": True},
             extra_body=extra,
         )
@@ -129,10 +126,12 @@ class Endpoint:
         result.start = time.perf_counter() - t0
         chunks = 0
         try:
+            # Chat or completion chunks: the loop tells them apart by the same test.
+            stream: AsyncIterator[Any]
             if spec.messages is not None:
-                stream = await self.client.chat.completions.create(messages=spec.messages, **common)
+                stream = await self.client.chat.completions.create(messages=spec.messages, stream=True, **common)
             else:
-                stream = await self.client.completions.create(prompt=spec.prompt, **common)
+                stream = await self.client.completions.create(prompt=spec.prompt, stream=True, **common)
             async for chunk in stream:
                 now = time.perf_counter() - t0
                 if chunk.usage is not None:

@@ -5,6 +5,7 @@ sampled with the same temperature / top-p as the pagedrs run."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def run_static_batches(
     runs until its longest request is done, so shorter ones waste their slots: only each
     request's own ``length`` counts as useful. ``min_new_tokens`` keeps EOS from ending a
     batch early, matching ``ignore_eos`` on the server."""
-    sampling = {"do_sample": False}
+    sampling: dict[str, Any] = {"do_sample": False}
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
     useful = generated = 0

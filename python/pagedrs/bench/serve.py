@@ -19,14 +19,17 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedrs.bench.client import Endpoint, MetricsSampler, run_requests
 from pagedrs.bench.stats import SLO, RequestResult, summarize
 from pagedrs.bench.workloads import PRESETS, Lengths, Preset, RequestSpec, generate, load_jsonl
 
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionUserMessageParam
+
 SCHEMA = "pagedrs-bench-serve/1"
-SANITY_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+SANITY_MESSAGES: list[ChatCompletionUserMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -164,7 +167,7 @@ async def sanity_check(endpoint: Endpoint) -> dict[str, Any]:
     so a person can check tokenization, template, precision and output."""
     started = time.perf_counter()
     stream = await endpoint.client.chat.completions.create(
-        model=endpoint.model,
+        model=await endpoint.resolve_model(),
         messages=SANITY_MESSAGES,
         max_tokens=16,
         temperature=0,
@@ -207,7 +210,7 @@ def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
-        "prefix_cache_hit_rate": (hits / queries) if queries else None,
+        "prefix_cache_hit_rate": (hits / queries) if queries and hits is not None else None,
         "preemptions": delta("preemptions"),
         "server_cpu_seconds": delta("server_cpu_seconds"),
         "prompt_tokens": delta("prompt_tokens"),
@@ -347,14 +350,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def hf_baseline(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str, Any]:
     from pagedrs.bench.hf_baseline import load_hf_model, run_static_batches
 
-    if any(not isinstance(spec.prompt, list) for spec in specs):
+    prompts = [spec.prompt for spec in specs if isinstance(spec.prompt, list)]
+    if len(prompts) != len(specs):
         raise SystemExit("--hf-baseline needs generated (token-id) prompts")
     model, tokenizer = load_hf_model(args.server_model)
     print(f"HF transformers generate, static batches of {args.hf_batch} ...", flush=True)
     return run_static_batches(
         model,
         tokenizer,
-        [spec.prompt for spec in specs],
+        prompts,
         [spec.output_len for spec in specs],
         args.hf_batch,
         temperature=args.temperature,

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 
 @dataclass
 class RequestSpec:
     prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[ChatCompletionMessageParam] | None = None
     output_len: int = 64
     phase: str = "main"
     """Presets with several phases (shared-prefix: cold, then warm) label each request."""

@@ -8,6 +8,7 @@ import torch
 from pagedrs._core import SchedulerOutput
 from pagedrs.attention import metadata_class, select_backend
 from pagedrs.engine.staging import StagedInputs
+from pagedrs.models.llama import LlamaFamilyForCausalLM
 
 
 class ModelRunner:
@@ -15,7 +16,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaFamilyForCausalLM,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -61,7 +62,7 @@ class ModelRunner:
                 device=self.device,
                 upload=self.inputs.upload,
             )
-            input_token_ids, positions, rows = self.inputs.upload(out.input_token_ids, out.positions, rows)
+            input_token_ids, positions, logits_rows = self.inputs.upload(out.input_token_ids, out.positions, rows)
             copies = self.inputs.upload(out.block_copies)[0] if len(out.block_copies) else None
         if copies is not None:
             if self.attention_backend == "cuda":
@@ -72,6 +73,6 @@ class ModelRunner:
                 for key_cache, value_cache in self.kv_caches:
                     key_cache[copies[:, 1]] = key_cache[copies[:, 0]]
                     value_cache[copies[:, 1]] = value_cache[copies[:, 0]]
-        logits = self.model(input_token_ids, positions, self.kv_caches, meta, rows)
+        logits = self.model(input_token_ids, positions, self.kv_caches, meta, logits_rows)
         num_sampled = len(out.logits_indices)
         return logits[:num_sampled], logits[num_sampled:]

@@ -19,12 +19,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 _ALIGN = 64
 """Bytes each array's start is aligned to in the packed buffers."""
+
+
+class _Buffers(NamedTuple):
+    host: torch.Tensor
+    """``uint8``, pinned on CUDA."""
+    host_view: np.ndarray
+    """`host` as a numpy array (the same memory)."""
+    device: torch.Tensor
+    """``uint8``, as long as `host`."""
 
 
 class StagedInputs:
@@ -36,9 +46,7 @@ class StagedInputs:
         self.stage = device.type == "cuda" if stage is None else stage
         self.copies_to_device = 0
         """Host-to-device copies made (for tests and benchmarks)."""
-        self._host: torch.Tensor | None = None
-        self._host_view: np.ndarray | None = None
-        self._device: torch.Tensor | None = None
+        self._buffers: _Buffers | None = None
         self._start = self._end = 0
         """The bytes packed since the last copy: ``[_start, _end)``."""
         self._batching = False
@@ -65,32 +73,35 @@ class StagedInputs:
             with self.one_copy():
                 return self.upload(*arrays)
         sizes = [-(-array.nbytes // _ALIGN) * _ALIGN for array in arrays]
-        self._reserve(self._end + sum(sizes))
+        buffers = self._reserve(self._end + sum(sizes))
         tensors = []
         for array, size in zip(arrays, sizes):
             offset = self._end
-            self._host_view[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+            buffers.host_view[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
             dtype = torch.from_numpy(array[:0]).dtype
-            tensors.append(self._device[offset : offset + array.nbytes].view(dtype).view(array.shape))
+            tensors.append(buffers.device[offset : offset + array.nbytes].view(dtype).view(array.shape))
             self._end += size
         return tensors
 
     def _flush(self) -> None:
-        if self._end > self._start:
-            self._device[self._start : self._end].copy_(self._host[self._start : self._end], non_blocking=True)
+        if self._buffers is not None and self._end > self._start:
+            host, device = self._buffers.host, self._buffers.device
+            device[self._start : self._end].copy_(host[self._start : self._end], non_blocking=True)
             self.copies_to_device += 1
         self._start = self._end
 
-    def _reserve(self, num_bytes: int) -> None:
-        if self._host is not None and len(self._host) >= num_bytes:
-            return
+    def _reserve(self, num_bytes: int) -> _Buffers:
+        """Buffers that hold ``num_bytes``: the current ones, or new ones (then packing restarts at 0)."""
+        if self._buffers is not None and len(self._buffers.host) >= num_bytes:
+            return self._buffers
         # Views already handed out stay on the old buffers: copy their bytes there first.
         self._flush()
-        if self._host is not None:
-            self._retired += [self._host, self._device]
-        capacity = max(num_bytes - self._end, 2 * (len(self._host) if self._host is not None else 1 << 16))
+        if self._buffers is not None:
+            self._retired += [self._buffers.host, self._buffers.device]
+        capacity = max(num_bytes - self._end, 2 * (len(self._buffers.host) if self._buffers is not None else 1 << 16))
         pin = self.device.type == "cuda"
-        self._host = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
-        self._host_view = self._host.numpy()
-        self._device = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        host = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+        device = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        self._buffers = _Buffers(host, host.numpy(), device)
         self._start = self._end = 0
+        return self._buffers

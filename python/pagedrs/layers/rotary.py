@@ -23,6 +23,9 @@ def rope_theta(config: Any) -> float:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor
+    """``float32 [head_dim / 2]``, a non-persistent buffer (so it follows ``.to(device)``)."""
+
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
@@ -82,19 +82,18 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, tp, dtype, bias=bias, qk_norm=qk_norm) for _ in range(config.num_hidden_layers)
-        )
+        layers = [DecoderLayer(config, tp, dtype, bias=bias, qk_norm=qk_norm) for _ in range(config.num_hidden_layers)]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             None if self.tie_word_embeddings else VocabEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         )
-        head_dim = self.layers[0].self_attn.head_dim
-        self.rotary = RotaryEmbedding(head_dim, rope_theta(config))
-        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
-        self.num_heads = self.layers[0].self_attn.num_heads
-        self.head_dim = head_dim
+        attn = layers[0].self_attn
+        self.rotary = RotaryEmbedding(attn.head_dim, rope_theta(config))
+        self.num_kv_heads = attn.num_kv_heads
+        self.num_heads = attn.num_heads
+        self.head_dim = attn.head_dim
         self.sliding_window = getattr(config, "sliding_window", None) if self._uses_sliding_window(config) else None
 
     @staticmethod
@@ -155,7 +154,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         parts = name.split(".")
         if parts[0] != "layers":
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
-        layer = self.layers[int(parts[1])]
+        layer = cast(DecoderLayer, self.layers[int(parts[1])])  # ModuleList's stubs lose the element type
         prefix = f"layers.{parts[1]}."
         rest, kind = ".".join(parts[2:-1]), parts[-1]
         attn, mlp = layer.self_attn, layer.mlp
@@ -171,8 +170,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             (module.load if kind == "weight" else module.load_bias)(shard, tensor)
             return [f"{prefix}{target}.{kind}"]
         if rest in ("self_attn.o_proj", "mlp.down_proj"):
-            module = attn.o_proj if rest == "self_attn.o_proj" else mlp.down_proj
-            (module.load if kind == "weight" else module.load_bias)(tensor)
+            projection = attn.o_proj if rest == "self_attn.o_proj" else mlp.down_proj
+            (projection.load if kind == "weight" else projection.load_bias)(tensor)
             return [f"{prefix}{rest}.{kind}"]
         norms = {
             "input_layernorm": layer.input_layernorm,
@@ -180,7 +179,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             "self_attn.q_norm": attn.q_norm,
             "self_attn.k_norm": attn.k_norm,
         }
-        if rest in norms and norms[rest] is not None:
-            norms[rest].weight.copy_(tensor)
+        norm = norms.get(rest)
+        if norm is not None:
+            norm.weight.copy_(tensor)
             return [f"{prefix}{rest}.weight"]
         raise ValueError(f"unexpected checkpoint tensor {name!r}")
