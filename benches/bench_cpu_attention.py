@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from pagedrs.attention import cpu_backend
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 from pagedrs.attention.cpu_ops import load

@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+
 from pagedrs import SamplingParams
 from pagedrs.cpu_sampling import logprob_stats, sample_from_rows
 from pagedrs.engine.host_memory import retain_freed_host_memory

@@ -14,6 +14,7 @@ import statistics
 import time
 
 import torch
+
 from pagedrs import SamplingParams
 from pagedrs.engine.llm_engine import LLMEngine
 

@@ -34,6 +34,7 @@ import tempfile
 import time
 
 import torch
+
 from pagedrs import SamplingParams
 from pagedrs.engine.llm_engine import LLMEngine
 

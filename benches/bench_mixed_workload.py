@@ -23,8 +23,9 @@ import random
 import statistics
 import time
 
-import pagedrs
 import torch
+
+import pagedrs
 from pagedrs import LLM, SamplingParams
 from pagedrs.bench.hf_baseline import load_hf_model, run_static_batches
 from pagedrs.memory import block_slack

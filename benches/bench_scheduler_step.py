@@ -11,8 +11,9 @@ within 512..640 tokens, as in the criterion bench.
 """
 
 import numpy as np
-import pagedrs
 import pytest
+
+import pagedrs
 
 torch = pytest.importorskip("torch", reason="the benchmark converts outputs to torch tensors")
 

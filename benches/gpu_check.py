@@ -116,6 +116,7 @@ def _time_cuda(fn, repeats: int = 20) -> float:
 
 def bandwidth() -> None:
     import torch
+
     from pagedrs.attention.cuda_ops import load
 
     ops = load()
@@ -154,6 +155,7 @@ def end_to_end() -> None:
     import tempfile
 
     import torch
+
     from pagedrs import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]

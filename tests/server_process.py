@@ -1,14 +1,17 @@
-"""Starts `pagedrs serve` as a real process on a free loopback port, and small raw-HTTP
-helpers for the server tests (the official `openai` client covers the rest)."""
+"""Starts `pagedrs serve` as a real process on a free loopback port (or the same app in this
+process, to reach into its engine), and small raw-HTTP helpers for the server tests (the
+official `openai` client covers the rest)."""
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -100,3 +103,72 @@ def wait_for(condition, timeout: float = 10.0, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return condition()
+
+
+class InProcessServer:
+    """The real app under uvicorn on a thread, so a test can reach into its engine."""
+
+    def __init__(self, argv: list[str]):
+        import uvicorn
+
+        from pagedrs.server.launch import add_serve_arguments, build_server
+
+        args = add_serve_arguments(argparse.ArgumentParser()).parse_args(argv)
+        self.app, self.engine = build_server(args)
+        self.port = free_port()
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        assert wait_for(lambda: self.uvicorn.started, timeout=30)
+        self.http = Server(process=None, port=self.port, log_path="")
+
+    def close(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(10)
+        self.engine.shutdown()
+
+
+def send_raw(
+    port: int,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    chunked: bool = False,
+    timeout: float = 120,
+) -> tuple[int, Any]:
+    """``(status, parsed JSON or text)`` for exactly these bytes, on a fresh connection.
+
+    Unlike `Server.request`, the body may be anything (invalid UTF-8, a lying content type,
+    chunked), and a server that answers before it has read the whole body (a 413) is heard:
+    a failed send is ignored and the answer read all the same."""
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    if chunked:
+        headers["Transfer-Encoding"] = "chunked"
+        chunk_bytes = 65536
+        payload = b"".join(
+            b"%x\r\n%s\r\n" % (len(body[i : i + chunk_bytes]), body[i : i + chunk_bytes])
+            for i in range(0, len(body), chunk_bytes)
+        )
+        payload += b"0\r\n\r\n"
+    else:
+        headers["Content-Length"] = str(len(body))
+        payload = body
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items()) + "\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        try:
+            sock.sendall(head.encode("latin-1") + payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # answered (and closed) before the body was read: the answer is still there
+        response = http.client.HTTPResponse(sock, method=method)
+        try:
+            response.begin()
+            data = response.read()
+        except (ConnectionResetError, http.client.RemoteDisconnected) as error:
+            raise AssertionError(f"{method} {path}: the server closed the connection without an answer") from error
+    text = data.decode(errors="replace")
+    try:
+        return response.status, json.loads(text)
+    except json.JSONDecodeError:
+        return response.status, text

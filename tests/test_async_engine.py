@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from pagedrs import SamplingParams
 from pagedrs.engine.async_engine import AsyncLLMEngine, QueueFullError
 from pagedrs.engine.llm_engine import LLMEngine
-
 from tests.server_process import wait_for
 
 

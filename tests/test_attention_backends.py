@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from pagedrs.attention import cpu_ops, select_backend
 from pagedrs.attention.cuda_backend import CudaAttentionMetadata
 

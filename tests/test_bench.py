@@ -8,6 +8,7 @@ import math
 import random
 
 import pytest
+
 from pagedrs.bench.client import parse_metrics
 from pagedrs.bench.stats import SLO, RequestResult, distribution, summarize
 from pagedrs.bench.workloads import Lengths, generate, load_jsonl
@@ -184,7 +185,6 @@ def test_a_short_real_run_writes_a_complete_record(tiny_llama, tmp_path, capsys)
 
 def test_memory_prediction_and_check(tiny_llama, tmp_path):
     from pagedrs.memory_cli import check, predict
-
     from tests.server_process import start_server
 
     args = build_parser().parse_args(

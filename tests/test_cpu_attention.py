@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from pagedrs.attention import cpu_backend, select_backend
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 from pagedrs.attention.cpu_ops import available

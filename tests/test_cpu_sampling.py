@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+
 from pagedrs import cpu_sampling
 from pagedrs.cpu_sampling import available, logprob_stats, sample_from_rows
 

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from pagedrs.attention.torch_ref import AttentionMetadata, write_kv
 
 if not torch.cuda.is_available():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedrs import LLM, SamplingParams
 
 from .test_model_oracle import hf_greedy

@@ -2,8 +2,9 @@
 
 import random
 
-import pagedrs
 import pytest
+
+import pagedrs
 from pagedrs import (
     DuplicateRequestError,
     InvalidArgumentError,

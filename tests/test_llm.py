@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+
 from pagedrs import SamplingParams
 from pagedrs.engine.detokenizer import IncrementalDetokenizer
-
 from tests.test_model_oracle import assert_same_or_near_tie, hf_greedy
 
 CHATS = [
@@ -24,8 +24,9 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def hf_default_model():
-    from pagedrs.models.loader import resolve_model
     from transformers import AutoModelForCausalLM
+
+    from pagedrs.models.loader import resolve_model
 
     source = resolve_model(None)
     return AutoModelForCausalLM.from_pretrained(

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from pagedrs.memory import (
     block_slack,
     dtype_bytes,

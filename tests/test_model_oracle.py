@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+
 from pagedrs import LLM, SamplingParams
 
 NEW_TOKENS = 32

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+
 from pagedrs import SamplingParams, cpu_sampling
 from pagedrs import sampler as sampler_module
 from pagedrs.sampler import Sampler, SamplingRow

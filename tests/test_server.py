@@ -88,6 +88,17 @@ def test_usage_counts_match_the_tokenizer(server, client):
     assert reply.usage.prompt_tokens == chat["count"]
 
 
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(client):
+    # 40 words of its own (no other test's prompt shares its first block), asked twice.
+    prompt = "Cached prefix check: " + " ".join(f"w{i}" for i in range(40))
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Every whole block of the prompt but the one holding its last token (block size 16).
+    assert cached == (first.usage.prompt_tokens - 1) // 16 * 16 > 0
+
+
 def test_n_choices_and_several_prompts(client):
     out = client.completions.create(model=MODEL, prompt="Write a word:", n=2, max_tokens=8, temperature=1.0, seed=3)
     assert sorted(choice.index for choice in out.choices) == [0, 1]

@@ -5,6 +5,7 @@ buffers so every machine checks the packing)."""
 import numpy as np
 import pytest
 import torch
+
 from pagedrs.engine.staging import StagedInputs
 
 

@@ -260,13 +260,12 @@ class Scheduler:
         arrival_time: float | None = None,
     ) -> None:
         """Queues a request. ``DuplicateRequestError`` for a live id; ``InvalidArgumentError``
-        (a ``ValueError``) for an empty prompt, one longer than ``max_model_len``,
+        (a ``ValueError``) for an empty prompt, one that leaves no room for output,
         ``max_tokens < 1``, ``min_tokens > max_tokens`` or ``n`` outside ``[1, max_num_seqs]``.
 
-        A prompt may have up to ``max_model_len`` tokens: every computed position is below
-        ``max_model_len``, and generation ends with ``"length"`` once prompt and output
-        together hold ``max_model_len`` tokens (a prompt of exactly ``max_model_len`` tokens
-        generates one token)."""
+        The length rule: prompt and output together hold at most ``max_model_len`` tokens and
+        the output at least one, so a prompt may have up to ``max_model_len - 1`` tokens;
+        generation ends with ``"length"`` when the sequence reaches ``max_model_len`` tokens."""
     def abort_request(self, request_id: str) -> None:
         """Ends the request and all its choices now, freeing every block."""
     def finish_request(self, request_id: str, reason: str = "stop", index: int = 0) -> None:

@@ -44,5 +44,6 @@ class RequestOutput:
     """With ``SamplingParams.prompt_logprobs``: ``None`` for the first prompt token, then
     each prompt token's log-probability and the top tokens at its position."""
     num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (whole blocks), as vLLM reports them."""
     error: str | None = None
     """Why the request failed inside the engine (its choices then end with ``"error"``)."""

@@ -30,6 +30,7 @@ in the fused kernels of ``cpu/sampling.cpp`` (`pagedrs.cpu_sampling`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,8 @@ class SamplerOutput:
         """The logprob columns as Python lists, converted once per step (what the engine reads
         row by row)."""
         if self._lists is None:
+            if self.logprobs is None or self.ranks is None or self.top_token_ids is None or self.top_logprobs is None:
+                raise ValueError("no row of this step asked for logprobs")
             self._lists = (
                 self.logprobs.tolist(),
                 self.ranks.tolist(),
@@ -96,26 +99,19 @@ class SamplerOutput:
         """One output from single-row outputs (rows sampled one at a time); a ``None`` row
         (one that failed) gets token 0 and zero logprobs."""
         token_ids = np.array([0 if out is None else int(out.token_ids[0]) for out in outputs], dtype=np.int64)
-        with_logprobs = [out for out in outputs if out is not None and out.logprobs is not None]
+        with_logprobs = {
+            row: out.logprob_lists() for row, out in enumerate(outputs) if out is not None and out.logprobs is not None
+        }
         if not with_logprobs:
             return SamplerOutput(token_ids)
-        num_top = max(out.top_token_ids.shape[1] for out in with_logprobs)
-        merged = SamplerOutput(
-            token_ids,
-            logprobs=np.zeros(len(outputs)),
-            ranks=np.zeros(len(outputs), dtype=np.int64),
-            top_token_ids=np.zeros((len(outputs), num_top), dtype=np.int64),
-            top_logprobs=np.zeros((len(outputs), num_top)),
-        )
-        for row, out in enumerate(outputs):
-            if out is not None and out.logprobs is not None:
-                width = out.top_token_ids.shape[1]
-                merged.logprobs[row], merged.ranks[row] = out.logprobs[0], out.ranks[0]
-                merged.top_token_ids[row, :width], merged.top_logprobs[row, :width] = (
-                    out.top_token_ids[0],
-                    out.top_logprobs[0],
-                )
-        return merged
+        num_rows, num_top = len(outputs), max(len(top_ids[0]) for _, _, top_ids, _ in with_logprobs.values())
+        logprobs, ranks = np.zeros(num_rows), np.zeros(num_rows, dtype=np.int64)
+        top_token_ids, top_logprobs = np.zeros((num_rows, num_top), dtype=np.int64), np.zeros((num_rows, num_top))
+        for row, (row_logprobs, row_ranks, row_top_ids, row_top_logprobs) in with_logprobs.items():
+            width = len(row_top_ids[0])
+            logprobs[row], ranks[row] = row_logprobs[0], row_ranks[0]
+            top_token_ids[row, :width], top_logprobs[row, :width] = row_top_ids[0], row_top_logprobs[0]
+        return SamplerOutput(token_ids, logprobs, ranks, top_token_ids, top_logprobs)
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
@@ -181,7 +177,7 @@ class _Batch:
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         self.logprob_rows = _index(logprob_rows, device) if logprob_rows else None
         self.all_logprobs = len(logprob_rows) == len(rows)
-        self.num_top_logprobs = max((params[i].logprobs for i in logprob_rows), default=0)
+        self.num_top_logprobs = max((params[i].logprobs or 0 for i in logprob_rows), default=0)
 
 
 class Sampler:
@@ -214,7 +210,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow], banned: list[tuple[int, list[int]]] = ()
+        self, logits: torch.Tensor, rows: list[SamplingRow], banned: Sequence[tuple[int, list[int]]] = ()
     ) -> SamplerOutput:
         """``logits``: ``[R, vocab]``, one row per entry of ``rows``; penalties and bans are
         applied to them in place unless a row asks for logprobs (those need the raw values).
@@ -358,7 +354,9 @@ class Sampler:
         rows = list(rows)
         shape = (len(rows),) if per_row is None else (len(rows), per_row)
         uniform = torch.rand(shape, device=self.device, generator=self.generator)
-        for i, row in enumerate(rows if generators is not None else ()):
+        if generators is None:
+            return uniform
+        for i, row in enumerate(rows):
             generator = generators[row]
             if generator is not None:
                 draws = torch.rand(per_row or 1, device=self.device, generator=generator)

@@ -128,10 +128,10 @@ impl Scheduler {
 
     /// Queues a request. Returns its handle (as used in `SequenceUpdate::request`).
     ///
-    /// A prompt may have up to `max_model_len` tokens: every position the model computes
-    /// is below `max_model_len`, and generation ends with `FinishReason::Length` once the
-    /// sequence holds `max_model_len` tokens (a prompt of exactly `max_model_len` tokens
-    /// thus generates one token).
+    /// The length rule, stated here once: a sequence (prompt and output together) holds at
+    /// most `max_model_len` tokens and generates at least one, so a prompt may have up to
+    /// `max_model_len - 1` tokens; generation ends with `FinishReason::Length` when the
+    /// sequence reaches `max_model_len` tokens.
     pub fn add_request(
         &mut self,
         external_id: &str,
@@ -142,10 +142,10 @@ impl Scheduler {
             return Err(Error::DuplicateRequest(external_id.to_owned()));
         }
         let num_prompt_tokens = prompt_token_ids.len();
-        if num_prompt_tokens > self.config.max_model_len {
+        if num_prompt_tokens >= self.config.max_model_len {
             return Err(Error::InvalidArgument(format!(
                 "the prompt has {num_prompt_tokens} tokens; max_model_len is {} (prompt and \
-                 output together)",
+                 output together, at least one output token)",
                 self.config.max_model_len
             )));
         }

@@ -301,12 +301,12 @@ fn num_cached_tokens_is_kept_through_preemption() {
 }
 
 #[test]
-fn a_prompt_of_max_model_len_tokens_generates_one_token() {
+fn a_prompt_one_short_of_max_model_len_generates_one_token() {
     let cfg = SchedulerConfig { max_model_len: 16, ..config(64, 64) };
     let mut s = Scheduler::new(cfg).unwrap();
-    s.add_request("full", &prompt(16, 0), params(100)).unwrap();
+    s.add_request("full", &prompt(15, 0), params(100)).unwrap();
     let (out, updates) = step(&mut s, 1);
-    assert!(out.positions.iter().all(|&p| p < 16), "every computed position is < 16");
+    assert!(out.positions.iter().all(|&p| p < 15), "every computed position is < 15");
     assert_eq!(updates.len(), 1);
     assert_eq!(updates[0].new_token_id, Some(1));
     assert_eq!(updates[0].finish_reason, Some(FinishReason::Length));
@@ -323,14 +323,15 @@ fn a_prompt_of_max_model_len_tokens_generates_one_token() {
 }
 
 #[test]
-fn a_prompt_longer_than_max_model_len_is_refused_naming_both_lengths() {
+fn a_prompt_that_leaves_no_room_for_output_is_refused_naming_both_lengths() {
     let cfg = SchedulerConfig { max_model_len: 16, ..config(64, 64) };
     let mut s = Scheduler::new(cfg).unwrap();
-    let err = s.add_request("long", &prompt(17, 0), params(1)).unwrap_err();
+    let err = s.add_request("long", &prompt(16, 0), params(1)).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)));
     assert_eq!(
         err.to_string(),
-        "the prompt has 17 tokens; max_model_len is 16 (prompt and output together)"
+        "the prompt has 16 tokens; max_model_len is 16 (prompt and output together, at least \
+         one output token)"
     );
     assert!(!s.has_unfinished_requests());
     assert_eq!(s.request_handle("long"), None);

@@ -306,8 +306,9 @@ class AsyncLLMEngine:
                 continue
             num_tokens = sum(len(choice.token_ids) for choice in output.outputs)
             if num_tokens > stream.num_tokens and self.stat_logger is not None:
-                first = stream.last_token_time is None
-                since = now - (stream.arrival if first else stream.last_token_time)
+                last = stream.last_token_time
+                first = last is None
+                since = now - (stream.arrival if last is None else last)
                 self.stat_logger.record_request_tokens(output, num_tokens - stream.num_tokens, first, since)
             if num_tokens > stream.num_tokens:
                 stream.num_tokens, stream.last_token_time = num_tokens, now

@@ -48,6 +48,8 @@ class _Request:
     params: SamplingParams
     choices: list[_Choice]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (the core's count, set once scheduled)."""
     error: str | None = None
 
     def finished(self) -> bool:
@@ -61,6 +63,7 @@ class _Request:
             outputs=[choice.output for choice in self.choices],
             finished=self.finished(),
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
             error=self.error,
         )
 
@@ -108,7 +111,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._token_texts: dict[int, str] = {}
         self._decode_ids = fast_decoder(self.tokenizer)
-        self.last_schedule = None
+        self.last_schedule: SchedulerOutput | None = None
         """The last step's batch (`SchedulerOutput`), for metrics and benchmarks."""
         logger.info(
             "pagedrs engine: %s (%s) %s on %s, %d KV blocks of %d tokens (%d tokens)",
@@ -322,11 +325,13 @@ class LLMEngine:
             updates.token_ids.tolist(),
             updates.logits_rows.tolist(),
             updates.finish_codes.tolist(),
+            updates.num_cached_tokens.tolist(),
         )
-        for request_id, (index, token, row, finish_code) in zip(request_ids, columns):
+        for request_id, (index, token, row, finish_code, num_cached_tokens) in zip(request_ids, columns):
             request = self._requests.get(request_id)
             if request is None:
                 continue  # aborted since schedule
+            request.num_cached_tokens = num_cached_tokens
             choice = request.choices[index]
             if choice.output.finished():
                 continue  # failed in this step's execute
@@ -424,15 +429,21 @@ class LLMEngine:
         return rows, banned
 
     def _append(
-        self, request: _Request, choice: _Choice, token: int, sampled: SamplerOutput, row: int, core_finished: bool
+        self,
+        request: _Request,
+        choice: _Choice,
+        token: int,
+        sampled: SamplerOutput | None,
+        row: int,
+        core_finished: bool,
     ) -> None:
         output = choice.output
         output.token_ids.append(token)
-        if output.logprobs is not None and sampled.logprobs is not None:
+        if output.logprobs is not None and sampled is not None and sampled.logprobs is not None:
             logprobs, ranks, top_ids, top_logprobs = sampled.logprob_lists()
             output.logprobs.append(
                 self._logprob_entry(
-                    token, logprobs[row], ranks[row], top_ids[row], top_logprobs[row], request.params.logprobs
+                    token, logprobs[row], ranks[row], top_ids[row], top_logprobs[row], request.params.logprobs or 0
                 )
             )
             output.cumulative_logprob = (output.cumulative_logprob or 0.0) + logprobs[row]

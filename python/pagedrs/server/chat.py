@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
@@ -114,10 +114,10 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
 
 async def _events(
     serving: Serving, run: Run, body: ChatCompletionRequest, echo: str, num_top: int, include_usage: bool
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     cursors: dict[int, ChoiceCursor] = {}
 
-    def chunk(choices: list[dict[str, Any]], chunk_usage: dict[str, int] | None = None) -> str:
+    def chunk(choices: list[dict[str, Any]], chunk_usage: dict[str, Any] | None = None) -> str:
         payload = {
             "id": run.request_id,
             "object": "chat.completion.chunk",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
@@ -132,10 +132,12 @@ async def create_completion(serving: Serving, body: CompletionRequest, raw_reque
     }
 
 
-async def _events(serving: Serving, run: Run, body: CompletionRequest, include_usage: bool) -> AsyncIterator[str]:
+async def _events(
+    serving: Serving, run: Run, body: CompletionRequest, include_usage: bool
+) -> AsyncGenerator[str, None]:
     cursors: dict[tuple[int, int], ChoiceCursor] = {}
 
-    def chunk(choices: list[dict[str, Any]], chunk_usage: dict[str, int] | None = None) -> str:
+    def chunk(choices: list[dict[str, Any]], chunk_usage: dict[str, Any] | None = None) -> str:
         payload = {
             "id": run.request_id,
             "object": "text_completion",

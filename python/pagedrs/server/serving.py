@@ -12,7 +12,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,11 +58,12 @@ def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -97,9 +98,10 @@ class Run:
     def choice_index(self, prompt_index: int, choice_index: int) -> int:
         return prompt_index * self.n + choice_index
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = sum(len(c.token_ids) for final in self.finals if final for c in final.outputs)
-        return usage(sum(len(p.token_ids) for p in self.prompts), completion)
+        cached = sum(final.num_cached_tokens for final in self.finals if final)
+        return usage(sum(len(p.token_ids) for p in self.prompts), completion, cached)
 
     def abort(self) -> None:
         for stream in self.streams:
@@ -295,15 +297,17 @@ class Serving:
             raise ClientDisconnected(run.request_id)
         log_usage(raw_request, run.request_id, run.usage(), run.finals)
         work.result()  # raises what the engine raised
+        finals = []
         for final in run.finals:
             if final is None or not final.finished:
                 raise APIError(500, "the request ended without finishing (aborted)", "InternalServerError")
             check_failed(final)
-        return run.finals
+            finals.append(final)
+        return finals
 
 
 def log_usage(
-    raw_request: Request, request_id: str, counts: dict[str, int], finals: list[RequestOutput | None]
+    raw_request: Request, request_id: str, counts: dict[str, Any], finals: list[RequestOutput | None]
 ) -> None:
     """Adds the request's id, token counts and finish reasons to its access log line."""
     reasons = ",".join(str(finish_reason(c)) for final in finals if final for c in final.outputs) or "none"
@@ -321,7 +325,7 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def event_stream(run: Run, events: AsyncIterator[str], raw_request: Request) -> StreamingResponse:
+def event_stream(run: Run, events: AsyncGenerator[str, None], raw_request: Request) -> StreamingResponse:
     """Server-sent events ending with ``data: [DONE]``. A failure after the stream has
     started is sent as an error event; however the stream ends, the run is aborted."""
 
