@@ -139,9 +139,9 @@ def send_raw(
 ) -> tuple[int, Any]:
     """``(status, parsed JSON or text)`` for exactly these bytes, on a fresh connection.
 
-    Unlike `Server.request`, the body may be anything (invalid UTF-8, a lying content type,
-    chunked), and a server that answers before it has read the whole body (a 413) is heard:
-    a failed send is ignored and the answer read all the same."""
+    Unlike `Server.request`, the body may be anything (invalid UTF-8, a wrong content type,
+    chunked, a Content-Length header that lies), and a server that answers before it has read
+    the whole body (a 413) is heard: a failed send is ignored and the answer read all the same."""
     headers = {"Content-Type": "application/json", **(headers or {})}
     if chunked:
         headers["Transfer-Encoding"] = "chunked"
@@ -152,7 +152,7 @@ def send_raw(
         )
         payload += b"0\r\n\r\n"
     else:
-        headers["Content-Length"] = str(len(body))
+        headers.setdefault("Content-Length", str(len(body)))
         payload = body
     head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n"
     head += "".join(f"{name}: {value}\r\n" for name, value in headers.items()) + "\r\n"
@@ -167,6 +167,8 @@ def send_raw(
             data = response.read()
         except (ConnectionResetError, http.client.RemoteDisconnected) as error:
             raise AssertionError(f"{method} {path}: the server closed the connection without an answer") from error
+        except TimeoutError as error:
+            raise AssertionError(f"{method} {path}: no answer in {timeout} s") from error
     text = data.decode(errors="replace")
     try:
         return response.status, json.loads(text)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedrs import LLMEngine, SamplingParams
-from pagedrs.sampling_params import MIN_TEMPERATURE
+from pagedrs.sampling_params import MIN_FLOAT32_PARAM, MIN_TEMPERATURE
 
 VOCAB = 320  # tests/conftest.py TINY
 
@@ -146,6 +146,15 @@ def test_tiny_temperatures_are_clamped_and_sample(engine):
     engine.add_request("greedy", [5, 6, 7], greedy)
     outputs = _run(engine)
     assert outputs["tiny"] == outputs["greedy"]  # 0.01 is all but greedy on these logits
+
+
+def test_tiny_top_p_and_repetition_penalty_are_raised_to_what_float32_holds(engine):
+    """1e-320 is 0 in float32: top_p would keep nothing, the penalty would divide by 0."""
+    params = SamplingParams(temperature=1.0, top_p=1e-320, repetition_penalty=1e-320, max_tokens=4, ignore_eos=True)
+    assert params.top_p == params.repetition_penalty == MIN_FLOAT32_PARAM
+    engine.add_request("tiny", [5, 6, 7], params)
+    (tokens,) = _run(engine)["tiny"]
+    assert len(tokens) == 4 and max(tokens) < VOCAB
 
 
 def test_a_row_that_breaks_the_sampler_fails_its_request_alone(engine, monkeypatch):

@@ -15,6 +15,11 @@ MIN_TEMPERATURE = 1e-2
 temperature near 0 overflows float32 (1e-320 is 0 in float32) and gives NaN probabilities.
 At 0.01 the distribution is all but greedy already."""
 
+MIN_FLOAT32_PARAM = 1e-6
+"""Positive top_p and repetition_penalty below this are raised to it: the sampler works in
+float32, where 1e-320 is 0 (top_p would keep nothing, a repetition penalty would divide by
+0). At 1e-6 top_p keeps only the most likely token and the penalty is already extreme."""
+
 
 @dataclass
 class SamplingParams:
@@ -74,6 +79,7 @@ class SamplingParams:
             logger.warning("temperature %g is below %g; using %g", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             self.temperature = MIN_TEMPERATURE
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_p = max(self.top_p, MIN_FLOAT32_PARAM)
         check(
             isinstance(self.top_k, int) and self.top_k >= -1,
             f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}",
@@ -82,6 +88,7 @@ class SamplingParams:
         check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         check(0 < self.repetition_penalty <= 2, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        self.repetition_penalty = max(self.repetition_penalty, MIN_FLOAT32_PARAM)
         check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}",
