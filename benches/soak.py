@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.server_process import Server, send_raw, start_server, wait_for
+from tests.server_process import STREAMING_CLIENT, Server, send_raw, start_server, wait_for
 
 PROMPT = "w5 w6 w7 The capital of France is"  # words both the default model and tiny checkpoints tokenize
 CHAT = [{"role": "user", "content": PROMPT}]
@@ -62,26 +62,6 @@ INVALID = [
     ("/tokenize", b'{"prompt": "x\\ud800y"}'),
     ("/detokenize", b'{"tokens": [18446744073709551616]}'),
 ]
-
-KILLED_CLIENT = r"""
-import json, socket, sys, time
-port, count = int(sys.argv[1]), int(sys.argv[2])
-connections = []
-for index in range(count):
-    payload = json.dumps({"prompt": f"w{5 + index} w6", "max_tokens": 256, "ignore_eos": True, "stream": True}).encode()
-    connection = socket.create_connection(("127.0.0.1", port))
-    connection.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        + b"Content-Length: %d\r\n\r\n" % len(payload) + payload
-    )
-    connections.append(connection)
-for connection in connections:
-    received = b""
-    while b"data: " not in received and (chunk := connection.recv(4096)):
-        received += chunk
-print("streaming", flush=True)
-time.sleep(600)
-"""
 
 
 class Tally:
@@ -183,7 +163,9 @@ def streams_round(server: Server, rng: random.Random, tally: Tally, num_streams:
 def sigkill_round(server: Server, rng: random.Random, tally: Tally) -> None:
     num_streams = rng.randint(2, 8)
     client = subprocess.Popen(
-        [sys.executable, "-c", KILLED_CLIENT, str(server.port), str(num_streams)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", STREAMING_CLIENT, str(server.port), str(num_streams), "256"],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         client.stdout.readline()  # "streaming" (or nothing, if the server refused them)

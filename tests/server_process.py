@@ -174,3 +174,29 @@ def send_raw(
         return response.status, json.loads(text)
     except json.JSONDecodeError:
         return response.status, text
+
+
+STREAMING_CLIENT = r"""
+import json, socket, sys, time
+
+port, count, max_tokens = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+connections = []
+for index in range(count):
+    payload = json.dumps(
+        {"prompt": f"w{5 + index} w6", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    ).encode()
+    connection = socket.create_connection(("127.0.0.1", port))
+    connection.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + b"Content-Length: %d\r\n\r\n" % len(payload) + payload
+    )
+    connections.append(connection)
+for connection in connections:
+    received = b""
+    while b"data: " not in received and (chunk := connection.recv(4096)):
+        received += chunk
+print("streaming", flush=True)
+time.sleep(600)
+"""
+"""A client process (``python -c STREAMING_CLIENT PORT COUNT MAX_TOKENS``) that opens COUNT
+streams, prints ``streaming`` once each has sent its first event, then waits to be killed."""

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_process import InProcessServer, send_raw, wait_for
+from tests.server_process import STREAMING_CLIENT, InProcessServer, send_raw, wait_for
 
 MAX_WAITING_REQUESTS = 32
 MAX_NUM_SEQS = 16
@@ -718,30 +718,6 @@ def test_a_disconnect_storm_leaves_no_blocks_behind(servers):
                 assert b"data: [DONE]" not in data, "the stream ended before the client left"
 
 
-_STREAMING_CLIENT = r"""
-import json, socket, sys, time
-
-port, count = int(sys.argv[1]), int(sys.argv[2])
-connections = []
-for index in range(count):
-    payload = json.dumps(
-        {"prompt": f"w{5 + index} w6", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    ).encode()
-    connection = socket.create_connection(("127.0.0.1", port))
-    connection.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        + b"Content-Length: %d\r\n\r\n" % len(payload) + payload
-    )
-    connections.append(connection)
-for connection in connections:
-    received = b""
-    while b"data: " not in received and (chunk := connection.recv(4096)):
-        received += chunk
-print("streaming", flush=True)
-time.sleep(600)
-"""
-
-
 def test_a_sigkilled_client_leaves_no_blocks_behind(servers):
     num_streams = 8
     with engine_left_unchanged(servers) as server:
@@ -757,7 +733,7 @@ def test_a_sigkilled_client_leaves_no_blocks_behind(servers):
 
         engine.step = held_step
         client = subprocess.Popen(
-            [sys.executable, "-c", _STREAMING_CLIENT, str(server.port), str(num_streams)],
+            [sys.executable, "-c", STREAMING_CLIENT, str(server.port), str(num_streams), "100"],
             stdout=subprocess.PIPE,
             text=True,
         )
