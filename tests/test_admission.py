@@ -66,6 +66,7 @@ BAD_REQUESTS = {
     "prompt of max_model_len tokens": ([5] * 64, {}, {}),
     "max_tokens past 64 bits": ([5, 6], {"max_tokens": 2**64}, {}),
     "priority past 64 bits": ([5, 6], {}, {"priority": 2**63}),
+    "n past max_num_seqs": ([5, 6], {"n": 2**62}, {}),
     "penalties and a bad prompt token": ([5, 10**9], {"presence_penalty": 1.0, "n": 3}, {}),
 }
 

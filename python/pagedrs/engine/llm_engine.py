@@ -146,6 +146,8 @@ class LLMEngine:
             raise DuplicateRequestError(f"request id {request_id!r} is already live")
         if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+        if params.n > self.config.max_num_seqs:  # before building n choices' state
+            raise ValueError(f"n must be between 1 and max_num_seqs ({self.config.max_num_seqs}), got {params.n}")
         if isinstance(prompt, str):
             # As vLLM does for text prompts: the tokenizer adds its special tokens (e.g. BOS).
             text, token_ids = prompt, self.tokenizer.encode(prompt)
