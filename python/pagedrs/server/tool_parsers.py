@@ -1,0 +1,533 @@
+"""Tool-call parsers: a model's tool-call markup, read out of its output as OpenAI ``tool_calls``.
+
+vLLM's ``--tool-call-parser``, under vLLM's names (``TOOL_PARSERS``). A parser reads one output
+in two ways that always agree: ``extract`` on the finished text, and ``stream()`` delta by delta.
+``extract`` is a stream fed the whole text at once, so there is one state machine, and the
+deltas of any chunking of an output reassemble to exactly what ``extract`` returns.
+
+An output is content with call regions in it::
+
+    I'll look it up.\\n<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>
+    |---- content ----||------------------------- call region ------------------------|
+
+- A region opens at the parser's marker and ends where the parser's scanner says. Its text
+  becomes one or more calls, or, when malformed (bad JSON, no name, cut off by the end of the
+  output), comes back verbatim as content. Nothing here raises on model output.
+- Content is the text outside the regions that became calls. The whitespace after such a
+  region is dropped, and so is the whitespace before it unless content follows (then that
+  whitespace still separates the content on either side); content that is only whitespace is
+  None. An output without calls is its own content, byte for byte.
+- Streaming holds back text that may be the start of a marker until the next characters decide
+  it, and whitespace until the next text shows whether it is kept, so a client never sees half
+  a marker, nor a newline that ``extract`` would have dropped.
+
+NOTE: a call's deltas (its header, then its arguments as one fragment) are sent only once its
+whole region has been read and validated. Streaming arguments token by token could send a call
+that the end of its region then shows to be malformed, and a delta can't be taken back; this
+way the streamed calls are always exactly ``extract``'s.
+
+Mistral's ``[TOOL_CALLS]`` and Llama's ``<|python_tag|>`` are special tokens: they reach the text
+only when the output is detokenized with ``skip_special_tokens=False``
+(``ToolParser.needs_special_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+# One OpenAI streaming ``delta`` object: {"content": ...} or {"tool_calls": [...]}.
+Delta = dict[str, Any]
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def random_id(length: int) -> str:
+    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(length))
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object as text, the way OpenAI sends it
+
+    def to_openai(self) -> dict[str, Any]:
+        """The call as an entry of an OpenAI message's ``tool_calls``."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def partial_marker_length(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``marker`` (0 if none)."""
+    for length in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:length]):
+            return length
+    return 0
+
+
+class TextChannel:
+    """The text of one delta field, with the whitespace around markup dropped.
+
+    The whitespace after markup is dropped. The whitespace before markup is kept only when text
+    comes both before and after the markup, where it still separates the two; several markups
+    in a row count as one. Whitespace is held until the next text shows which case it is, and a
+    channel that never saw anything but whitespace sends nothing.
+    """
+
+    def __init__(self, after_markup: bool = False) -> None:
+        self._pending_whitespace = ""  # ends the text sent, or came before the last markup
+        self._after_markup = after_markup
+        self._has_text = False
+
+    @property
+    def at_boundary(self) -> bool:
+        """Nothing but whitespace since the start or the last markup."""
+        return self._after_markup or not self._has_text
+
+    def push(self, text: str) -> str:
+        """What of ``text``, and of the whitespace held before it, can be sent now."""
+        if self._after_markup:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._after_markup = False
+        text = self._pending_whitespace + text
+        body = text.rstrip()
+        self._pending_whitespace = text[len(body) :]
+        if body:
+            self._has_text = True
+        return body
+
+    def markup(self) -> None:
+        """Markup comes here (a call region, a tag)."""
+        if not self._has_text:
+            self._pending_whitespace = ""
+        self._after_markup = True
+
+    def finish(self) -> str:
+        """The whitespace still held, if it ends text rather than coming before markup."""
+        text = self._pending_whitespace if self._has_text and not self._after_markup else ""
+        self._pending_whitespace = ""
+        return text
+
+
+def append_text(deltas: list[Delta], field: str, text: str) -> None:
+    """Add ``text`` to ``deltas``, merged into the last delta when that one is the same field's."""
+    if not text:
+        return
+    if deltas and field in deltas[-1]:
+        deltas[-1][field] += text
+    else:
+        deltas.append({field: text})
+
+
+class _JsonSpan:
+    """Where a JSON object or array ends, read incrementally: brackets matched outside strings.
+
+    It doesn't validate; json.loads does that on the span it finds.
+    """
+
+    _CLOSING = {"{": "}", "[": "]"}
+
+    def __init__(self, start: int) -> None:
+        self._position = start  # text[start] is "{" or "["
+        self._expected_closers: list[str] = []
+        self._in_string = False
+        self._escaped = False
+
+    def end(self, text: str) -> int | None:
+        """Index just past the closing bracket (or past a mismatched one); None while still open."""
+        position = self._position
+        while position < len(text):
+            char = text[position]
+            position += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._expected_closers.append(self._CLOSING[char])
+            elif char in "}]":
+                if not self._expected_closers or self._expected_closers.pop() != char:
+                    return position  # mismatched: json.loads rejects the span
+                if not self._expected_closers:
+                    return position
+        self._position = position
+        return None
+
+
+class RegionScanner(Protocol):
+    def scan(self, region: str) -> int | None:
+        """Length of the call region at the start of ``region`` (at least 1), or None until more
+        text decides it. Called again with the same text plus more; at the end of the output
+        a region still undecided takes all the rest."""
+        ...
+
+
+_WHITESPACE = re.compile(r"\s*")
+
+
+def _skip_whitespace(text: str, position: int) -> int:
+    match = _WHITESPACE.match(text, position)
+    return match.end() if match else position
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str) -> Any:
+    # NaN and Infinity: Python's json reads them, but a client's JSON parser would not.
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def _arguments_text(value: Any) -> str:
+    if isinstance(value, str):  # some models send the arguments object JSON-encoded in a string
+        value = _loads(value)
+    if not isinstance(value, dict):
+        raise ValueError("a tool call's arguments are a JSON object")
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _name_and_arguments(call: Any, arguments_keys: tuple[str, ...], arguments_required: bool) -> tuple[str, str]:
+    """(name, arguments as JSON text) of a call object, or ValueError."""
+    if not isinstance(call, dict):
+        raise ValueError("a tool call is a JSON object")
+    name = call.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError("a tool call names its function")
+    for key in arguments_keys:
+        if key in call:
+            return name, _arguments_text(call[key])
+    if arguments_required:
+        raise ValueError(f"a tool call has one of {arguments_keys}")
+    return name, "{}"
+
+
+class ToolParser:
+    """A model family's tool-call format. Holds no per-output state: one per server is enough."""
+
+    name: ClassVar[str]
+    # The markers are special tokens: detokenize with skip_special_tokens=False.
+    needs_special_tokens: ClassVar[bool] = False
+    # Where a region opens, for formats with a single marker anywhere in the output.
+    start_marker: ClassVar[str] = ""
+
+    def new_call_id(self) -> str:
+        """OpenAI's form: "call_" and 24 random letters and digits."""
+        return "call_" + random_id(24)
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished output; content is None when empty or whitespace."""
+        stream = self.stream()
+        deltas = stream.feed(text) + stream.finish()
+        content = "".join(delta.get("content", "") for delta in deltas)
+        return content or None, stream.tool_calls
+
+    def stream(self) -> ToolStream:
+        """A reader for one choice's output, fed delta by delta."""
+        return ToolStream(self)
+
+    # The format: what a subclass defines.
+
+    def find_region(self, text: str, at_boundary: bool, after_call: bool) -> int | None:
+        """Where the first call region in ``text`` opens, if one does.
+
+        ``at_boundary``: nothing but whitespace was sent since the start or the last call;
+        ``after_call``: that last call exists.
+        """
+        start = text.find(self.start_marker)
+        return start if start >= 0 else None
+
+    def held_length(self, text: str, at_boundary: bool) -> int:
+        """How much of the end of ``text`` (which has no region) might still open one."""
+        return partial_marker_length(text, self.start_marker)
+
+    def new_scanner(self) -> RegionScanner:
+        raise NotImplementedError
+
+    def parse_region(self, region: str) -> list[tuple[str, str]]:
+        """(name, arguments) of each call in a region; ValueError when it is malformed."""
+        raise NotImplementedError
+
+
+class ToolStream:
+    """One choice's output fed delta by delta, giving OpenAI streaming deltas.
+
+    ``feed`` and ``finish`` return ``{"content": ...}`` deltas and, per call, a header
+    ``{"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments": ""}}]}``
+    then ``{"tool_calls": [{"index", "function": {"arguments": ...}}]}``.
+    """
+
+    def __init__(self, parser: ToolParser) -> None:
+        self._parser = parser
+        # Text not sent yet: a tail that may open a region, or the call region read so far.
+        self._buffer = ""
+        self._scanner: RegionScanner | None = None  # set while the buffer starts with a call region
+        self._content = TextChannel()
+        self._finished = False
+        self.tool_calls: list[ToolCall] = []
+
+    @property
+    def saw_tool_call(self) -> bool:
+        """Whether any call was sent (the choice's finish_reason is then "tool_calls")."""
+        return bool(self.tool_calls)
+
+    def feed(self, delta_text: str) -> list[Delta]:
+        if self._finished:
+            raise RuntimeError("feed() after finish(): this output is complete")
+        self._buffer += delta_text
+        return self._advance(final=False)
+
+    def finish(self) -> list[Delta]:
+        """The end of the output: everything held back is decided and sent."""
+        if self._finished:
+            raise RuntimeError("finish() called twice")
+        deltas = self._advance(final=True)
+        append_text(deltas, "content", self._content.finish())
+        self._finished = True
+        return deltas
+
+    def _advance(self, final: bool) -> list[Delta]:
+        deltas: list[Delta] = []
+        while True:
+            if self._scanner is None:
+                start = self._parser.find_region(self._buffer, self._content.at_boundary, self.saw_tool_call)
+                if start is None:
+                    num_held = 0 if final else self._parser.held_length(self._buffer, self._content.at_boundary)
+                    self._send_content(deltas, self._buffer[: len(self._buffer) - num_held])
+                    self._buffer = self._buffer[len(self._buffer) - num_held :]
+                    return deltas
+                self._send_content(deltas, self._buffer[:start])
+                self._buffer = self._buffer[start:]
+                self._scanner = self._parser.new_scanner()
+            end = self._scanner.scan(self._buffer)
+            if end is None:
+                if not final:
+                    return deltas
+                end = len(self._buffer)
+            region, self._buffer = self._buffer[:end], self._buffer[end:]
+            self._scanner = None
+            try:
+                calls = self._parser.parse_region(region)
+            except (ValueError, RecursionError):  # malformed (RecursionError: absurdly deep JSON)
+                self._send_content(deltas, region)
+                continue
+            self._content.markup()
+            for name, arguments in calls:
+                self._send_call(deltas, name, arguments)
+
+    def _send_content(self, deltas: list[Delta], text: str) -> None:
+        append_text(deltas, "content", self._content.push(text))
+
+    def _send_call(self, deltas: list[Delta], name: str, arguments: str) -> None:
+        index = len(self.tool_calls)
+        call = ToolCall(self._parser.new_call_id(), name, arguments)
+        self.tool_calls.append(call)
+        header = {"name": name, "arguments": ""}
+        deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": header}]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
+
+
+class _EndMarkerScanner:
+    """A region that ends just past the first end marker."""
+
+    def __init__(self, start_marker: str, end_marker: str) -> None:
+        self._end_marker = end_marker
+        self._search_from = len(start_marker)
+
+    def scan(self, region: str) -> int | None:
+        end = region.find(self._end_marker, self._search_from)
+        if end >= 0:
+            return end + len(self._end_marker)
+        self._search_from = max(self._search_from, len(region) - len(self._end_marker) + 1)
+        return None
+
+
+class HermesToolParser(ToolParser):
+    """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks, any number of
+    them, anywhere (Hermes, Qwen2.5, Qwen3); ``"parameters"`` is accepted for ``"arguments"``.
+    A block cut off by the end of the output (even inside ``</tool_call>``) is still a call if its
+    JSON is complete."""
+
+    name = "hermes"
+    start_marker = "<tool_call>"
+    end_marker = "</tool_call>"
+
+    def new_scanner(self) -> RegionScanner:
+        return _EndMarkerScanner(self.start_marker, self.end_marker)
+
+    def parse_region(self, region: str) -> list[tuple[str, str]]:
+        body = region[len(self.start_marker) :]
+        if body.endswith(self.end_marker):
+            body = body[: -len(self.end_marker)]
+        else:  # cut off by the end of the output; JSON never ends in a piece of the marker
+            body = body[: len(body) - partial_marker_length(body, self.end_marker)]
+        return [_name_and_arguments(_loads(body), ("arguments", "parameters"), arguments_required=False)]
+
+
+# Keys a Llama call object may open with; anything else at the head of a "{" is an ordinary
+# JSON answer, sent as content at once instead of being held until its closing brace.
+_LLAMA_CALL_KEYS = ("name", "parameters", "arguments", "type")
+
+
+def _opens_llama_call(text: str) -> bool | None:
+    """Whether an object starting as ``text`` (at its "{") opens with a call's key; None: undecided."""
+    rest = text[1:].lstrip()
+    if not rest:
+        return None
+    if rest[0] != '"':
+        return False
+    key_end = rest.find('"', 1)
+    if key_end < 0:
+        return None if any(key.startswith(rest[1:]) for key in _LLAMA_CALL_KEYS) else False
+    return rest[1:key_end] in _LLAMA_CALL_KEYS
+
+
+class _LlamaScanner:
+    """``<|python_tag|>``, ``;`` or nothing, whitespace, then one JSON object."""
+
+    def __init__(self) -> None:
+        self._span: _JsonSpan | None = None
+
+    def scan(self, region: str) -> int | None:
+        if self._span is None:
+            start = _skip_whitespace(region, len(_llama_prefix(region)))
+            if start == len(region):
+                return None
+            if region[start] != "{":
+                return start  # the prefix alone: it has at least one character
+            opens_call = _opens_llama_call(region[start:])
+            if opens_call is None:
+                return None
+            if not opens_call:
+                return len(region)
+            self._span = _JsonSpan(start)
+        return self._span.end(region)
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def _llama_prefix(region: str) -> str:
+    for prefix in (_PYTHON_TAG, ";"):
+        if region.startswith(prefix):
+            return prefix
+    return ""
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.x's JSON calls: an output that is ``{"name": ..., "parameters": {...}}``, maybe
+    after ``<|python_tag|>``, and more such objects after ``;`` (``"arguments"`` is accepted for
+    ``"parameters"``).
+
+    Calls are only read at the start of the output or right after another call: an output that
+    opens with text is all content, and text after the calls is content.
+    """
+
+    name = "llama3_json"
+    needs_special_tokens = True
+
+    def find_region(self, text: str, at_boundary: bool, after_call: bool) -> int | None:
+        if not at_boundary:
+            return None
+        start = _skip_whitespace(text, 0)
+        if text.startswith((_PYTHON_TAG, "{"), start) or (after_call and text.startswith(";", start)):
+            return start
+        return None
+
+    def held_length(self, text: str, at_boundary: bool) -> int:
+        rest = text.lstrip()
+        return len(rest) if at_boundary and rest and _PYTHON_TAG.startswith(rest) else 0
+
+    def new_scanner(self) -> RegionScanner:
+        return _LlamaScanner()
+
+    def parse_region(self, region: str) -> list[tuple[str, str]]:
+        prefix = _llama_prefix(region)
+        body = region[len(prefix) :].strip()
+        if prefix == ";" and not body:
+            return []  # a separator after the last call is markup too
+        return [_name_and_arguments(_loads(body), ("parameters", "arguments"), arguments_required=True)]
+
+
+_MISTRAL_ARGS = "[ARGS]"
+_MISTRAL_NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]*")
+
+
+class _MistralScanner:
+    """After ``[TOOL_CALLS]``: a JSON list (or object), or a name, ``[ARGS]`` and a JSON object."""
+
+    def __init__(self, marker: str) -> None:
+        self._marker = marker
+        self._span: _JsonSpan | None = None
+
+    def scan(self, region: str) -> int | None:
+        if self._span is None:
+            start = _skip_whitespace(region, len(self._marker))
+            if start == len(region):
+                return None
+            if region[start] not in "[{":
+                name_match = _MISTRAL_NAME_CHARS.match(region, start)
+                name_end = name_match.end() if name_match else start
+                after_name = region[name_end:]
+                if not after_name.startswith(_MISTRAL_ARGS):
+                    return None if _MISTRAL_ARGS.startswith(after_name) else name_end
+                start = _skip_whitespace(region, name_end + len(_MISTRAL_ARGS))
+                if start == len(region):
+                    return None
+                if region[start] != "{":
+                    return start
+            self._span = _JsonSpan(start)
+        return self._span.end(region)
+
+
+class MistralToolParser(ToolParser):
+    """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (tokenizers before v11), and
+    ``[TOOL_CALLS]name[ARGS]{...}``, one marker per call (v11 and later)."""
+
+    name = "mistral"
+    needs_special_tokens = True
+    start_marker = "[TOOL_CALLS]"
+
+    def new_call_id(self) -> str:
+        """9 letters and digits: Mistral's chat templates reject any other tool_call_id when the
+        conversation comes back with the tool's answer."""
+        return random_id(9)
+
+    def new_scanner(self) -> RegionScanner:
+        return _MistralScanner(self.start_marker)
+
+    def parse_region(self, region: str) -> list[tuple[str, str]]:
+        body = region[len(self.start_marker) :].lstrip()
+        if body.startswith(("[", "{")):
+            value = _loads(body)
+            calls = value if isinstance(value, list) else [value]
+            if not calls:
+                raise ValueError("an empty list of tool calls")
+            return [_name_and_arguments(call, ("arguments", "parameters"), arguments_required=False) for call in calls]
+        name, separator, arguments = body.partition(_MISTRAL_ARGS)
+        if not separator or not name or not _MISTRAL_NAME_CHARS.fullmatch(name):
+            raise ValueError("a tool call is name[ARGS]{...}")
+        return [(name, _arguments_text(_loads(arguments)))]
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+}
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}") from None
