@@ -1,6 +1,7 @@
 """pagedrs: an LLM serving engine with a paged KV cache and a Rust scheduling core."""
 
 from pagedrs._core import (
+    GrammarMatchers,
     KVCacheManager,
     KVCacheStats,
     Scheduler,
@@ -47,6 +48,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "DuplicateRequestError",
+    "GrammarMatchers",
     "InternalError",
     "InvalidArgumentError",
     "KVCacheManager",

@@ -6,6 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "GrammarMatchers",
     "KVCacheManager",
     "KVCacheStats",
     "Scheduler",
@@ -294,3 +295,93 @@ class Scheduler:
     def max_model_len(self) -> int: ...
     def stats(self) -> SchedulerStats: ...
     def check_invariants(self) -> None: ...
+
+@final
+class GrammarMatchers:
+    """Structured-output state for every constrained sequence of an engine: compiled
+    grammars (cached by kind and spec) and one matcher per sequence, over llguidance.
+
+    ``token_bytes[i]`` is the text token ``i`` stands for (``pagedrs.structured_vocab.
+    token_bytes(tokenizer)``); ``b""`` for special tokens, which a grammar never produces.
+    Ids from ``len(token_bytes)`` up to ``vocab_size`` (the model's logits width: padding)
+    are never allowed. ``eos_token_id`` never stands for text: it is allowed exactly where
+    the output may end. At most ``max_cached_grammars`` compiled grammars are kept (least
+    recently used dropped first; live matchers are unaffected).
+
+    JSON output is compact: no whitespace outside strings, ``,`` between items and ``:``
+    after keys (``json.dumps(value, separators=(",", ":"))``). ``oneOf`` is compiled as
+    ``anyOf``. Raises ``InvalidArgumentError`` (a ``ValueError``) for a bad vocabulary.
+
+    Not thread-safe: one thread at a time (a call while ``fill_bitmask`` runs on another
+    thread raises ``RuntimeError``).
+    """
+
+    def __new__(
+        cls,
+        token_bytes: list[bytes],
+        eos_token_id: int,
+        vocab_size: int,
+        *,
+        max_cached_grammars: int = 256,
+    ) -> GrammarMatchers: ...
+    def compile(self, kind: str, spec: str) -> int:
+        """Compiles a grammar and returns its id; the same ``(kind, spec)`` again is a cache
+        hit. ``kind``:
+
+        - ``"json_schema"``: ``spec`` is a JSON schema's text;
+        - ``"json_object"``: any JSON object (``spec`` ignored);
+        - ``"regex"``: the whole output matches ``spec`` (Rust ``regex`` syntax; ``\\d``,
+          ``\\w``, ``\\s`` are Unicode classes, as in Python's ``re``);
+        - ``"choice"``: ``spec`` is a JSON list of strings; the output is exactly one;
+        - ``"grammar"``: a Lark grammar as llguidance reads it (start rule ``start``; GBNF,
+          recognized by ``::=``, is refused).
+
+        ``InvalidArgumentError`` (a ``ValueError``) names what is wrong: the JSON, an
+        unsupported JSON-schema keyword, the regex or grammar syntax error, or a grammar no
+        token of the vocabulary can start. Runs with the GIL released."""
+    def add(self, grammar_id: int) -> int:
+        """Starts a sequence at the beginning of a compiled grammar; returns its handle.
+        ``KeyError`` for a grammar id not (or no longer) in the cache: compile again."""
+    def fill_bitmask(self, handles: list[int]) -> npt.NDArray[np.int32]:
+        """The next-token masks, shape ``[len(handles), ceil(vocab_size / 32)]``: bit ``j``
+        of word ``w`` of row ``r`` is set iff token ``32 * w + j`` may be sampled next by
+        ``handles[r]``. EOS is allowed where the output may end; once nothing else can
+        follow (or the matcher failed, see ``error``) EOS is the only allowed token.
+
+        Computed with the GIL released and in parallel across sequences (rayon's pool), so
+        it can run on a thread during the forward pass. ``KeyError`` for an unknown handle,
+        ``InvalidArgumentError`` for a handle listed twice."""
+    def advance(self, handle: int, token_id: int) -> bool:
+        """Consumes a sampled token. ``False`` when the grammar does not allow it here (the
+        state is unchanged). EOS is accepted where the output may end, and by a finished
+        matcher. ``InvalidArgumentError`` for a token id at or past ``vocab_size``."""
+    def is_finished(self, handle: int) -> bool:
+        """Whether the grammar has ended: EOS was consumed, nothing but EOS can follow, or
+        the matcher failed."""
+    def error(self, handle: int) -> str | None:
+        """Why the matcher failed (a grammar past llguidance's limits), or ``None``."""
+    def remove(self, handle: int) -> None:
+        """Frees a matcher. ``KeyError`` for an unknown handle."""
+    def __len__(self) -> int:
+        """Live matchers."""
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_id(self) -> int: ...
+    @property
+    def num_cached_grammars(self) -> int: ...
+    @property
+    def num_compiled(self) -> int:
+        """Grammars compiled (cache misses that compiled)."""
+    @property
+    def cache_hits(self) -> int:
+        """``compile`` calls answered from the cache."""
+    @property
+    def compile_seconds_total(self) -> float:
+        """Wall-clock seconds spent compiling, failed compiles included."""
+    @property
+    def mask_seconds_total(self) -> float:
+        """Wall-clock seconds spent in ``fill_bitmask`` (all rows of a call together)."""
+    @property
+    def num_masks(self) -> int:
+        """Mask rows filled."""

@@ -22,6 +22,10 @@ pub enum Error {
     StalePrefixHit(String),
     /// `check_invariants` found the pool inconsistent (a bug in the core).
     InvariantViolation(String),
+    /// No compiled grammar has this id (never compiled, or evicted from the grammar cache).
+    UnknownGrammar(u64),
+    /// No live grammar matcher has this handle (never added, or already removed).
+    UnknownMatcher(u64),
 }
 
 /// Shorthand used across the crate.
@@ -39,6 +43,14 @@ impl fmt::Display for Error {
                 write!(f, "block {} freed more times than it was allocated", block.0)
             }
             Error::InvariantViolation(what) => write!(f, "block pool invariant violated: {what}"),
+            Error::UnknownGrammar(id) => write!(
+                f,
+                "unknown grammar id {id} (never compiled, or evicted from the grammar cache: \
+                 compile it again)"
+            ),
+            Error::UnknownMatcher(handle) => {
+                write!(f, "unknown matcher handle {handle} (never added, or already removed)")
+            }
             Error::StalePrefixHit(id) => write!(
                 f,
                 "the prefix hit of request {id:?} was evicted before allocate_slots; \

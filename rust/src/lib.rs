@@ -1,6 +1,7 @@
-//! pagedrs scheduling core: the paged KV block pool, exact prefix caching and the
-//! per-iteration scheduler. Plain Rust, tested with `cargo test`; the PyO3 binding in
-//! `python/` is compiled only with the `python` feature.
+//! pagedrs scheduling core: the paged KV block pool, exact prefix caching, the
+//! per-iteration scheduler, and structured-output token masks (`structured`, over
+//! llguidance). Plain Rust, tested with `cargo test`; the PyO3 binding in `python/` is
+//! compiled only with the `python` feature.
 //!
 //! Vocabulary: a caller's *request* (one id, `n` choices) runs as `n` *sequences*, one per
 //! choice; the scheduler batches sequences and the KV cache holds one block table per
@@ -16,6 +17,7 @@ pub mod metrics;
 pub mod prefix_cache;
 pub mod scheduler;
 pub mod sequence;
+pub mod structured;
 
 #[cfg(feature = "python")]
 mod python;
@@ -28,3 +30,4 @@ pub use metrics::SchedulerStats;
 pub use prefix_cache::BlockHash;
 pub use scheduler::{RequestParams, Scheduler, SchedulerConfig, SchedulingPolicy};
 pub use sequence::{FinishReason, StopConditions};
+pub use structured::{GrammarId, GrammarKind, GrammarMatchers, MatcherHandle, StructuredStats};

@@ -4,6 +4,7 @@
 
 mod kv;
 mod scheduler;
+mod structured;
 
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -22,6 +23,10 @@ pub(super) fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
         Error::DuplicateRequest(_) => "DuplicateRequestError",
         Error::RefCountUnderflow(_) | Error::StalePrefixHit(_) | Error::InvariantViolation(_) => {
             "InternalError"
+        }
+        // Grammar ids and matcher handles are not requests: a plain KeyError.
+        Error::UnknownGrammar(_) | Error::UnknownMatcher(_) => {
+            return PyKeyError::new_err(err.to_string())
         }
     };
     let message = err.to_string();
@@ -76,6 +81,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<scheduler::PySchedulerOutput>()?;
     module.add_class::<scheduler::PySchedulerStats>()?;
     module.add_class::<scheduler::PyStepUpdates>()?;
+    module.add_class::<structured::PyGrammarMatchers>()?;
     // `StepUpdates.finish_codes` index this: code `c > 0` is `FINISH_REASONS[c - 1]`.
     let finish_reasons = FinishReason::ALL.map(FinishReason::as_str);
     module.add("FINISH_REASONS", PyTuple::new(module.py(), finish_reasons)?)?;
