@@ -87,3 +87,24 @@ def default_llm():
     from pagedrs import LLM
 
     return LLM(kv_cache_memory="256MiB", max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_smol(tmp_path_factory) -> str:
+    """Directory of a tiny random-weight Llama with the default model's byte-level tokenizer
+    (49,152 tokens, its chat template): random weights that can spell any text, for
+    structured outputs and tool calls."""
+    import torch
+    import transformers
+
+    from pagedrs.models.loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    torch.manual_seed(11)
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": len(tokenizer)})
+    config.eos_token_id = tokenizer.eos_token_id
+    model = transformers.LlamaForCausalLM(config).eval()
+    directory = tmp_path_factory.mktemp("tiny-smol")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)

@@ -210,16 +210,22 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow], banned: Sequence[tuple[int, list[int]]] = ()
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        banned: Sequence[tuple[int, list[int]]] = (),
+        allowed: tuple[list[int], np.ndarray] | None = None,
     ) -> SamplerOutput:
         """``logits``: ``[R, vocab]``, one row per entry of ``rows``; penalties and bans are
         applied to them in place unless a row asks for logprobs (those need the raw values).
         ``banned``: ``(row, token ids)`` that may not be sampled now (EOS and stop tokens before
-        ``min_tokens``)."""
+        ``min_tokens``). ``allowed``: ``(rows, bitmask)`` for constrained rows, the tokens each
+        may sample as an ``int32 [len(rows), ceil(vocab / 32)]`` bitmask (bit ``j`` of word ``w``:
+        token ``32 w + j``), as the core's `GrammarMatchers.fill_bitmask` writes it."""
         batch = self._batch(rows)
         raw = logits.float()
         logits = raw
-        if batch.any_penalties or banned:
+        if batch.any_penalties or banned or allowed is not None:
             if batch.logprob_rows is not None:
                 logits = raw.clone()  # the raw logits give the logprobs
             if batch.any_penalties:
@@ -230,6 +236,8 @@ class Sampler:
                 ban_rows = [row for row, token_ids in banned for _ in token_ids]
                 ban_ids = [token for _, token_ids in banned for token in token_ids]
                 logits[_index(ban_rows, self.device), _index(ban_ids, self.device)] = float("-inf")
+            if allowed is not None:
+                self._mask(logits, *allowed)
         if not batch.random:
             token_ids = _argmax(logits)
         elif not batch.greedy:
@@ -241,6 +249,14 @@ class Sampler:
         if batch.any_penalties:
             self.penalties.record(batch.penalty_slots, batch.penalty_slots_host, token_ids[batch.penalty_rows])
         return self._to_host(raw, token_ids, batch)
+
+    def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
+        """Sets the logits of every token a constrained row may not sample to -inf."""
+        words = torch.from_numpy(bitmask).to(self.device, non_blocking=True)
+        bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
+        allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].bool()
+        index = _index(rows, self.device)
+        logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
         """Draws one token per row of ``logits`` (the batch's random rows)."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger("pagedrs")
 
@@ -19,6 +21,54 @@ MIN_FLOAT32_PARAM = 1e-6
 """Positive top_p and repetition_penalty below this are raised to it: the sampler works in
 float32, where 1e-320 is 0 (top_p would keep nothing, a repetition penalty would divide by
 0). At 1e-6 top_p keeps only the most likely token and the penalty is already extreme."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, as vLLM's ``StructuredOutputsParams``: exactly one of
+    ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any JSON object),
+    ``regex``, ``choice`` (the output is one of these strings) or ``grammar`` (Lark syntax).
+    Compiled by the engine when the request is added; a schema or grammar it cannot take is a
+    ``ValueError`` then."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice and grammar"
+                + (f"; got {', '.join(given)}" if given else "")
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured outputs: json must be a JSON schema (an object or its JSON text)")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured outputs: regex must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("structured outputs: grammar must be a string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("structured outputs: choice must be a non-empty list of strings")
+
+    def kind_and_spec(self) -> tuple[str, str]:
+        """What the core's `GrammarMatchers.compile` takes: ``(kind, spec text)``."""
+        if self.json is not None:
+            return "json_schema", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        raise ValueError("structured outputs: no constraint given")
 
 
 @dataclass
@@ -53,6 +103,8 @@ class SamplingParams:
     """Return, for every prompt token after the first, its log-probability and this many top
     tokens. Such a request never reuses cached prefix blocks (their logits are needed)."""
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output (JSON schema, regex, choice, grammar): see `StructuredOutputsParams`."""
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +170,12 @@ class SamplingParams:
             "stop_token_ids must be non-negative integers (token ids of the vocabulary)",
         )
         self.stop_token_ids = ids
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams (or a dict of its fields)",
+        )
 
     @property
     def stop_strings(self) -> list[str]:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from pagedrs._core import FINISH_REASONS, Scheduler, SchedulerOutput, StepUpdates
+from pagedrs._core import FINISH_REASONS, GrammarMatchers, Scheduler, SchedulerOutput, StepUpdates
 from pagedrs.config import EngineConfig, resolve_dtype
 from pagedrs.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pagedrs.engine.host_memory import retain_freed_host_memory
@@ -24,6 +25,7 @@ from pagedrs.models.loader import iter_weights, load_config, load_tokenizer, res
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.sampler import Sampler, SamplerOutput, SamplingRow
 from pagedrs.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from pagedrs.structured_vocab import token_bytes
 
 logger = logging.getLogger("pagedrs")
 
@@ -38,6 +40,8 @@ class _Choice:
     """Its parameters, seeded generator and penalty slot, as the sampler takes them."""
     banned_token_ids: list[int]
     """Tokens it may not sample while it has fewer than ``min_tokens`` (EOS, stop tokens)."""
+    matcher: int | None = None
+    """Its structured-output state in the core's `GrammarMatchers`, when constrained."""
 
 
 @dataclass
@@ -111,6 +115,8 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._token_texts: dict[int, str] = {}
         self._decode_ids = fast_decoder(self.tokenizer)
+        self._grammars: GrammarMatchers | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None
         self.last_schedule: SchedulerOutput | None = None
         """The last step's batch (`SchedulerOutput`), for metrics and benchmarks."""
         logger.info(
@@ -167,7 +173,10 @@ class LLMEngine:
             # NOTE: every prompt position's logits are needed, so this request must compute
             # its whole prompt: a salt of its own keeps it off everyone's cached blocks.
             cache_salt = f"{cache_salt or ''}|prompt-logprobs|{request_id}|{time.monotonic_ns()}"
-        request = self._new_request(request_id, text, token_ids, params, stop_token_ids)
+        grammar_id = None
+        if params.structured_outputs is not None:
+            grammar_id = self.grammars.compile(*params.structured_outputs.kind_and_spec())
+        request = self._new_request(request_id, text, token_ids, params, stop_token_ids, grammar_id)
         try:
             self.scheduler.add_request(
                 request_id,
@@ -187,7 +196,13 @@ class LLMEngine:
         self._requests[request_id] = request
 
     def _new_request(
-        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, stop_token_ids: list[int]
+        self,
+        request_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        stop_token_ids: list[int],
+        grammar_id: int | None,
     ) -> _Request:
         """The Python side of a request, not yet registered anywhere."""
         banned = []
@@ -210,6 +225,7 @@ class LLMEngine:
                         detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
                         sampling=SamplingRow(params, generator, penalty_slot),
                         banned_token_ids=banned,
+                        matcher=None if grammar_id is None else self.grammars.add(grammar_id),
                     )
                 )
         except BaseException:
@@ -218,6 +234,17 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         return request
+
+    @property
+    def grammars(self) -> GrammarMatchers:
+        """Structured-output state in the core, built on first use (reading the vocabulary's
+        bytes once): unconstrained traffic never pays for it."""
+        if self._grammars is None:
+            self._grammars = GrammarMatchers(token_bytes(self.tokenizer), self.eos_token_id, self.hf_config.vocab_size)
+            # NOTE: one thread fills the next step's masks while the forward pass runs; the
+            # core releases the GIL and spreads the rows over its own threads.
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedrs-grammar")
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; unknown ids are ignored."""
@@ -233,8 +260,11 @@ class LLMEngine:
         self._release(request)
 
     def _release(self, request: _Request) -> None:
-        """Gives back the sampler state a request holds (its penalty slots)."""
+        """Gives back the sampler state a request holds (penalty slots, grammar matchers)."""
         for choice in request.choices:
+            if choice.matcher is not None:
+                self.grammars.remove(choice.matcher)
+                choice.matcher = None
             if choice.sampling.penalty_slot is not None:
                 self.sampler.penalties.release(choice.sampling.penalty_slot)
                 choice.sampling.penalty_slot = None
@@ -269,22 +299,28 @@ class LLMEngine:
         pass fails, every request of the batch fails (and ``None`` is returned); if the
         sampler fails, the rows are sampled one at a time and only the rows that fail alone
         fail their requests."""
+        masks: Future[np.ndarray] | None = None
         try:
-            rows, banned = self._sampling_rows(out)
+            rows, banned, constrained = self._sampling_rows(out)
+            if constrained:  # the masks are filled while the forward pass runs
+                masks = self._fill_masks([matcher for _, matcher in constrained])
             prompt_rows = self._prompt_logprob_rows(out)
             extra_rows = np.array([row for row, _, _ in prompt_rows], dtype=np.int64)
             logits, prompt_logits = self.runner.execute(out, extra_rows)
             self._record_prompt_logprobs(prompt_rows, prompt_logits)
+            allowed = None if masks is None else ([row for row, _ in constrained], masks.result())
         except Exception as error:  # the batch fails, the engine lives on
             logger.exception("step failed; failing the %d requests of its batch", len(out.request_ids))
+            if masks is not None:
+                wait([masks])  # the core's matchers are in use until it is done
             for request_id in set(out.request_ids):
                 self._fail(request_id, error, touched)
             return None
         try:
-            sampled = self.sampler(logits, rows, banned)
+            sampled = self.sampler(logits, rows, banned, allowed)
         except Exception:  # find the rows at fault, sample the others
             logger.exception("sampling the batch failed; sampling its %d rows one at a time", len(rows))
-            sampled = self._sample_rows_alone(out, logits, rows, banned, touched)
+            sampled = self._sample_rows_alone(out, logits, rows, banned, allowed, touched)
         bad_rows = np.flatnonzero((sampled.token_ids < 0) | (sampled.token_ids >= self.hf_config.vocab_size))
         for row in bad_rows.tolist():  # e.g. non-finite logits drawn from on a device without checks
             sampled.token_ids[row] = 0
@@ -298,6 +334,7 @@ class LLMEngine:
         logits: torch.Tensor,
         rows: list[SamplingRow],
         banned: list[tuple[int, list[int]]],
+        allowed: tuple[list[int], np.ndarray] | None,
         touched: dict[str, _Request],
     ) -> SamplerOutput:
         """Each row sampled on its own; a row that still fails fails its request alone.
@@ -307,11 +344,13 @@ class LLMEngine:
         already failed, and it keeps every healthy request going.
         """
         banned_by_row = dict(banned)
+        mask_by_row = {} if allowed is None else {row: allowed[1][i : i + 1] for i, row in enumerate(allowed[0])}
         outputs: list[SamplerOutput | None] = []
         for row, sampling in enumerate(rows):
             row_banned = [(0, banned_by_row[row])] if row in banned_by_row else []
+            row_allowed = ([0], mask_by_row[row]) if row in mask_by_row else None
             try:
-                outputs.append(self.sampler(logits[row : row + 1], [sampling], row_banned))
+                outputs.append(self.sampler(logits[row : row + 1], [sampling], row_banned, row_allowed))
             except Exception as error:  # noqa: BLE001 - this request fails, the others go on
                 outputs.append(None)
                 request_id = out.request_ids[int(out.logits_request_indices[row])]
@@ -416,11 +455,14 @@ class LLMEngine:
             text = self._token_texts[token_id] = self._decode_ids([token_id], skip_special_tokens=False)
         return text
 
-    def _sampling_rows(self, out: SchedulerOutput) -> tuple[list[SamplingRow], list[tuple[int, list[int]]]]:
-        """Each logits row's `SamplingRow` (the core says whose row it is), and the tokens
-        banned per row for choices still short of ``min_tokens``."""
+    def _sampling_rows(
+        self, out: SchedulerOutput
+    ) -> tuple[list[SamplingRow], list[tuple[int, list[int]]], list[tuple[int, int]]]:
+        """Each logits row's `SamplingRow` (the core says whose row it is), the tokens banned
+        per row for choices still short of ``min_tokens``, and ``(row, matcher)`` of the
+        constrained rows."""
         request_ids = out.request_ids
-        rows, banned = [], []
+        rows, banned, constrained = [], [], []
         for row, (seq, index) in enumerate(
             zip(out.logits_request_indices.tolist(), out.logits_choice_indices.tolist())
         ):
@@ -428,7 +470,16 @@ class LLMEngine:
             rows.append(choice.sampling)
             if choice.banned_token_ids and len(choice.output.token_ids) < choice.sampling.params.min_tokens:
                 banned.append((row, choice.banned_token_ids))
-        return rows, banned
+            if choice.matcher is not None:
+                constrained.append((row, choice.matcher))
+        return rows, banned, constrained
+
+    def _fill_masks(self, matchers: list[int]) -> Future[np.ndarray]:
+        """The constrained rows' token bitmasks, computed by the core on the mask thread."""
+        grammars, thread = self.grammars, self._mask_thread
+        if thread is None:
+            raise RuntimeError("the grammar thread is made with the grammars")
+        return thread.submit(grammars.fill_bitmask, matchers)
 
     def _append(
         self,
@@ -440,6 +491,8 @@ class LLMEngine:
         core_finished: bool,
     ) -> None:
         output = choice.output
+        if choice.matcher is not None and not self.grammars.advance(choice.matcher, token):
+            raise RuntimeError(f"token {token} was sampled against the request's output constraint")
         output.token_ids.append(token)
         if output.logprobs is not None and sampled is not None and sampled.logprobs is not None:
             logprobs, ranks, top_ids, top_logprobs = sampled.logprob_lists()

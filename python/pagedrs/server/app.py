@@ -21,7 +21,7 @@ from pagedrs.server.completions import create_completion
 from pagedrs.server.launch import DEFAULT_MAX_REQUEST_BYTES
 from pagedrs.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from pagedrs.server.serving import APIError, ClientDisconnected, Serving, error_body
+from pagedrs.server.serving import APIError, ClientDisconnected, Serving, ToolSettings, error_body
 
 logger = logging.getLogger("pagedrs.server")
 
@@ -143,9 +143,10 @@ def build_app(
     api_key: str | None = None,
     scheduling_policy: str = "fcfs",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_settings: ToolSettings | None = None,
 ) -> Any:
     """The ASGI application serving `engine` (started by the caller)."""
-    serving = Serving(engine, served_model_name, engine.engine.max_model_len, scheduling_policy)
+    serving = Serving(engine, served_model_name, engine.engine.max_model_len, scheduling_policy, tool_settings)
     app = FastAPI(title="pagedrs", version=__version__)
     app.state.serving = serving
 
@@ -247,7 +248,7 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages")
         if body.messages is not None:
-            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+            conversation = [message.for_template() for message in body.messages]
             tokens = await serving.tokenize(render_chat, conversation, body.add_generation_prompt)
         else:
             tokens = await serving.tokenize(

@@ -20,8 +20,10 @@ from pagedrs.server.serving import (
     finish_reason,
     finite,
     sse,
+    structured_outputs,
     top_entries,
 )
+from pagedrs.server.tools import ToolPlan
 
 
 def render_chat(
@@ -29,8 +31,9 @@ def render_chat(
     conversation: list[dict[str, str]],
     add_generation_prompt: bool,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of the conversation under the checkpoint's chat template."""
+    """Token ids of the conversation (and the tools) under the checkpoint's chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     if add_generation_prompt and continue_final_message:
@@ -40,6 +43,7 @@ def render_chat(
             conversation,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
             tokenize=True,
         )
     except Exception as error:  # a template error is the request's fault
@@ -72,15 +76,23 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     serving.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    plan = ToolPlan.of(body, serving.tool_settings)
     conversation = body.conversation()
     token_ids = await serving.tokenize(
-        render_chat, conversation, body.add_generation_prompt, body.continue_final_message
+        render_chat, conversation, body.add_generation_prompt, body.continue_final_message, plan.tools
     )
     prompt = Prompt(token_ids)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = serving.check_length(prompt, requested, "messages")
     num_top = body.top_logprobs or 0
-    params = serving.sampling_params(body, max_tokens, logprobs=num_top if body.logprobs else None)
+    extra: dict[str, Any] = {"logprobs": num_top if body.logprobs else None}
+    if plan.constraint is not None:
+        if structured_outputs(body) is not None:
+            raise APIError(400, f"tool_choice {plan.mode} cannot be combined with another output constraint")
+        extra["structured_outputs"] = plan.constraint
+    if plan.parser is not None and plan.parser.needs_special_tokens:
+        extra["skip_special_tokens"] = False  # its markers are special tokens
+    params = serving.sampling_params(body, max_tokens, **extra)
     run = serving.new_run("chatcmpl", body.n, [prompt])
     # vLLM's echo for chat: an unfinished assistant message is repeated before its continuation.
     echo = ""
@@ -89,16 +101,17 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     await serving.start(run, [params], body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return event_stream(run, _events(serving, run, body, echo, num_top, include_usage), raw_request)
+        return event_stream(run, _events(serving, run, body, plan, echo, num_top, include_usage), raw_request)
     (final,) = await serving.run_to_end(run, raw_request)
     choices = []
     for choice in final.outputs:
+        message, called_tools = plan.message(echo + choice.text)
         choices.append(
             {
                 "index": choice.index,
-                "message": {"role": "assistant", "content": echo + choice.text},
+                "message": message,
                 "logprobs": {"content": _content_logprobs(serving, choice, 0, num_top)} if body.logprobs else None,
-                "finish_reason": finish_reason(choice),
+                "finish_reason": "tool_calls" if called_tools else finish_reason(choice),
                 "stop_reason": choice.stop_reason,
             }
         )
@@ -113,9 +126,16 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
 
 
 async def _events(
-    serving: Serving, run: Run, body: ChatCompletionRequest, echo: str, num_top: int, include_usage: bool
+    serving: Serving,
+    run: Run,
+    body: ChatCompletionRequest,
+    plan: ToolPlan,
+    echo: str,
+    num_top: int,
+    include_usage: bool,
 ) -> AsyncGenerator[str, None]:
     cursors: dict[int, ChoiceCursor] = {}
+    streams = [plan.stream() for _ in range(body.n)]
 
     def chunk(choices: list[dict[str, Any]], chunk_usage: dict[str, Any] | None = None) -> str:
         payload = {
@@ -151,17 +171,27 @@ async def _events(
                 {"content": _content_logprobs(serving, choice, cursor.tokens, num_top)} if body.logprobs else None
             )
             cursor.text, cursor.tokens, cursor.done = len(choice.text), len(choice.token_ids), reason is not None
-            delta = {"content": text} if text else {}
-            yield chunk(
-                [
-                    {
-                        "index": choice.index,
-                        "delta": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": reason,
-                        "stop_reason": choice.stop_reason if reason else None,
-                    }
-                ]
-            )
+            stream = streams[choice.index]
+            deltas = stream.feed(text) if text else []
+            if reason is not None:
+                deltas += stream.finish()
+                if stream.saw_tool_call and plan.mode != "named":
+                    reason = "tool_calls"
+            if not deltas and reason is None and logprobs is None:
+                continue  # held back by a parser (a marker may be starting)
+            deltas = deltas or [{}]
+            for number, delta in enumerate(deltas, start=1):
+                last = number == len(deltas)
+                yield chunk(
+                    [
+                        {
+                            "index": choice.index,
+                            "delta": delta,
+                            "logprobs": logprobs if last else None,
+                            "finish_reason": reason if last else None,
+                            "stop_reason": choice.stop_reason if last and reason else None,
+                        }
+                    ]
+                )
     if include_usage:
         yield chunk([], run.usage())

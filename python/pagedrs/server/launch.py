@@ -62,6 +62,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=512,
         help="answer 503 to new requests while this many wait (0: no limit)",
     )
+    tools = parser.add_argument_group("tools and reasoning")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "mistral"],
+        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral",
+    )
+    tools.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3", "deepseek_r1"],
+        help="split <think>...</think> into the message's reasoning_content",
+    )
     parser.add_argument(
         "--max-request-bytes",
         type=int,
@@ -86,6 +104,17 @@ def build_server(args: argparse.Namespace, start_engine_thread: bool = True):
     from pagedrs.engine.llm_engine import LLMEngine
     from pagedrs.server.app import build_app
     from pagedrs.server.metrics import ServerMetrics
+    from pagedrs.server.reasoning import get_reasoning_parser
+    from pagedrs.server.serving import ToolSettings
+    from pagedrs.server.tool_parsers import get_tool_parser
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("pagedrs serve: --enable-auto-tool-choice needs --tool-call-parser")
+    tool_settings = ToolSettings(
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_parser=get_tool_parser(args.tool_call_parser)() if args.tool_call_parser else None,
+        reasoning_parser=get_reasoning_parser(args.reasoning_parser)() if args.reasoning_parser else None,
+    )
 
     config = EngineConfig(
         model=args.model,
@@ -119,6 +148,7 @@ def build_server(args: argparse.Namespace, start_engine_thread: bool = True):
         api_key=args.api_key,
         scheduling_policy=args.scheduling_policy,
         max_request_bytes=args.max_request_bytes,
+        tool_settings=tool_settings,
     )
     return app, engine
 

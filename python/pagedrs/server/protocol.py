@@ -7,6 +7,7 @@ checked once, by `SamplingParams`.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -30,6 +31,13 @@ def _check_unicode(where: str, value: Any) -> None:
             _check_unicode(f"{where}.{key}", item)
 
 
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # a template gets the text as it came
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -43,6 +51,30 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs`` request field."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Generation(_Body):
@@ -72,6 +104,13 @@ class _Generation(_Body):
     """Requests share cached prefix blocks only with requests that have the same salt."""
     priority: int = 0
     """Lower runs first; only with ``--scheduling-policy priority``."""
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's older names for ``structured_outputs`` fields."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Generation):
@@ -86,10 +125,43 @@ class ContentPart(_Body):
     text: str
 
 
+class FunctionCallBody(_Body):
+    name: str
+    arguments: str = "{}"
+    """The arguments as JSON text, as OpenAI sends them."""
+
+
+class ToolCallBody(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None
+    """An assistant message's calls."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: which call this is the result of."""
+
+    def for_template(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _json_or_text(call.function.arguments)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            entry["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            entry["name"] = self.name
+        return entry
 
     def text(self) -> str:
         if self.content is None:
@@ -99,8 +171,24 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
+class FunctionBody(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments."""
+    strict: bool | None = None
+
+
+class ToolBody(_Body):
+    type: Literal["function"]
+    function: FunctionBody
+
+
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolBody] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -108,8 +196,10 @@ class ChatCompletionRequest(_Generation):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": message.role, "content": message.text()} for message in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as chat templates take them: an assistant's tool calls with their
+        arguments as objects (templates serialize them), a tool result with its call's id."""
+        return [message.for_template() for message in self.messages]
 
 
 class TokenizeRequest(_Body):

@@ -22,8 +22,10 @@ from starlette.responses import StreamingResponse
 
 from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedrs.sampling_params import SamplingParams
+from pagedrs.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedrs.server.protocol import _Generation
+from pagedrs.server.reasoning import ReasoningParser
+from pagedrs.server.tool_parsers import ToolParser
 
 logger = logging.getLogger("pagedrs.server")
 
@@ -108,6 +110,16 @@ class Run:
             stream.abort()
 
 
+@dataclass
+class ToolSettings:
+    """The server's tool flags (``--enable-auto-tool-choice``, ``--tool-call-parser``,
+    ``--reasoning-parser``)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None
+
+
 class Serving:
     """Turns API requests into engine requests."""
 
@@ -115,8 +127,16 @@ class Serving:
     """Prompts are tokenized on this many threads, off the event loop: a prompt of many
     megabytes takes seconds, and /health and every other client must not wait for it."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, max_model_len: int, scheduling_policy: str):
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        max_model_len: int,
+        scheduling_policy: str,
+        tool_settings: ToolSettings | None = None,
+    ):
         self.engine = engine
+        self.tool_settings = tool_settings or ToolSettings()
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.scheduling_policy = scheduling_policy
@@ -178,6 +198,8 @@ class Serving:
             raise APIError(400, f"n must be at most max_num_seqs ({self.engine.engine.config.max_num_seqs})", param="n")
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if "structured_outputs" not in extra:
+            extra["structured_outputs"] = structured_outputs(body)
         try:
             return SamplingParams(
                 n=body.n,
@@ -304,6 +326,43 @@ class Serving:
             check_failed(final)
             finals.append(final)
         return finals
+
+
+def structured_outputs(body: _Generation) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever of the names users know it gives:
+    OpenAI's ``response_format``, vLLM's ``structured_outputs`` or its ``guided_*`` fields."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    format_ = body.response_format
+    if format_ is not None and format_.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif format_ is not None and format_.type == "json_schema":
+        if format_.json_schema is None or format_.json_schema.json_schema is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        given.append(("response_format", {"json": format_.json_schema.json_schema}))
+    if body.structured_outputs is not None:
+        fields = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        if fields.get("json_object") is False:
+            del fields["json_object"]
+        given.append(("structured_outputs", fields))
+    guided = {
+        "json": body.guided_json,
+        "regex": body.guided_regex,
+        "choice": body.guided_choice,
+        "grammar": body.guided_grammar,
+    }
+    for name, value in guided.items():
+        if value is not None:
+            given.append((f"guided_{name}", {name: value}))
+    if not given:
+        return None
+    if len(given) > 1:
+        names = ", ".join(name for name, _ in given)
+        raise APIError(400, f"give one output constraint, not several ({names})", param=given[1][0])
+    name, fields = given[0]
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as error:
+        raise APIError(400, str(error), param=name) from error
 
 
 def log_usage(
