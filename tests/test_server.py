@@ -298,3 +298,24 @@ def test_one_log_line_per_request(server, client):
     client.completions.create(model=MODEL, prompt="Log me", max_tokens=2, temperature=0)
     lines = [line for line in server.log().splitlines() if '"POST /v1/completions" 200' in line]
     assert lines and "prompt=" in lines[-1] and "completion=2" in lines[-1]
+
+
+def test_the_default_model_answers_a_json_schema_request_with_valid_json(client):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+        "required": ["capital", "country"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    answer = json.loads(reply.choices[0].message.content)
+    jsonschema.validate(answer, schema)

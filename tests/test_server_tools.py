@@ -233,3 +233,28 @@ def _calls(client, kwargs, stream: bool) -> tuple[list[tuple[str, str]], str]:
                 entry[1] += call.function.arguments or ""
             finish_reason = choice.finish_reason or finish_reason
     return [(name, arguments) for name, arguments in by_index.values()], finish_reason
+
+
+def test_metrics_count_constrained_requests_compiles_and_masks(client, server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    before = server.http.metrics()
+    for _ in range(2):
+        client.chat.completions.create(
+            model=_model(client), messages=ASK, max_tokens=20, response_format=response_format
+        )
+    assert wait_for(
+        lambda: (
+            server.http.metrics()["pagedrs:structured_output_requests_total"]
+            >= before.get("pagedrs:structured_output_requests_total", 0) + 2
+        )
+    )
+    after = server.http.metrics()
+    assert (
+        after["pagedrs:structured_output_grammar_cache_hits_total"]
+        >= before.get("pagedrs:structured_output_grammar_cache_hits_total", 0) + 1
+    )
+    assert after["pagedrs:structured_output_masked_rows_total"] > before.get(
+        "pagedrs:structured_output_masked_rows_total", 0
+    )
+    assert after["pagedrs:structured_output_mask_seconds_total"] > 0

@@ -343,7 +343,7 @@ impl KVCacheManager {
         let num_new_blocks = end.div_ceil(block_size).saturating_sub(num_held_blocks);
         let write_block = first_new_token / block_size;
         let needs_copy = num_new_tokens > 0
-            && first_new_token % block_size != 0
+            && !first_new_token.is_multiple_of(block_size)
             && self.pool.ref_count(sequence.block_table[write_block]) > 1;
         let num_hit_blocks_now_free =
             sequence.pending_hit.iter().filter(|block| self.pool.ref_count(block.id) == 0).count();

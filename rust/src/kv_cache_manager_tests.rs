@@ -326,7 +326,7 @@ fn randomized_operations_keep_every_invariant_and_free_every_block() {
                 let salt = if rng.gen_bool(0.1) { Some("s") } else { None };
                 let sequence = m.add_sequence(&prompt, salt).unwrap();
                 let hit = m.get_computed_blocks(sequence).unwrap();
-                assert!(hit < len && hit % BS == 0);
+                assert!(hit < len && hit.is_multiple_of(BS));
                 let chunk = rng.gen_range(1..=len - hit);
                 match m.allocate_slots(sequence, chunk).unwrap() {
                     Some(copies) => assert!(copies.is_empty()),

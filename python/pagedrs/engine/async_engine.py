@@ -145,6 +145,8 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self.stats = engine.scheduler.stats()
         """The scheduler's counters after the last step (published by the engine thread)."""
+        self.structured_output_stats = engine.structured_output_stats()
+        """Likewise, the structured-output counters."""
         self._thread: threading.Thread | None = None
         if start_thread:
             self._thread = threading.Thread(target=self.run, name="pagedrs-engine", daemon=True)
@@ -246,6 +248,7 @@ class AsyncLLMEngine:
                     continue
                 outputs = self.engine.step()
                 self.stats = self.engine.scheduler.stats()
+                self.structured_output_stats = self.engine.structured_output_stats()
                 if self.stat_logger is not None:
                     self.stat_logger.record_step(self.engine)
                 self._deliver(outputs)

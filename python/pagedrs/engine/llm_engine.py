@@ -30,6 +30,22 @@ from pagedrs.structured_vocab import token_bytes
 logger = logging.getLogger("pagedrs")
 
 
+@dataclass(frozen=True)
+class StructuredOutputStats:
+    """Counters of structured outputs, as the engine thread publishes them (the core's
+    `GrammarMatchers` may only be read between steps)."""
+
+    num_requests: int = 0
+    """Constrained requests admitted."""
+    num_compiled: int = 0
+    cache_hits: int = 0
+    compile_seconds: float = 0.0
+    mask_seconds: float = 0.0
+    """Wall time of filling token masks (it overlaps the forward pass)."""
+    num_masks: int = 0
+    """Rows masked."""
+
+
 @dataclass
 class _Choice:
     """Python-side state of one choice of a request."""
@@ -117,6 +133,7 @@ class LLMEngine:
         self._decode_ids = fast_decoder(self.tokenizer)
         self._grammars: GrammarMatchers | None = None
         self._mask_thread: ThreadPoolExecutor | None = None
+        self._num_constrained_requests = 0
         self.last_schedule: SchedulerOutput | None = None
         """The last step's batch (`SchedulerOutput`), for metrics and benchmarks."""
         logger.info(
@@ -194,6 +211,7 @@ class LLMEngine:
             self._release(request)
             raise
         self._requests[request_id] = request
+        self._num_constrained_requests += grammar_id is not None
 
     def _new_request(
         self,
@@ -245,6 +263,20 @@ class LLMEngine:
             # core releases the GIL and spreads the rows over its own threads.
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedrs-grammar")
         return self._grammars
+
+    def structured_output_stats(self) -> StructuredOutputStats:
+        """Call between steps (from the thread that steps the engine)."""
+        grammars = self._grammars
+        if grammars is None:
+            return StructuredOutputStats()
+        return StructuredOutputStats(
+            self._num_constrained_requests,
+            grammars.num_compiled,
+            grammars.cache_hits,
+            grammars.compile_seconds_total,
+            grammars.mask_seconds_total,
+            grammars.num_masks,
+        )
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; unknown ids are ignored."""

@@ -103,6 +103,20 @@ class _SchedulerCollector:
         yield self._family(
             counter, "pagedrs:kv_cache_evictions", "Cached blocks evicted for reuse.", stats.num_evictions
         )
+        structured = self.engine.structured_output_stats
+        for name, documentation, value in (
+            (
+                "requests",
+                "Requests with an output constraint (schema, regex, choice, grammar, tools).",
+                structured.num_requests,
+            ),
+            ("grammars_compiled", "Constraints compiled (cache misses).", structured.num_compiled),
+            ("grammar_cache_hits", "Constraints found compiled already.", structured.cache_hits),
+            ("compile_seconds", "Time compiling constraints.", structured.compile_seconds),
+            ("mask_seconds", "Time filling token masks (overlaps the forward pass).", structured.mask_seconds),
+            ("masked_rows", "Logits rows masked by a constraint.", structured.num_masks),
+        ):
+            yield self._family(counter, f"pagedrs:structured_output_{name}", documentation, value)
 
 
 class ServerMetrics:
