@@ -445,6 +445,46 @@ void sample_from_rows(const at::Tensor& logits, const at::Tensor& temperature, c
   });
 }
 
+// Structured outputs: logits[rows[i], t] = -inf for every token t whose bit is clear in
+// bitmask[i] (bit j of word w: token 32 w + j, as the core's GrammarMatchers writes it).
+// Words with every bit set (most of them, inside a JSON string) are skipped whole.
+//   logits:  float32 [num_rows, vocab_size]   (written)
+//   rows:    int64   [num_masked]             rows of logits, each in [0, num_rows)
+//   bitmask: int32   [num_masked, num_words]  num_words * 32 >= vocab_size
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask) {
+  check_logits(logits);
+  check_cpu_contiguous(rows, "rows", at::kLong);
+  check_cpu_contiguous(bitmask, "bitmask", at::kInt);
+  const int64_t num_rows = logits.size(0), vocab = logits.size(1), num_masked = rows.size(0);
+  TORCH_CHECK(rows.dim() == 1 && bitmask.dim() == 2 && bitmask.size(0) == num_masked &&
+                  bitmask.size(1) * 32 >= vocab,
+              "pagedrs_cpu: bitmask must be [num_masked, >= vocab_size / 32], got ", bitmask.sizes(), " for ",
+              num_masked, " rows of ", vocab, " logits");
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_masked; ++i) {
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < num_rows, "pagedrs_cpu: rows[", i, "] = ", row_ids[i],
+                " is not a row of logits");
+  }
+  const int64_t num_words = bitmask.size(1);
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  float* out = logits.data_ptr<float>();
+  at::parallel_for(0, num_masked, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = out + row_ids[i] * vocab;
+      const uint32_t* row_words = words + i * num_words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        uint32_t blocked = ~row_words[w];
+        while (blocked != 0) {
+          const int64_t token = w * 32 + __builtin_ctz(blocked);
+          if (token >= vocab) break;
+          row[token] = -std::numeric_limits<float>::infinity();
+          blocked &= blocked - 1;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // paged_attention.cpp's TORCH_LIBRARY defines the library; this fragment adds the sampling ops.
@@ -453,9 +493,11 @@ TORCH_LIBRARY_FRAGMENT(pagedrs_cpu, m) {
         "Tensor(c!) top_ids, Tensor(d!) top_logprobs) -> ()");
   m.def("sample_from_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor top_p, Tensor uniforms, "
         "Tensor(a!) token_ids) -> ()");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) {
   m.impl("logprob_stats", &logprob_stats);
   m.impl("sample_from_rows", &sample_from_rows);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
 }

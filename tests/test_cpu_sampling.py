@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -317,3 +318,25 @@ def test_a_row_with_nothing_to_sample_raises():
     logits[0, 3] = 0.0
     with pytest.raises(RuntimeError, match="row 1 has no finite largest logit"):
         sample_from_rows(**{**valid_sampling_args(), "logits": logits})
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused kernel", "torch ops"])
+def test_token_bitmask_blocks_exactly_the_clear_bits(fused):
+    """Both of the sampler's mask paths against the bit rule: bit j of word w is token
+    32 w + j; a clear bit sets that logit to -inf, rows not listed are untouched, and the
+    padding bits past the vocabulary are ignored."""
+    from pagedrs.sampler import Sampler
+
+    vocab, num_words = 1000, 32  # 1024 bits for 1000 tokens
+    rng = np.random.default_rng(3)
+    bitmask = rng.integers(-(2**31), 2**31 - 1, size=(3, num_words), dtype=np.int64).astype(np.int32)
+    bitmask[1] = -1  # a row that allows everything
+    bitmask[2, 5:] = 0  # and one that allows only its first 160 tokens
+    logits = torch.randn(5, vocab)
+    expected = logits.clone()
+    rows = [4, 0, 2]
+    bits = ((bitmask[:, :, None].astype(np.int64) >> np.arange(32)) & 1).reshape(3, -1)[:, :vocab].astype(bool)
+    for i, row in enumerate(rows):
+        expected[row, torch.from_numpy(~bits[i])] = float("-inf")
+    Sampler(vocab, 0, "cpu", fused=fused)._mask(logits, rows, bitmask)
+    assert torch.equal(logits, expected)

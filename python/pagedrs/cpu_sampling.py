@@ -54,6 +54,23 @@ def _check_logits(logits: torch.Tensor) -> tuple[int, int]:
     return num_rows, vocab_size
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: ``logits[rows[i], t] = -inf`` for every token ``t`` whose bit is clear in
+    ``bitmask[i]`` (bit ``j`` of word ``w`` is token ``32 w + j``, as the core's
+    `GrammarMatchers.fill_bitmask` writes it). ``logits``: ``float32 [R, V]``; ``rows``:
+    ``int64 [M]``; ``bitmask``: ``int32 [M, W]`` with ``32 W >= V``."""
+    num_rows, vocab_size = _check_logits(logits)
+    _check(rows, "rows", torch.int64, dims=1)
+    _check(bitmask, "bitmask", torch.int32, dims=2)
+    if not logits.is_contiguous() or not rows.is_contiguous() or not bitmask.is_contiguous():
+        raise ValueError("logits, rows and bitmask must be contiguous")
+    if bitmask.shape[0] != rows.shape[0] or bitmask.shape[1] * 32 < vocab_size:
+        raise ValueError(f"bitmask must be [{rows.shape[0]}, >= {vocab_size} / 32], got {tuple(bitmask.shape)}")
+    if len(rows) and not bool(((rows >= 0) & (rows < num_rows)).all()):
+        raise ValueError(f"rows must be rows of logits, in [0, {num_rows})")
+    _ops().apply_token_bitmask(logits, rows, bitmask)
+
+
 def logprob_stats(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

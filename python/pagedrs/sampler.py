@@ -114,6 +114,11 @@ class SamplerOutput:
         return SamplerOutput(token_ids, logprobs, ranks, top_token_ids, top_logprobs)
 
 
+_BLOCKED_BITS = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1) == 0
+"""``[byte value, bit]``: whether that bit is clear (a little-endian int32 word's byte ``k``
+holds its bits ``8k .. 8k + 7``)."""
+
+
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
@@ -252,11 +257,15 @@ class Sampler:
 
     def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
         """Sets the logits of every token a constrained row may not sample to -inf."""
-        words = torch.from_numpy(bitmask).to(self.device, non_blocking=True)
-        bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
-        allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].bool()
+        if self.fused and logits.is_contiguous():
+            # One pass over the words, all-allowed words skipped (~8 ms -> well under 1 ms at
+            # 32 rows of 49k tokens, where the torch ops below expand every bit).
+            cpu_sampling.apply_token_bitmask(logits, torch.tensor(rows), torch.from_numpy(bitmask))
+            return
+        words = torch.from_numpy(bitmask).to(self.device, non_blocking=True).view(torch.uint8)
+        blocked = _BLOCKED_BITS.to(words.device)[words.int()].view(len(rows), -1)[:, : logits.shape[1]]
         index = _index(rows, self.device)
-        logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
+        logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
         """Draws one token per row of ``logits`` (the batch's random rows)."""
