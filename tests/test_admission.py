@@ -173,10 +173,10 @@ def test_a_row_that_breaks_the_sampler_fails_its_request_alone(engine, monkeypat
         def __getattr__(self, name):
             return getattr(sampler, name)
 
-        def __call__(self, logits, rows, banned=()):
+        def __call__(self, logits, rows, banned=(), allowed=None):
             if any(row.params is poisoned for row in rows):
                 raise RuntimeError("this row cannot be sampled")
-            return sampler(logits, rows, banned)
+            return sampler(logits, rows, banned, allowed)
 
     monkeypatch.setattr(engine, "sampler", BreaksOnPoison())
     engine.add_request("a", [5, 6, 7], greedy)

@@ -275,6 +275,27 @@ COMPLETION_CASES = [
 ]
 
 CHAT_CASES = [
+    ("response-format-without-type", {"response_format": '{"a": 1}'}, 400),
+    ("response-format-schema-missing", {"response_format": '{"type": "json_schema"}'}, 400),
+    (
+        "response-format-bad-schema",
+        {"response_format": '{"type": "json_schema", "json_schema": {"schema": {"type": 5}}}'},
+        400,
+    ),
+    ("guided-regex-unclosed", {"guided_regex": '"(w5"'}, 400),
+    ("guided-choice-empty", {"guided_choice": "[]"}, 400),
+    ("two-constraints", {"guided_regex": '"w5"', "guided_choice": '["w6"]'}, 400),
+    ("tool-choice-required-without-tools", {"tool_choice": '"required"'}, 400),
+    ("tool-choice-auto-without-parser", {"tools": '[{"type": "function", "function": {"name": "f"}}]'}, 400),
+    (
+        "tool-choice-unknown-name",
+        {
+            "tools": '[{"type": "function", "function": {"name": "f"}}]',
+            "tool_choice": '{"type": "function", "function": {"name": "g"}}',
+        },
+        400,
+    ),
+    ("tools-not-a-list", {"tools": '"f"'}, 400),
     ("messages-missing", {"messages": None}, 400),
     ("messages-null", {"messages": "null"}, 400),
     ("messages-empty", {"messages": "[]"}, 400),
@@ -386,7 +407,7 @@ def test_bad_input_gets_a_4xx_and_leaves_the_engine_unchanged(servers, method, p
 
 VALID_ODD_CASES = [
     ("completions-unknown-fields", "/v1/completions", completion(foo="1", bar='{"deep": [1, [2, {"x": null}]]}')),
-    ("chat-unknown-fields", "/v1/chat/completions", chat(tools="[]", x_trace='"abc"', response_format='{"a": 1}')),
+    ("chat-unknown-fields", "/v1/chat/completions", chat(tools="[]", x_trace='"abc"', metadata='{"a": 1}')),
     (
         "chat-unknown-field-in-message",
         "/v1/chat/completions",
