@@ -159,3 +159,17 @@ def test_compiled_grammars_are_cached(llm):
     compiled, hits = grammars.num_compiled, grammars.cache_hits
     llm.generate(["second", "third"], params, use_tqdm=False)
     assert grammars.num_compiled == compiled and grammars.cache_hits == hits + 2
+
+
+def test_a_finished_constraint_outranks_min_tokens(llm):
+    """A choice constraint is done after a couple of tokens; min_tokens=20 would ban the EOS
+    that is then the only token left. The output ends as the constraint says."""
+    params = SamplingParams(
+        min_tokens=20, max_tokens=30, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
+    outputs = llm.generate(["Answer:", "Reply:"], params, use_tqdm=False)
+    assert all(output.error is None for output in outputs)
+    assert all(
+        output.outputs[0].text in ("yes", "no") and output.outputs[0].finish_reason == "stop" for output in outputs
+    )
+    assert _idle(llm)

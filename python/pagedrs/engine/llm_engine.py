@@ -500,10 +500,13 @@ class LLMEngine:
         ):
             choice = self._requests[request_ids[seq]].choices[index]
             rows.append(choice.sampling)
-            if choice.banned_token_ids and len(choice.output.token_ids) < choice.sampling.params.min_tokens:
-                banned.append((row, choice.banned_token_ids))
             if choice.matcher is not None:
                 constrained.append((row, choice.matcher))
+            if choice.banned_token_ids and len(choice.output.token_ids) < choice.sampling.params.min_tokens:
+                # NOTE: a constrained output whose grammar has ended may only stop: its
+                # constraint outranks min_tokens (banning EOS would leave it nothing).
+                if choice.matcher is None or not self.grammars.is_finished(choice.matcher):
+                    banned.append((row, choice.banned_token_ids))
         return rows, banned, constrained
 
     def _fill_masks(self, matchers: list[int]) -> Future[np.ndarray]:
