@@ -94,8 +94,12 @@ def test_every_output_validates_against_its_schema(llm, schema_name, sampling):
 
 
 def test_json_object_regex_choice_and_grammar(llm):
-    outputs = _texts(llm, SamplingParams(max_tokens=200, structured_outputs=StructuredOutputsParams(json_object=True)))
-    assert all(isinstance(json.loads(text), dict) for text, _ in outputs)
+    # Any JSON object: nothing bounds its strings, so a random model may still be writing one
+    # at max_tokens; what it finished must parse.
+    any_object = StructuredOutputsParams(json_object=True)
+    outputs = _texts(llm, SamplingParams(temperature=0, max_tokens=300, structured_outputs=any_object))
+    assert all(text.startswith("{") for text, _ in outputs)
+    assert all(isinstance(json.loads(text), dict) for text, reason in outputs if reason == "stop")
     pattern = r"(yes|no), [0-9]{2,4}!"
     regex = SamplingParams(
         temperature=1.0, seed=3, max_tokens=50, structured_outputs=StructuredOutputsParams(regex=pattern)
@@ -104,11 +108,11 @@ def test_json_object_regex_choice_and_grammar(llm):
     choices = ["alpha", "beta gamma", "δέλτα"]
     choice = SamplingParams(temperature=1.0, n=3, seed=1, structured_outputs=StructuredOutputsParams(choice=choices))
     assert all(text in choices for text, _ in _texts(llm, choice))
-    grammar = 'start: "sum(" NUMBER ("+" NUMBER)* ")"\nNUMBER: /[0-9]{1,3}/'
+    grammar = 'start: "sum(" NUMBER ("+" NUMBER)~0..3 ")"\nNUMBER: /[0-9]{1,3}/'
     lark = SamplingParams(
         temperature=1.0, seed=2, max_tokens=60, structured_outputs=StructuredOutputsParams(grammar=grammar)
     )
-    assert all(re.fullmatch(r"sum\([0-9]{1,3}(\+[0-9]{1,3})*\)", text) for text, _ in _texts(llm, lark))
+    assert all(re.fullmatch(r"sum\([0-9]{1,3}(\+[0-9]{1,3}){0,3}\)", text) for text, _ in _texts(llm, lark))
     assert _idle(llm)
 
 

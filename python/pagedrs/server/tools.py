@@ -7,7 +7,8 @@ calls), whole or as streamed deltas.
 - ``"auto"`` (the default when tools are given): the model decides; its output is parsed by
   the server's ``--tool-call-parser`` (needs ``--enable-auto-tool-choice``, as in vLLM).
 - ``"required"``: a grammar makes the output a JSON list of one or more calls to the given
-  tools (``[{"name": ..., "parameters": {...}}]``), so it always parses.
+  tools (``[{"name": ..., "parameters": {...}}]``), so it always parses; exactly one with
+  ``parallel_tool_calls: false``.
 - ``{"type": "function", "function": {"name": N}}``: a grammar makes the output the arguments
   of N (its parameters' JSON schema); the finish reason is ``"stop"``, as OpenAI's.
 """
@@ -75,7 +76,9 @@ class ToolPlan:
                 }
                 for name, function in by_name.items()
             ]
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if body.parallel_tool_calls is False:
+                schema["maxItems"] = 1
             return ToolPlan("required", tools, constraint=StructuredOutputsParams(json=schema))
         if not isinstance(choice, dict) or choice.get("type") != "function":
             raise APIError(
