@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from typing import ClassVar
 
-from pagedrs.server.tool_parsers import Delta, TextChannel, append_text, partial_marker_length
+from pagedrs.server.tool_parsers import Delta, DeltaStream, TextChannel, append_text, partial_marker_length
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -56,38 +56,23 @@ class _Phase(enum.Enum):
     CONTENT = "content"
 
 
-class ReasoningStream:
+class ReasoningStream(DeltaStream):
     """One choice's output fed delta by delta: ``{"reasoning_content": ...}`` and
     ``{"content": ...}`` deltas, in the output's order."""
 
     def __init__(self, starts_thinking: bool) -> None:
+        super().__init__()  # the buffer: the opening, or a tail that may start </think>
         self._starts_thinking = starts_thinking
         self._phase = _Phase.OPENING
-        self._buffer = ""  # text not sent yet: the opening, or a tail that may start </think>
         self._reasoning = TextChannel(after_markup=True)
-        self._content = TextChannel()
-        self._finished = False
 
     @property
     def in_reasoning(self) -> bool:
         """Whether the output read so far is still (or may still be) reasoning."""
         return self._phase is _Phase.REASONING or (self._phase is _Phase.OPENING and self._starts_thinking)
 
-    def feed(self, delta_text: str) -> list[Delta]:
-        if self._finished:
-            raise RuntimeError("feed() after finish(): this output is complete")
-        self._buffer += delta_text
-        return self._advance(final=False)
-
-    def finish(self) -> list[Delta]:
-        """The end of the output: everything held back is decided and sent."""
-        if self._finished:
-            raise RuntimeError("finish() called twice")
-        deltas = self._advance(final=True)
-        # The reasoning channel's held whitespace is never sent: reasoning_content is stripped.
-        append_text(deltas, "content", self._content.finish())
-        self._finished = True
-        return deltas
+    # NOTE: `finish` never sends the reasoning channel's held whitespace: reasoning_content
+    # is stripped.
 
     def _advance(self, final: bool) -> list[Delta]:
         deltas: list[Delta] = []

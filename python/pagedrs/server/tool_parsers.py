@@ -260,27 +260,14 @@ class ToolParser:
         raise NotImplementedError
 
 
-class ToolStream:
-    """One choice's output fed delta by delta, giving OpenAI streaming deltas.
+class DeltaStream:
+    """Text fed delta by delta into a buffer; `_advance` (the subclass's) decides what of it
+    can be sent, and `finish` flushes what was held back, the content channel last."""
 
-    ``feed`` and ``finish`` return ``{"content": ...}`` deltas and, per call, a header
-    ``{"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments": ""}}]}``
-    then ``{"tool_calls": [{"index", "function": {"arguments": ...}}]}``.
-    """
-
-    def __init__(self, parser: ToolParser) -> None:
-        self._parser = parser
-        # Text not sent yet: a tail that may open a region, or the call region read so far.
+    def __init__(self) -> None:
         self._buffer = ""
-        self._scanner: RegionScanner | None = None  # set while the buffer starts with a call region
         self._content = TextChannel()
         self._finished = False
-        self.tool_calls: list[ToolCall] = []
-
-    @property
-    def saw_tool_call(self) -> bool:
-        """Whether any call was sent (the choice's finish_reason is then "tool_calls")."""
-        return bool(self.tool_calls)
 
     def feed(self, delta_text: str) -> list[Delta]:
         if self._finished:
@@ -296,6 +283,29 @@ class ToolStream:
         append_text(deltas, "content", self._content.finish())
         self._finished = True
         return deltas
+
+    def _advance(self, final: bool) -> list[Delta]:
+        raise NotImplementedError
+
+
+class ToolStream(DeltaStream):
+    """One choice's output fed delta by delta, giving OpenAI streaming deltas.
+
+    ``feed`` and ``finish`` return ``{"content": ...}`` deltas and, per call, a header
+    ``{"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments": ""}}]}``
+    then ``{"tool_calls": [{"index", "function": {"arguments": ...}}]}``.
+    """
+
+    def __init__(self, parser: ToolParser) -> None:
+        super().__init__()  # the buffer: a tail that may open a region, or the call region read so far
+        self._parser = parser
+        self._scanner: RegionScanner | None = None  # set while the buffer starts with a call region
+        self.tool_calls: list[ToolCall] = []
+
+    @property
+    def saw_tool_call(self) -> bool:
+        """Whether any call was sent (the choice's finish_reason is then "tool_calls")."""
+        return bool(self.tool_calls)
 
     def _advance(self, final: bool) -> list[Delta]:
         deltas: list[Delta] = []
