@@ -18,8 +18,6 @@ import asyncio
 import json
 import random
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -29,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.server_process import STREAMING_CLIENT, Server, send_raw, start_server, wait_for
+from tests.server_process import STREAMING_CLIENT, Server, send_raw, start_server, stream_and_leave, wait_for
 
 PROMPT = "w5 w6 w7 The capital of France is"  # words both the default model and tiny checkpoints tokenize
 CHAT = [{"role": "user", "content": PROMPT}]
@@ -113,28 +111,10 @@ def mixed_round(server: Server, pool: ThreadPoolExecutor, rng: random.Random, ta
 async def _stream_and_leave(port: int, rng: random.Random, tally: Tally) -> None:
     behaviour = rng.choice(["before-first-byte", "mid-body", "mid-stream", "mid-stream", "to-the-end", "to-the-end"])
     path, body = rng.choice(VALID[:5])
-    payload = json.dumps({**body, "stream": True, "max_tokens": rng.randint(8, 64), "ignore_eos": True}).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-    ).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    received = b""
-    try:
-        writer.write(head + (payload[: len(payload) // 2] if behaviour == "mid-body" else payload))
-        await writer.drain()
-        if behaviour == "mid-stream":
-            wanted = rng.randint(1, 6)
-            while received.count(b"data: ") < wanted and (chunk := await reader.read(4096)):
-                received += chunk
-        elif behaviour == "to-the-end":
-            received = await reader.read()
-    finally:
-        if rng.random() < 0.5:  # a reset instead of a clean close
-            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            writer.transport.abort()
-        else:
-            writer.close()
+    body = {**body, "stream": True, "max_tokens": rng.randint(8, 64), "ignore_eos": True}
+    received = await stream_and_leave(
+        port, path, body, behaviour, num_events=rng.randint(1, 6), reset=rng.random() < 0.5
+    )
     if behaviour == "to-the-end":
         status = int(received[9:12]) if received.startswith(b"HTTP/1.1 ") else "no answer"
         tally.record(status, received[-300:])

@@ -200,3 +200,39 @@ time.sleep(600)
 """
 """A client process (``python -c STREAMING_CLIENT PORT COUNT MAX_TOKENS``) that opens COUNT
 streams, prints ``streaming`` once each has sent its first event, then waits to be killed."""
+
+
+async def stream_and_leave(
+    port: int, path: str, body: dict[str, Any], behaviour: str, num_events: int = 2, reset: bool = False
+) -> bytes:
+    """Opens a stream and leaves as ``behaviour`` says: ``mid-body`` (half the body sent),
+    ``before-first-byte``, ``mid-stream`` (after ``num_events`` events) or ``to-the-end``;
+    with ``reset``, by a TCP reset instead of a clean close. Returns the bytes received."""
+    import asyncio
+    import contextlib
+    import struct
+
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    received = b""
+    try:
+        writer.write(head + (payload[: len(payload) // 2] if behaviour == "mid-body" else payload))
+        await writer.drain()
+        if behaviour == "mid-stream":
+            while received.count(b"data: ") < num_events and (chunk := await reader.read(4096)):
+                received += chunk
+        elif behaviour == "to-the-end":
+            received = await reader.read()
+    finally:
+        if reset:
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        else:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+    return received

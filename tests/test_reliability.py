@@ -15,8 +15,6 @@ import contextlib
 import json
 import re
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -28,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_process import STREAMING_CLIENT, InProcessServer, send_raw, wait_for
+from tests.server_process import STREAMING_CLIENT, InProcessServer, send_raw, stream_and_leave, wait_for
 
 MAX_WAITING_REQUESTS = 32
 MAX_NUM_SEQS = 16
@@ -675,34 +673,9 @@ def _stream_body(index: int) -> tuple[str, dict[str, Any]]:
 
 
 async def _stream_and_leave(port: int, index: int, behaviour: str) -> bytes:
-    """Opens a stream and leaves as ``behaviour`` says: ``mid-body`` (half the body sent),
-    ``before-first-byte``, ``mid-stream`` (after two events) or ``to-the-end``. Every other
-    client leaves with a reset instead of a clean close."""
+    """One client of the storm (`stream_and_leave`); every other one leaves with a reset."""
     path, body = _stream_body(index)
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-    ).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    received = b""
-    try:
-        writer.write(head + (payload[: len(payload) // 2] if behaviour == "mid-body" else payload))
-        await writer.drain()
-        if behaviour == "mid-stream":
-            while received.count(b"data: ") < 2 and (chunk := await reader.read(4096)):
-                received += chunk
-        elif behaviour == "to-the-end":
-            received = await reader.read()
-    finally:
-        if index % 2:
-            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            writer.transport.abort()
-        else:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-    return received
+    return await stream_and_leave(port, path, body, behaviour, reset=bool(index % 2))
 
 
 async def _storm(port: int, behaviours: list[str], concurrency: int) -> list[bytes]:
