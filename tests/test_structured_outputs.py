@@ -176,4 +176,16 @@ def test_a_finished_constraint_outranks_min_tokens(llm):
     assert all(
         output.outputs[0].text in ("yes", "no") and output.outputs[0].finish_reason == "stop" for output in outputs
     )
+    # It ends at its one EOS, not with EOS after EOS up to min_tokens.
+    eos = llm.engine.eos_token_id
+    assert all(
+        output.outputs[0].token_ids.count(eos) == 1 == output.outputs[0].token_ids[-1:].count(eos) for output in outputs
+    )
     assert _idle(llm)
+
+
+def test_properties_come_in_the_schemas_order(llm):
+    schema = SCHEMAS["enum, boolean and bounded integer"]
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
+    (text, _), *_ = _texts(llm, params, ["Record:"])
+    assert list(json.loads(text)) == list(schema["properties"]) == ["color", "ok", "age"]

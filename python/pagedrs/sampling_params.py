@@ -59,7 +59,8 @@ class StructuredOutputsParams:
     def kind_and_spec(self) -> tuple[str, str]:
         """What the core's `GrammarMatchers.compile` takes: ``(kind, spec text)``."""
         if self.json is not None:
-            return "json_schema", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            # NOTE: keys in the schema's own order: the output writes properties in that order.
+            return "json_schema", self.json if isinstance(self.json, str) else json.dumps(self.json)
         if self.json_object:
             return "json_object", ""
         if self.regex is not None:

@@ -383,7 +383,7 @@ class LLMEngine:
             row_allowed = ([0], mask_by_row[row]) if row in mask_by_row else None
             try:
                 outputs.append(self.sampler(logits[row : row + 1], [sampling], row_banned, row_allowed))
-            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+            except Exception as error:  # this request fails, the others go on
                 outputs.append(None)
                 request_id = out.request_ids[int(out.logits_request_indices[row])]
                 self._fail(request_id, error, touched)
@@ -526,8 +526,14 @@ class LLMEngine:
         core_finished: bool,
     ) -> None:
         output = choice.output
-        if choice.matcher is not None and not self.grammars.advance(choice.matcher, token):
-            raise RuntimeError(f"token {token} was sampled against the request's output constraint")
+        if choice.matcher is not None:
+            if not self.grammars.advance(choice.matcher, token):
+                raise RuntimeError(f"token {token} was sampled against the request's output constraint")
+            if token == self.eos_token_id and not core_finished and self.grammars.is_finished(choice.matcher):
+                # Its constraint outranked min_tokens (`_sampling_rows`): the core, which still
+                # holds EOS back, is told the choice has ended.
+                choice.output.finish_reason = "stop"
+                self.scheduler.finish_request(request.request_id, "stop", choice.output.index)
         output.token_ids.append(token)
         if output.logprobs is not None and sampled is not None and sampled.logprobs is not None:
             logprobs, ranks, top_ids, top_logprobs = sampled.logprob_lists()
