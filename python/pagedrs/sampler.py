@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ class SamplerOutput:
     """``int64 [R, K]`` with K the largest ``logprobs`` asked for in the batch."""
     top_logprobs: np.ndarray | None = None
     """``float64 [R, K]``"""
-    _lists: tuple | None = None
+    _lists: tuple | None = field(default=None, init=False, repr=False)
 
     def logprob_lists(self) -> tuple[list[float], list[int], list[list[int]], list[list[float]]]:
         """The logprob columns as Python lists, converted once per step (what the engine reads
@@ -205,6 +205,7 @@ class Sampler:
         if seed is not None:
             self.generator.manual_seed(seed)
         self.penalties = PenaltyState(vocab_size, self.device)
+        self._blocked_bits: torch.Tensor | None = None  # _BLOCKED_BITS on the device, once needed
         self._last_rows: list[SamplingRow] = []
         self._last_batch: _Batch | None = None
 
@@ -263,7 +264,9 @@ class Sampler:
             cpu_sampling.apply_token_bitmask(logits, torch.tensor(rows), torch.from_numpy(bitmask))
             return
         words = torch.from_numpy(bitmask).to(self.device, non_blocking=True).view(torch.uint8)
-        blocked = _BLOCKED_BITS.to(words.device)[words.int()].view(len(rows), -1)[:, : logits.shape[1]]
+        if self._blocked_bits is None:
+            self._blocked_bits = _BLOCKED_BITS.to(self.device)
+        blocked = self._blocked_bits[words.int()].view(len(rows), -1)[:, : logits.shape[1]]
         index = _index(rows, self.device)
         logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
 

@@ -145,6 +145,8 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self.stats = engine.scheduler.stats()
         """The scheduler's counters after the last step (published by the engine thread)."""
+        self._core_waiting = self.stats.num_waiting
+        """The core's waiting count as last published (after a step, an add or an abort)."""
         self.structured_output_stats = engine.structured_output_stats()
         """Likewise, the structured-output counters."""
         self._thread: threading.Thread | None = None
@@ -164,7 +166,10 @@ class AsyncLLMEngine:
     def num_waiting(self) -> int:
         """Requests queued but not running: the engine's waiting queue and adds in flight."""
         with self._pending_lock:
-            return self.stats.num_waiting + self._pending_adds
+            return self._num_waiting_locked()
+
+    def _num_waiting_locked(self) -> int:
+        return self._core_waiting + self._pending_adds
 
     async def add_request(
         self,
@@ -183,11 +188,11 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, hold_back=max(map(len, params.stop_strings), default=1) - 1)
         added = loop.create_future()
-        # NOTE: checked and counted under one lock, and the engine thread publishes its
+        # NOTE: checked and counted under one lock, and the engine thread publishes the core's
         # waiting count before it stops counting an add as pending (`_add`), so a request is
         # always counted once: the queue never exceeds the limit, however many arrive at once.
         with self._pending_lock:
-            waiting = self.stats.num_waiting + self._pending_adds
+            waiting = self._num_waiting_locked()
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_waiting_requests})")
             self._pending_adds += 1
@@ -247,7 +252,7 @@ class AsyncLLMEngine:
                 if self._stopping or not self.engine.has_unfinished_requests():
                     continue
                 outputs = self.engine.step()
-                self.stats = self.engine.scheduler.stats()
+                self._publish_stats()
                 self.structured_output_stats = self.engine.structured_output_stats()
                 if self.stat_logger is not None:
                     self.stat_logger.record_step(self.engine)
@@ -289,9 +294,11 @@ class AsyncLLMEngine:
             if not _call_soon(stream.loop, _set_result, added, None):
                 self._abort(request_id)  # the caller's loop has closed
         finally:
-            stats = self.engine.scheduler.stats()
+            # Only the waiting count (an O(1) read; the full stats walk the queue, and a burst
+            # of adds must not cost O(n^2)).
+            waiting = self.engine.scheduler.num_waiting
             with self._pending_lock:
-                self.stats = stats
+                self._core_waiting = waiting
                 self._pending_adds -= 1
 
     def _abort(self, request_id: str) -> None:
@@ -299,7 +306,12 @@ class AsyncLLMEngine:
         if stream is not None:
             self.engine.abort_request(request_id)
             stream.put(None)  # a reader still waiting learns that the stream has ended
-            self.stats = self.engine.scheduler.stats()
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.scheduler.stats()
+        with self._pending_lock:
+            self.stats, self._core_waiting = stats, stats.num_waiting
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -132,7 +132,10 @@ class LLMEngine:
         self._token_texts: dict[int, str] = {}
         self._decode_ids = fast_decoder(self.tokenizer)
         self._grammars: GrammarMatchers | None = None
-        self._mask_thread: ThreadPoolExecutor | None = None
+        # NOTE: one thread fills the next step's masks while the forward pass runs; the core
+        # releases the GIL and spreads the rows over its own threads. (No thread starts until
+        # the first constrained step.)
+        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedrs-grammar")
         self._num_constrained_requests = 0
         self.last_schedule: SchedulerOutput | None = None
         """The last step's batch (`SchedulerOutput`), for metrics and benchmarks."""
@@ -259,9 +262,6 @@ class LLMEngine:
         bytes once): unconstrained traffic never pays for it."""
         if self._grammars is None:
             self._grammars = GrammarMatchers(token_bytes(self.tokenizer), self.eos_token_id, self.hf_config.vocab_size)
-            # NOTE: one thread fills the next step's masks while the forward pass runs; the
-            # core releases the GIL and spreads the rows over its own threads.
-            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedrs-grammar")
         return self._grammars
 
     def structured_output_stats(self) -> StructuredOutputStats:
@@ -383,7 +383,7 @@ class LLMEngine:
             row_allowed = ([0], mask_by_row[row]) if row in mask_by_row else None
             try:
                 outputs.append(self.sampler(logits[row : row + 1], [sampling], row_banned, row_allowed))
-            except Exception as error:  # this request fails, the others go on
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
                 outputs.append(None)
                 request_id = out.request_ids[int(out.logits_request_indices[row])]
                 self._fail(request_id, error, touched)
@@ -511,10 +511,7 @@ class LLMEngine:
 
     def _fill_masks(self, matchers: list[int]) -> Future[np.ndarray]:
         """The constrained rows' token bitmasks, computed by the core on the mask thread."""
-        grammars, thread = self.grammars, self._mask_thread
-        if thread is None:
-            raise RuntimeError("the grammar thread is made with the grammars")
-        return thread.submit(grammars.fill_bitmask, matchers)
+        return self._mask_thread.submit(self.grammars.fill_bitmask, matchers)
 
     def _append(
         self,

@@ -175,7 +175,7 @@ async def _events(
             deltas = stream.feed(text) if text else []
             if reason is not None:
                 deltas += stream.finish()
-                if stream.saw_tool_call and plan.mode != "named":
+                if stream.saw_tool_call:  # auto and required; a named call finishes with "stop"
                     reason = "tool_calls"
             if not deltas and reason is None and logprobs is None:
                 continue  # held back by a parser (a marker may be starting)

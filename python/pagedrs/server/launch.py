@@ -14,6 +14,9 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from pagedrs.server.reasoning import REASONING_PARSERS
+    from pagedrs.server.tool_parsers import TOOL_PARSERS
+
     parser.add_argument(
         "model",
         nargs="?",
@@ -71,13 +74,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     tools.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes", "llama3_json", "mistral"],
+        choices=sorted(TOOL_PARSERS),
         help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral",
     )
     tools.add_argument(
         "--reasoning-parser",
         default=None,
-        choices=["qwen3", "deepseek_r1"],
+        choices=sorted(REASONING_PARSERS),
         help="split <think>...</think> into the message's reasoning_content",
     )
     parser.add_argument(

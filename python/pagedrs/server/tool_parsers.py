@@ -50,6 +50,11 @@ def random_id(length: int) -> str:
     return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(length))
 
 
+def openai_call_id() -> str:
+    """OpenAI's form: "call_" and 24 random letters and digits."""
+    return "call_" + random_id(24)
+
+
 @dataclass
 class ToolCall:
     id: str
@@ -223,8 +228,7 @@ class ToolParser:
     start_marker: ClassVar[str] = ""
 
     def new_call_id(self) -> str:
-        """OpenAI's form: "call_" and 24 random letters and digits."""
-        return "call_" + random_id(24)
+        return openai_call_id()
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished output; content is None when empty or whitespace."""

@@ -22,13 +22,9 @@ from typing import Any
 from pagedrs.sampling_params import StructuredOutputsParams
 from pagedrs.server.reasoning import ReasoningParser, ReasoningStream
 from pagedrs.server.serving import APIError, ToolSettings
-from pagedrs.server.tool_parsers import ToolCall, ToolParser, ToolStream, random_id
+from pagedrs.server.tool_parsers import ToolCall, ToolParser, ToolStream, openai_call_id
 
 Delta = dict[str, Any]
-
-
-def _call_id() -> str:
-    return "call_" + random_id(24)
 
 
 @dataclass
@@ -106,8 +102,8 @@ class ToolPlan:
             message["content"], calls = self.parser.extract(text)
         elif self.mode == "required":
             message["content"], calls = None, _required_calls(text)
-        elif self.mode == "named" and self.named is not None:
-            message["content"], calls = None, [ToolCall(_call_id(), self.named, text)]
+        elif self.mode == "named" and self.named:
+            message["content"], calls = None, [ToolCall(openai_call_id(), self.named, text)]
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
         return message, bool(calls) and self.mode != "named"
@@ -124,7 +120,7 @@ def _required_calls(text: str) -> list[ToolCall]:
     except json.JSONDecodeError:
         return []
     return [
-        ToolCall(_call_id(), call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+        ToolCall(openai_call_id(), call["name"], json.dumps(call["parameters"], ensure_ascii=False))
         for call in calls
         if isinstance(call, dict) and "name" in call and "parameters" in call
     ]
@@ -176,7 +172,7 @@ class ChoiceStream:
             return []
         if self.plan.mode == "named" and self.plan.named is not None:
             if self.named_id is None:
-                self.named_id = _call_id()
+                self.named_id = openai_call_id()
                 function = {"name": self.plan.named, "arguments": ""}
                 deltas.append(
                     {"tool_calls": [{"index": 0, "id": self.named_id, "type": "function", "function": function}]}
