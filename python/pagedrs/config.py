@@ -59,6 +59,20 @@ class EngineConfig:
     attention_backend: str = "auto"
     """``"auto"`` (the CUDA kernels on a GPU, the compiled CPU kernel on the CPU, the torch
     reference where neither can run), ``"torch"``, ``"cpu"`` or ``"cuda"``."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split across (one process each; see `pagedrs.engine.parallel`)."""
+    distributed_backend: str | None = None
+    """``torch.distributed`` backend: ``None`` picks ``"gloo"`` on CPU, ``"nccl"`` on CUDA."""
+    distributed_timeout: float = 120.0
+    """Seconds a collective may wait for a rank before the engine fails (a dead or stuck rank)."""
+    nnodes: int = 1
+    """Machines the ranks span; each runs ``tensor_parallel_size / nnodes`` of them."""
+    node_rank: int = 0
+    """This machine's index; node 0 runs rank 0, which schedules, samples and serves."""
+    master_addr: str = "127.0.0.1"
+    """Where rank 0 listens for the rendezvous (``MASTER_ADDR``)."""
+    master_port: int | None = None
+    """Rendezvous port (``MASTER_PORT``); ``None`` picks a free one (one node only)."""
 
     def torch_device(self) -> torch.device:
         if self.device is None:

@@ -2,18 +2,22 @@
 
 Column-parallel layers split the output features across ranks (each rank computes its slice
 of heads or of the MLP's intermediate features); row-parallel layers split the input
-features and all-reduce their partial sums. With ``tp_size == 1`` (all pagedrs runs today)
-both are plain linears; the loaders already take the rank's slice of a full checkpoint
-tensor, so adding ``torch.distributed`` ranks needs no change to the model code.
+features and all-reduce their partial sums. With ``tp.size == 1`` both are plain linears.
+Loaders take a lazy handle of the full checkpoint tensor (`pagedrs.models.loader.WeightHandle`)
+and read only this rank's slice of it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedrs.models.loader import WeightHandle
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,20 @@ class TensorParallel:
             raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {self.size}")
         return total // self.size
 
+    def replicas(self, num_heads: int, what: str) -> int:
+        """How many ranks hold each of ``num_heads`` heads: 1 when the heads split across
+        ranks, ``size / num_heads`` when there are fewer heads than ranks (each rank then holds
+        one head, as vLLM replicates KV heads)."""
+        if num_heads >= self.size:
+            self.split(num_heads, what)
+            return 1
+        if self.size % num_heads != 0:
+            raise ValueError(
+                f"the tensor-parallel size {self.size} is not a multiple of {what} ({num_heads}), "
+                "so its heads can neither be split nor replicated evenly"
+            )
+        return self.size // num_heads
+
 
 def _all_reduce(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     if tp.size > 1:
@@ -41,6 +59,8 @@ class ColumnParallelLinear(nn.Module):
 
     ``output_sizes`` lists the logical outputs fused into this layer (e.g. q, k and v, or gate
     and up); each is split across ranks on its own, so a fused layer shards consistently.
+    ``replicas[i]`` ranks hold the same shard of output ``i`` (KV heads when there are fewer of
+    them than ranks); 1 by default.
     """
 
     def __init__(
@@ -50,10 +70,16 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         tp: TensorParallel,
         dtype: torch.dtype,
+        replicas: list[int] | None = None,
     ):
         super().__init__()
         self.tp = tp
-        self.output_sizes = [tp.split(size, "output size") for size in output_sizes]
+        self.replicas = replicas or [1] * len(output_sizes)
+        num_shards = [tp.size // replicas for replicas in self.replicas]
+        self.output_sizes = [size // shards for size, shards in zip(output_sizes, num_shards)]
+        for size, shards in zip(output_sizes, num_shards):
+            if size % shards != 0:
+                raise ValueError(f"output size ({size}) is not divisible into {shards} tensor-parallel shards")
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
         total = sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(total, input_size, dtype=dtype), requires_grad=False)
@@ -62,14 +88,15 @@ class ColumnParallelLinear(nn.Module):
     def _rows(self, shard: int) -> tuple[slice, slice]:
         """(rows of the full checkpoint tensor this rank holds, where they go here)."""
         size, offset = self.output_sizes[shard], self.offsets[shard]
-        return slice(self.tp.rank * size, (self.tp.rank + 1) * size), slice(offset, offset + size)
+        index = self.tp.rank // self.replicas[shard]
+        return slice(index * size, (index + 1) * size), slice(offset, offset + size)
 
-    def load(self, shard: int, weight: torch.Tensor) -> None:
+    def load(self, shard: int, weight: WeightHandle) -> None:
         """Copies this rank's rows of logical output ``shard`` from a full checkpoint tensor."""
         source, target = self._rows(shard)
         self.weight[target].copy_(weight[source])
 
-    def load_bias(self, shard: int, bias: torch.Tensor) -> None:
+    def load_bias(self, shard: int, bias: WeightHandle) -> None:
         if self.bias is None:
             raise ValueError("checkpoint has a bias for a layer built without one")
         source, target = self._rows(shard)
@@ -90,16 +117,16 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False) if bias else None
 
-    def load(self, weight: torch.Tensor) -> None:
+    def load(self, weight: WeightHandle) -> None:
         """Copies this rank's columns from a full checkpoint tensor."""
         cols = slice(self.tp.rank * self.input_size, (self.tp.rank + 1) * self.input_size)
         self.weight.copy_(weight[:, cols])
 
-    def load_bias(self, bias: torch.Tensor) -> None:
+    def load_bias(self, bias: WeightHandle) -> None:
         """The bias is not sharded: every rank adds it after the reduction."""
         if self.bias is None:
             raise ValueError("checkpoint has a bias for a layer built without one")
-        self.bias.copy_(bias)
+        self.bias.copy_(bias[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction.
@@ -117,7 +144,7 @@ class VocabEmbedding(nn.Module):
         self.start = tp.rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
 
-    def load(self, weight: torch.Tensor) -> None:
+    def load(self, weight: WeightHandle) -> None:
         self.weight.copy_(weight[self.start : self.start + self.shard_size])
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -129,10 +156,11 @@ class VocabEmbedding(nn.Module):
         return _all_reduce(out, self.tp)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over this rank's vocabulary slice (gathered across ranks)."""
+        """Logits over the whole vocabulary on rank 0, which samples; each rank computes its
+        slice and rank 0 gathers them. Other ranks get their own slice back (unused)."""
         local = F.linear(hidden, self.weight)
         if self.tp.size == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.tp.size)]
-        torch.distributed.all_gather(parts, local)
-        return torch.cat(parts, dim=-1)
+        parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
+        torch.distributed.gather(local.contiguous(), parts, dst=0)
+        return torch.cat(parts, dim=-1) if parts is not None else local

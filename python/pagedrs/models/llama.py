@@ -14,6 +14,7 @@ from pagedrs.attention import AttentionMetadata
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta
+from pagedrs.models.loader import WeightHandle
 
 
 class Attention(nn.Module):
@@ -25,10 +26,15 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.num_kv_heads = tp.split(num_kv_heads, "num_key_value_heads")
+        # NOTE: with fewer KV heads than ranks, each rank holds one KV head (a copy of it on
+        # `kv_replicas` ranks), serving the query heads that share it.
+        kv_replicas = tp.replicas(num_kv_heads, "num_key_value_heads")
+        self.num_kv_heads = num_kv_heads * kv_replicas // tp.size
         self.scale = self.head_dim**-0.5
         q_size, kv_size = config.num_attention_heads * self.head_dim, num_kv_heads * self.head_dim
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], bias, tp, dtype)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [q_size, kv_size, kv_size], bias, tp, dtype, replicas=[1, kv_replicas, kv_replicas]
+        )
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, output_bias, tp, dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
@@ -122,9 +128,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         return head.logits(hidden).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads Hugging Face checkpoint tensors (full, unsharded), each into this rank's
-        shard. Fails on a missing or unexpected tensor."""
+    def load_weights(self, weights: Iterable[tuple[str, WeightHandle]]) -> None:
+        """Loads Hugging Face checkpoint tensors (lazy handles of the full tensors), each into
+        this rank's shard, reading only that shard. Fails on a missing or unexpected tensor."""
         loaded: set[str] = set()
         expected = {name for name, _ in self.named_parameters()}
         for name, tensor in weights:
@@ -138,7 +144,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
-    def _load_one(self, name: str, tensor: torch.Tensor) -> list[str]:
+    def _load_one(self, name: str, tensor: WeightHandle) -> list[str]:
         name = name.removeprefix("model.")
         if name == "embed_tokens.weight":
             self.embed_tokens.load(tensor)
@@ -149,7 +155,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             self.lm_head.load(tensor)
             return ["lm_head.weight"]
         if name == "norm.weight":
-            self.norm.weight.copy_(tensor)
+            self.norm.weight.copy_(tensor[:])
             return ["norm.weight"]
         parts = name.split(".")
         if parts[0] != "layers":
@@ -181,6 +187,6 @@ class LlamaFamilyForCausalLM(nn.Module):
         }
         norm = norms.get(rest)
         if norm is not None:
-            norm.weight.copy_(tensor)
+            norm.weight.copy_(tensor[:])
             return [f"{prefix}{rest}.weight"]
         raise ValueError(f"unexpected checkpoint tensor {name!r}")

@@ -13,7 +13,7 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -76,11 +76,35 @@ def load_tokenizer(source: ModelSource) -> Any:
     return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Checkpoint tensors by Hugging Face name, full (unsharded)."""
+class WeightHandle(Protocol):
+    """One checkpoint tensor, read lazily: indexing (``h[rows]``, ``h[:, cols]``, ``h[:]``)
+    reads just that slice, so a tensor-parallel rank never materializes tensors it holds only
+    a shard of. ``torch.Tensor`` satisfies it."""
+
+    @property
+    def shape(self) -> Any: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+class SafetensorsHandle:
+    """A tensor of a memory-mapped safetensors file; a slice reads only its bytes."""
+
+    def __init__(self, file: Any, name: str):
+        self._slice = file.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._slice[index]
+
+
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, WeightHandle]]:
+    """Checkpoint tensors by Hugging Face name, as lazy handles of the full (unsharded)
+    tensor: the model's loaders index out this rank's shard."""
     if source.gguf_file is not None:
         # transformers dequantizes GGUF tensors (to float32) while building its own model;
         # we take its state dict and drop the model.
+        # NOTE: so every tensor-parallel rank holds the whole float32 model while loading.
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(
@@ -90,13 +114,16 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         return
     files = sorted(glob.glob(os.path.join(source.directory, "*.safetensors")))
     if files:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        for file in files:
-            yield from load_file(file).items()
+        for path in files:
+            with safe_open(path, framework="pt") as file:
+                for name in file.keys():
+                    yield name, SafetensorsHandle(file, name)
         return
     bins = sorted(glob.glob(os.path.join(source.directory, "pytorch_model*.bin")))
     if not bins:
         raise ValueError(f"no *.safetensors or pytorch_model*.bin weights in {source.directory!r}")
-    for file in bins:
-        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+    for path in bins:
+        # mmap: pages of other ranks' shards are never read.
+        yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
