@@ -17,7 +17,7 @@ import sysconfig
 from pathlib import Path
 from types import ModuleType
 
-SOURCES = ("paged_attention.cpp", "sampling.cpp")
+SOURCES = ("paged_attention.cpp", "sampling.cpp", "quant_matmul.cpp")
 
 
 def sources_dir() -> Path:
