@@ -1,0 +1,156 @@
+"""Linears and the vocabulary embedding holding packed GGUF blocks (Q8_0, Q4_0, Q4_1) for this
+rank's shard, multiplied by ``torch.ops.pagedrs_cpu.quant_matmul`` without a float copy.
+
+Each is built from the dense layer the model code made (`pagedrs.layers.linear`), takes over its
+shard geometry (which rows or columns of the full checkpoint tensor this rank holds) and its
+bias, and loads either a GGUF tensor's packed rows as stored (``handle.packed_rows``) or a float
+tensor it quantizes to Q8_0 (``--quantization int8``).
+
+Sharding: a column-parallel shard is a row range of the packed weight (rows are output
+features, whole rows move); a row-parallel shard is a column range, a whole number of
+32-weight blocks of every row (`fits_row_shard` says whether a layer's shard is).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
+from pagedrs.quant import formats
+
+
+def quant_matmul(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    """``x @ dequant(packed)^T`` over x's last dimension, in x's dtype."""
+    from pagedrs.attention import cpu_ops
+
+    in_features = x.shape[-1]
+    flat = x.reshape(-1, in_features).contiguous()
+    out = cpu_ops.load().quant_matmul(flat, packed, int(ggml_type), in_features)
+    return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def _packed_slice(weight: Any, ggml_type: GGMLQuantizationType, rows: slice, cols: slice) -> torch.Tensor:
+    """The packed blocks of ``weight[rows, cols]`` (one of them ``slice(None)``): a GGUF tensor
+    of this type gives its stored blocks; anything else (a float tensor or handle) is read and
+    quantized to Q8_0."""
+    if getattr(weight, "ggml_type", None) == ggml_type and hasattr(weight, "packed_rows"):
+        return weight.packed_rows(rows) if cols == slice(None) else weight.packed_cols(cols)
+    if ggml_type != GGMLQuantizationType.Q8_0:
+        raise ValueError(f"a float weight is quantized to Q8_0 only, not {ggml_type.name}")
+    return formats.quantize_q8_0(weight[rows, cols] if cols != slice(None) else weight[rows])
+
+
+class _Packed(nn.Module):
+    """Holds ``weight``: uint8 ``[rows, in_features / 32 * block_bytes]``, the packed blocks.
+
+    NOTE: a parameter named ``weight`` like the dense layer's, so the model's loader still
+    finds a checkpoint tensor missing, and parameter byte counts are the packed bytes."""
+
+    def __init__(self, rows: int, in_features: int, ggml_type: GGMLQuantizationType):
+        super().__init__()
+        self.ggml_type = GGMLQuantizationType(ggml_type)
+        self.in_features = in_features
+        packed = torch.empty(rows, formats.row_bytes(ggml_type, in_features), dtype=torch.uint8)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return f"{self.ggml_type.name}, out={self.weight.shape[0]}, in={self.in_features}"
+
+
+class QuantColumnParallelLinear(_Packed):
+    """`ColumnParallelLinear` with packed rows: this rank's rows of each fused logical output."""
+
+    def __init__(self, dense: ColumnParallelLinear, ggml_type: GGMLQuantizationType):
+        super().__init__(dense.weight.shape[0], dense.weight.shape[1], ggml_type)
+        # The dense layer's own rule for which rows this rank holds, per logical output.
+        self.shard_rows = [dense._rows(shard) for shard in range(len(dense.output_sizes))]
+        self.bias = dense.bias
+
+    def load(self, shard: int, weight: Any) -> None:
+        source, target = self.shard_rows[shard]
+        self.weight[target].copy_(_packed_slice(weight, self.ggml_type, source, slice(None)))
+
+    def load_bias(self, shard: int, bias: Any) -> None:
+        if self.bias is None:
+            raise ValueError("checkpoint has a bias for a layer built without one")
+        source, target = self.shard_rows[shard]
+        self.bias[target].copy_(bias[source])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = quant_matmul(x, self.weight, self.ggml_type)
+        return out + self.bias if self.bias is not None else out
+
+
+def fits_row_shard(dense: RowParallelLinear) -> bool:
+    """Whether a row-parallel layer's shard (a column range) is whole blocks."""
+    return dense.input_size % formats.BLOCK_SIZE == 0
+
+
+class QuantRowParallelLinear(_Packed):
+    """`RowParallelLinear` with packed blocks of this rank's input columns; partial sums are
+    all-reduced across ranks, the bias added once after."""
+
+    def __init__(self, dense: RowParallelLinear, ggml_type: GGMLQuantizationType):
+        if not fits_row_shard(dense):
+            raise ValueError(f"a shard of {dense.input_size} input features is not whole {formats.BLOCK_SIZE}-blocks")
+        super().__init__(dense.weight.shape[0], dense.input_size, ggml_type)
+        self.tp: TensorParallel = dense.tp
+        self.bias = dense.bias
+
+    def load(self, weight: Any) -> None:
+        cols = slice(self.tp.rank * self.in_features, (self.tp.rank + 1) * self.in_features)
+        self.weight.copy_(_packed_slice(weight, self.ggml_type, slice(None), cols))
+
+    def load_bias(self, bias: Any) -> None:
+        if self.bias is None:
+            raise ValueError("checkpoint has a bias for a layer built without one")
+        self.bias.copy_(bias[:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = quant_matmul(x, self.weight, self.ggml_type)
+        if self.tp.size > 1:
+            torch.distributed.all_reduce(out)
+        return out + self.bias if self.bias is not None else out
+
+
+class QuantVocabEmbedding(_Packed):
+    """`VocabEmbedding` with packed rows: a lookup dequantizes just the looked-up rows; the tied
+    (or separate) head multiplies by the packed rows (the biggest matmul of a small model)."""
+
+    def __init__(self, dense: VocabEmbedding, ggml_type: GGMLQuantizationType):
+        super().__init__(dense.shard_size, dense.weight.shape[1], ggml_type)
+        self.tp: TensorParallel = dense.tp
+        self.shard_size, self.start = dense.shard_size, dense.start
+        self.dtype = dense.weight.dtype
+
+    def load(self, weight: Any) -> None:
+        rows = slice(self.start, self.start + self.shard_size)
+        self.weight.copy_(_packed_slice(weight, self.ggml_type, rows, slice(None)))
+
+    def _lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
+        flat = token_ids.reshape(-1)
+        rows = formats.dequantize(self.weight[flat], self.ggml_type).to(self.dtype)
+        return rows.reshape(*token_ids.shape, self.in_features)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self._lookup(token_ids)
+        local = token_ids - self.start
+        inside = (local >= 0) & (local < self.shard_size)
+        out = self._lookup(local.clamp(0, self.shard_size - 1)) * inside.unsqueeze(-1)
+        torch.distributed.all_reduce(out)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As `VocabEmbedding.logits`: the whole vocabulary on rank 0 (gathered), this rank's
+        slice elsewhere."""
+        local = quant_matmul(hidden, self.weight, self.ggml_type)
+        if self.tp.size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
+        torch.distributed.gather(local.contiguous(), parts, dst=0)
+        return torch.cat(parts, dim=-1) if parts is not None else local

@@ -1,0 +1,134 @@
+"""Which weights a model holds packed, decided by the loader (the model code asks for plain
+linears): ``quantization="auto"`` keeps a GGUF's Q8_0/Q4_0/Q4_1 tensors as stored, ``"none"``
+dequantizes everything to the model's dtype, ``"int8"`` quantizes a float checkpoint's linears
+and embedding to Q8_0 blocks at load time. Packed weights run on the CPU kernel only; on other
+devices ``auto`` is ``none``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
+from pagedrs.quant import formats
+from pagedrs.quant.layers import (
+    QuantColumnParallelLinear,
+    QuantRowParallelLinear,
+    QuantVocabEmbedding,
+    fits_row_shard,
+)
+
+logger = logging.getLogger("pagedrs")
+
+QUANTIZATION_CHOICES = ("auto", "none", "int8")
+
+# A fused module's checkpoint tensors: pagedrs fuses q/k/v and gate/up into one linear.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def check_quantization(quantization: str) -> str:
+    """``quantization`` if it is one pagedrs knows; else ``ValueError``."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
+    return quantization
+
+
+def checkpoint_names(module_name: str) -> list[str]:
+    """The checkpoint weights (Hugging Face names) a pagedrs module is loaded from."""
+    if module_name in ("embed_tokens", "lm_head"):
+        return [f"model.{module_name}.weight" if module_name == "embed_tokens" else "lm_head.weight"]
+    for fused, parts in _FUSED.items():
+        if module_name.endswith("." + fused):
+            prefix = module_name.removesuffix(fused)
+            return [f"model.{prefix}{part}.weight" for part in parts]
+    return [f"model.{module_name}.weight"]
+
+
+def _chosen_type(
+    names: list[str], quantization: str, ggml_types: Mapping[str, GGMLQuantizationType] | None
+) -> GGMLQuantizationType | None:
+    if quantization == "int8":
+        return GGMLQuantizationType.Q8_0
+    if quantization == "none" or ggml_types is None:
+        return None
+    types = {ggml_types.get(name) for name in names}
+    only = types.pop() if len(types) == 1 else None
+    return only if only in formats.KERNEL_TYPES else None
+
+
+def pack_linears(
+    model: nn.Module,
+    quantization: str,
+    ggml_types: Mapping[str, GGMLQuantizationType] | None,
+    device: torch.device,
+) -> dict[str, GGMLQuantizationType]:
+    """Replaces the model's dense linears and embeddings by packed ones where ``quantization``
+    and the checkpoint's stored types (``ggml_types``: by Hugging Face name, ``None`` for a float
+    checkpoint) call for it, before any weight is loaded. Returns the packed modules' types."""
+    check_quantization(quantization)
+    if quantization == "int8" and ggml_types is not None:
+        raise ValueError(
+            "quantization='int8' quantizes a float (safetensors) checkpoint; a GGUF model keeps its own "
+            "format with quantization='auto'"
+        )
+    if quantization == "none" or (quantization == "auto" and ggml_types is None):
+        return {}
+    from pagedrs.attention import cpu_ops
+
+    if device.type != "cpu" or not cpu_ops.available():
+        if quantization == "int8":
+            raise ValueError("quantization='int8' runs on the CPU kernel: use device='cpu'")
+        logger.info("packed weights need the CPU kernel; %s loads dequantized", device)
+        return {}
+    packed: dict[str, GGMLQuantizationType] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabEmbedding)):
+            continue
+        ggml_type = _chosen_type(checkpoint_names(name), quantization, ggml_types)
+        if ggml_type is None:
+            continue
+        replacement: nn.Module
+        if isinstance(module, ColumnParallelLinear):
+            if module.weight.shape[1] % formats.BLOCK_SIZE:
+                continue
+            replacement = QuantColumnParallelLinear(module, ggml_type)
+        elif isinstance(module, RowParallelLinear):
+            if not fits_row_shard(module):
+                continue
+            replacement = QuantRowParallelLinear(module, ggml_type)
+        else:
+            if module.weight.shape[1] % formats.BLOCK_SIZE:
+                continue
+            replacement = QuantVocabEmbedding(module, ggml_type)
+        model.set_submodule(name, replacement)
+        packed[name] = ggml_type
+    return packed
+
+
+def load_weights(model: Any, source: Any, quantization: str, device: torch.device) -> dict[str, GGMLQuantizationType]:
+    """Loads ``source``'s weights into ``model`` (built by `pagedrs.models.build_model`), packed
+    where `pack_linears` decides; returns the packed modules' types. A GGUF file is read through
+    one memory map, each rank reading only its slices."""
+    from pagedrs.models.loader import iter_weights
+
+    if source.gguf_file is not None:
+        import os
+
+        from pagedrs.quant.gguf import GGUFCheckpoint
+
+        checkpoint = GGUFCheckpoint(os.path.join(source.directory, source.gguf_file))
+        packed = pack_linears(model, quantization, checkpoint.ggml_types(), device)
+        model.load_weights(iter(checkpoint))
+        return packed
+    packed = pack_linears(model, quantization, None, device)
+    model.load_weights(iter_weights(source))
+    return packed
