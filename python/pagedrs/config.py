@@ -59,6 +59,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     """``"auto"`` (the CUDA kernels on a GPU, the compiled CPU kernel on the CPU, the torch
     reference where neither can run), ``"torch"``, ``"cpu"`` or ``"cuda"``."""
+    quantization: str = "auto"
+    """Weights as vLLM spells it: ``"auto"`` keeps a GGUF's own 4/8-bit blocks (run by the CPU
+    kernel, `pagedrs.quant`), ``"none"`` dequantizes to ``dtype``, ``"int8"`` quantizes a float
+    checkpoint's linears to 8-bit blocks at load time (CPU)."""
     tensor_parallel_size: int = 1
     """Ranks the model is split across (one process each; see `pagedrs.engine.parallel`)."""
     distributed_backend: str | None = None

@@ -102,15 +102,11 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, WeightHandle]]:
     """Checkpoint tensors by Hugging Face name, as lazy handles of the full (unsharded)
     tensor: the model's loaders index out this rank's shard."""
     if source.gguf_file is not None:
-        # transformers dequantizes GGUF tensors (to float32) while building its own model;
-        # we take its state dict and drop the model.
-        # NOTE: so every tensor-parallel rank holds the whole float32 model while loading.
-        from transformers import AutoModelForCausalLM
+        # Memory-mapped; a slice dequantizes only its blocks, exactly as transformers does
+        # (`pagedrs.quant.gguf`; `pagedrs.quant.loading` also keeps them packed).
+        from pagedrs.quant.gguf import GGUFCheckpoint
 
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            source.directory, gguf_file=source.gguf_file, dtype=torch.float32
-        )
-        yield from hf_model.state_dict().items()
+        yield from GGUFCheckpoint(os.path.join(source.directory, source.gguf_file))
         return
     files = sorted(glob.glob(os.path.join(source.directory, "*.safetensors")))
     if files:

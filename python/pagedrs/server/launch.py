@@ -60,6 +60,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="auto: the CUDA kernels on a GPU, the compiled CPU kernel on the CPU",
     )
     engine.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8"],
+        help="auto: a GGUF keeps its own 4/8-bit weights (CPU); none: dequantize; "
+        "int8: quantize a float checkpoint's linears at load (CPU)",
+    )
+    engine.add_argument(
         "--max-waiting-requests",
         type=int,
         default=512,
@@ -134,6 +141,7 @@ def build_server(args: argparse.Namespace, start_engine_thread: bool = True):
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        quantization=args.quantization,
     )
     name = served_name(args)
     metrics = ServerMetrics(name)

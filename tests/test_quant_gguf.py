@@ -1,0 +1,209 @@
+"""GGUF checkpoints read as stored: names and the q/k row order match transformers' loading,
+slices dequantize exactly as ``gguf.quants`` does, and a model whose linears multiply by the
+packed blocks (``quantization="auto"``) decodes greedily like transformers on the same file
+(which dequantizes it), token for token except at near-ties."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from pagedrs import LLM
+from pagedrs.models import build_model
+from pagedrs.models.loader import load_config, resolve_model
+from pagedrs.quant.gguf import GGUFCheckpoint, hf_name
+from pagedrs.quant.layers import QuantColumnParallelLinear, QuantRowParallelLinear, QuantVocabEmbedding
+from pagedrs.quant.loading import load_weights
+from tests.test_model_oracle import NEW_TOKENS, PROMPTS, assert_same_or_near_tie, hf_greedy, run
+
+Q8_0, Q4_0, Q4_1, F32 = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, None)
+
+# GGUF name -> stored type: every kernel format, a fused q/k/v of mixed types (loaded dense),
+# and a float linear (loaded dense).
+TYPES = {
+    "token_embd": Q8_0,
+    "output": Q4_1,
+    "blk.0.attn_q": Q4_0,
+    "blk.0.attn_k": Q4_0,
+    "blk.0.attn_v": Q4_0,
+    "blk.0.attn_output": Q8_0,
+    "blk.0.ffn_gate": Q4_1,
+    "blk.0.ffn_up": Q4_1,
+    "blk.0.ffn_down": Q4_0,
+    "blk.1.attn_q": Q8_0,
+    "blk.1.attn_k": Q4_1,
+    "blk.1.attn_v": Q4_1,
+    "blk.1.attn_output": Q4_1,
+    "blk.1.ffn_gate": Q8_0,
+    "blk.1.ffn_up": Q8_0,
+    "blk.1.ffn_down": F32,
+}
+
+_HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_name(name: str) -> str:
+    if name.startswith("model.layers."):
+        _, _, layer, *rest = name.split(".")
+        return f"blk.{layer}.{_HF_TO_GGUF['.'.join(rest[:-1])]}.{rest[-1]}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}.get(
+        name, "output.weight"
+    )
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter's row order for q and k (the inverse of what loaders undo)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(path: str, model, types: dict) -> None:
+    """``model`` (a transformers Llama) as a GGUF file with a tiny SentencePiece vocabulary."""
+    config = model.config
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_tokenizer_model("llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(3, config.vocab_size)]
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        if "rotary" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        array = tensor.float().numpy()
+        target = gguf_name(name)
+        if ".attn_q." in target:
+            array = llama_cpp_permute(array, config.num_attention_heads)
+        elif ".attn_k." in target:
+            array = llama_cpp_permute(array, config.num_key_value_heads)
+        qtype = types.get(target.removesuffix(".weight")) if array.ndim == 2 else None
+        if qtype is None:
+            writer.add_tensor(target, array)
+        else:
+            writer.add_tensor(target, quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def tiny_gguf(request, tmp_path_factory):
+    """(path of a tiny Llama GGUF, transformers' model loaded from it)."""
+    import transformers
+
+    tied = request.param == "tied"
+    config = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # clear greedy choices (random weights give flat logits)
+        (model.model.embed_tokens.weight if tied else model.lm_head.weight).mul_(8)
+    path = str(tmp_path_factory.mktemp(f"gguf-{request.param}") / "tiny.gguf")
+    write_gguf(path, model, TYPES)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file="tiny.gguf", dtype=torch.float32
+    ).eval()
+    return path, hf_model
+
+
+def test_tensors_and_slices_equal_what_transformers_loads(tiny_gguf):
+    path, hf_model = tiny_gguf
+    expected = hf_model.state_dict()
+    checkpoint = GGUFCheckpoint(path)
+    assert set(checkpoint.tensors) == set(expected) - (
+        {"lm_head.weight"} if hf_model.config.tie_word_embeddings else set()
+    )
+    for name, handle in checkpoint:
+        full = expected[name]
+        assert handle.shape == tuple(full.shape), name
+        assert torch.equal(handle[:], full), name
+        if len(handle.shape) == 2:
+            assert torch.equal(handle[3:11], full[3:11]), name
+            assert torch.equal(handle[:, 5:40], full[:, 5:40]), name  # not on block boundaries
+            assert torch.equal(handle[2:4, 32:64], full[2:4, 32:64]), name
+
+
+def test_packed_rows_dequantize_as_gguf_does(tiny_gguf):
+    checkpoint = GGUFCheckpoint(tiny_gguf[0])
+    handle = checkpoint.tensors["model.layers.1.self_attn.k_proj.weight"]  # Q4_1, rows reordered
+    assert handle.ggml_type == Q4_1
+    packed = handle.packed_rows(slice(8, 24)).numpy()
+    assert torch.equal(torch.from_numpy(quants.dequantize(packed, Q4_1)), handle[8:24])
+    cols = handle.packed_cols(slice(32, 64)).numpy()
+    assert torch.equal(torch.from_numpy(quants.dequantize(cols, Q4_1)), handle[:, 32:64])
+    with pytest.raises(ValueError, match="blocks"):
+        handle.packed_cols(slice(16, 48))
+
+
+def test_unknown_tensor_names_are_refused():
+    assert hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
+    assert hf_name("rope_freqs.weight") is None
+    with pytest.raises(ValueError, match="no Hugging Face counterpart"):
+        hf_name("blk.0.ffn_gate_exps.weight")
+
+
+def test_auto_packs_single_type_linears_and_loads_the_rest_dense(tiny_gguf):
+    path, hf_model = tiny_gguf
+    source = resolve_model(path)
+    model = build_model(load_config(source), torch.float32)
+    packed = load_weights(model, source, "auto", torch.device("cpu"))
+    assert packed["embed_tokens"] == Q8_0
+    assert packed["layers.0.self_attn.qkv_proj"] == Q4_0
+    assert "layers.1.self_attn.qkv_proj" not in packed  # q Q8_0, k/v Q4_1: one dense linear
+    assert "layers.1.mlp.down_proj" not in packed  # stored as float32
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantColumnParallelLinear)
+    assert isinstance(model.layers[0].mlp.down_proj, QuantRowParallelLinear)
+    assert isinstance(model.embed_tokens, QuantVocabEmbedding)
+    assert ("lm_head" in packed) == (not hf_model.config.tie_word_embeddings)
+
+
+def test_greedy_with_packed_weights_matches_transformers_on_the_same_file(tiny_gguf):
+    path, hf_model = tiny_gguf
+    llm = LLM(path, quantization="auto")
+    assert isinstance(llm.engine.model.embed_tokens, QuantVocabEmbedding)
+    for prompt, tokens in zip(PROMPTS, run(llm, PROMPTS)):
+        assert len(tokens) == NEW_TOKENS
+        assert_same_or_near_tie(hf_model, prompt, tokens, hf_greedy(hf_model, prompt, NEW_TOKENS))
+
+
+def test_bad_quantization_values_are_refused(tiny_gguf):
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(tiny_gguf[0], quantization="fp4")
+    with pytest.raises(ValueError, match="float"):
+        LLM(tiny_gguf[0], quantization="int8")
