@@ -112,11 +112,13 @@ def dtype_bytes(dtype: Any) -> int:
     return _DTYPE_BYTES[name]
 
 
-def kv_bytes_per_token(config: Any, dtype: Any = "bfloat16") -> int:
-    """Bytes of key and value cache one token takes over all layers.
+def kv_bytes_per_token(config: Any, dtype: Any = "bfloat16", tensor_parallel_size: int = 1) -> int:
+    """Bytes of key and value cache one token takes over all layers, on one rank.
 
     ``config`` is a Hugging Face config (object or dict), a ``config.json`` path or a
-    checkpoint directory. ``2 (K and V) * layers * kv_heads * head_dim * dtype bytes``.
+    checkpoint directory. ``2 (K and V) * layers * kv_heads * head_dim * dtype bytes``, where a
+    tensor-parallel rank holds ``kv_heads / tensor_parallel_size`` heads (one when there are
+    fewer heads than ranks: they are replicated).
     """
     fields = _config_fields(config)
     num_layers = _config_int(fields, "num_hidden_layers")
@@ -125,7 +127,9 @@ def kv_bytes_per_token(config: Any, dtype: Any = "bfloat16") -> int:
     head_dim = fields.get("head_dim")
     if head_dim is None:
         head_dim = _config_int(fields, "hidden_size") // num_heads
-    return 2 * num_layers * num_kv_heads * int(head_dim) * dtype_bytes(dtype)
+    tensor_parallel_size = _positive_int(tensor_parallel_size, "tensor_parallel_size")
+    heads_per_rank = max(1, num_kv_heads // tensor_parallel_size)
+    return 2 * num_layers * heads_per_rank * int(head_dim) * dtype_bytes(dtype)
 
 
 @dataclass(frozen=True)
@@ -143,11 +147,14 @@ class KVCapacity:
         return self.num_blocks * self.block_size
 
 
-def kv_cache_capacity(config: Any, budget: int | str, dtype: Any = "bfloat16", block_size: int = 16) -> KVCapacity:
-    """How many blocks of ``block_size`` tokens fit in ``budget`` bytes (or ``"4GiB"``)."""
+def kv_cache_capacity(
+    config: Any, budget: int | str, dtype: Any = "bfloat16", block_size: int = 16, tensor_parallel_size: int = 1
+) -> KVCapacity:
+    """How many blocks of ``block_size`` tokens fit in ``budget`` bytes (or ``"4GiB"``) on
+    each rank."""
     block_size = _positive_int(block_size, "block_size")
     budget_bytes = parse_bytes(budget)
-    per_token = kv_bytes_per_token(config, dtype)
+    per_token = kv_bytes_per_token(config, dtype, tensor_parallel_size)
     per_block = per_token * block_size
     return KVCapacity(
         bytes_per_token=per_token,

@@ -17,11 +17,13 @@ from pagedrs._core import FINISH_REASONS, GrammarMatchers, Scheduler, SchedulerO
 from pagedrs.config import EngineConfig, resolve_dtype
 from pagedrs.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pagedrs.engine.host_memory import retain_freed_host_memory
-from pagedrs.engine.model_runner import ModelRunner
+from pagedrs.engine.model_runner import load_model_runner
+from pagedrs.engine.parallel import TensorParallelError, TensorParallelGroup, check_parallel_config, launched_setup
 from pagedrs.errors import DuplicateRequestError
+from pagedrs.layers.linear import TensorParallel
 from pagedrs.memory import kv_cache_capacity
 from pagedrs.models import architecture_of, build_model
-from pagedrs.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
+from pagedrs.models.loader import load_config, load_tokenizer, resolve_model
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.sampler import Sampler, SamplerOutput, SamplingRow
 from pagedrs.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -102,11 +104,14 @@ class LLMEngine:
         self.hf_config = load_config(source)
         self.architecture = architecture_of(self.hf_config)
         self.tokenizer = load_tokenizer(source)
-        model = build_model(self.hf_config, self.dtype)
-        model.load_weights(iter_weights(source))
-        self.model = model.to(self.device).eval()
-
-        capacity = kv_cache_capacity(self.hf_config, config.kv_cache_bytes(self.device), self.dtype, config.block_size)
+        check_parallel_config(config, self.device)
+        tp_size = config.tensor_parallel_size
+        if tp_size > 1:
+            with torch.device("meta"):  # an indivisible head count fails here, before any rank starts
+                build_model(self.hf_config, self.dtype, TensorParallel(0, tp_size))
+        capacity = kv_cache_capacity(
+            self.hf_config, config.kv_cache_bytes(self.device), self.dtype, config.block_size, tp_size
+        )
         if capacity.num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for one block of {capacity.bytes_per_block} bytes")
         model_max_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2**31)
@@ -123,9 +128,22 @@ class LLMEngine:
             max_num_partial_prefills=config.max_num_partial_prefills,
             namespace=f"{self.model_name}|{self.dtype}",
         )
-        self.runner = ModelRunner(
-            self.model, capacity.num_blocks, config.block_size, self.dtype, self.device, config.attention_backend
-        )
+        self.parallel: TensorParallelGroup | None = None
+        """The other tensor-parallel ranks (this engine is rank 0), when there are any."""
+        if tp_size > 1 or launched_setup(config, self.device) is not None:
+            self.parallel = TensorParallelGroup(config, self.device, capacity.num_blocks, self.dtype)
+        try:
+            self.runner = load_model_runner(
+                config, self.dtype, self.device, capacity.num_blocks, size=tp_size, hf_config=self.hf_config
+            )
+            if self.parallel is not None:
+                self.parallel.wait_until_loaded()
+                self.runner.parallel = self.parallel
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.shutdown(graceful=False)
+            raise
+        self.model = self.runner.model
         self.sampler = Sampler(self.hf_config.vocab_size, config.seed, self.device)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._requests: dict[str, _Request] = {}
@@ -140,11 +158,13 @@ class LLMEngine:
         self.last_schedule: SchedulerOutput | None = None
         """The last step's batch (`SchedulerOutput`), for metrics and benchmarks."""
         logger.info(
-            "pagedrs engine: %s (%s) %s on %s, %d KV blocks of %d tokens (%d tokens)",
+            "pagedrs engine: %s (%s) %s on %s, tensor parallel %d%s, %d KV blocks of %d tokens (%d tokens)",
             self.model_name,
             self.architecture,
             self.dtype,
             self.device,
+            tp_size,
+            f" ({self.parallel.backend})" if self.parallel is not None else "",
             capacity.num_blocks,
             config.block_size,
             capacity.num_tokens,
@@ -304,6 +324,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def check_health(self) -> None:
+        """Raises `TensorParallelError` once a tensor-parallel rank has failed (the engine
+        cannot step again); returns otherwise."""
+        if self.parallel is not None:
+            self.parallel.check()
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks and the mask thread. Idempotent; the engine
+        cannot step afterwards."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
+        self._mask_thread.shutdown(wait=False)
+
     # -- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -314,6 +347,7 @@ class LLMEngine:
         pass or the sampler ends the requests of that batch. Either way their blocks are
         freed and the engine goes on with the others.
         """
+        self.check_health()
         out = self.scheduler.schedule()
         self.last_schedule = out
         touched: dict[str, _Request] = {}
@@ -341,6 +375,8 @@ class LLMEngine:
             logits, prompt_logits = self.runner.execute(out, extra_rows)
             self._record_prompt_logprobs(prompt_rows, prompt_logits)
             allowed = None if masks is None else ([row for row, _ in constrained], masks.result())
+        except TensorParallelError:
+            raise  # the ranks are out of step: the engine cannot go on
         except Exception as error:  # the batch fails, the engine lives on
             logger.exception("step failed; failing the %d requests of its batch", len(out.request_ids))
             if masks is not None:

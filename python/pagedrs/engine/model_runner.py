@@ -2,13 +2,73 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, NamedTuple
+
 import numpy as np
 import torch
 
 from pagedrs._core import SchedulerOutput
 from pagedrs.attention import metadata_class, select_backend
 from pagedrs.engine.staging import StagedInputs
+from pagedrs.layers.linear import TensorParallel
+from pagedrs.models import build_model
 from pagedrs.models.llama import LlamaFamilyForCausalLM
+from pagedrs.models.loader import load_config, resolve_model
+from pagedrs.quant.loading import load_weights
+
+if TYPE_CHECKING:
+    from pagedrs.config import EngineConfig
+    from pagedrs.engine.parallel import TensorParallelGroup
+
+
+class StepArrays(NamedTuple):
+    """What a forward pass reads: `SchedulerOutput`'s arrays (see there), plus the rows whose
+    logits are wanted. Tensor-parallel rank 0 sends exactly these to the other ranks."""
+
+    input_token_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    logits_rows: np.ndarray
+    """Rows to sample from, then rows for prompt logprobs."""
+    block_copies: np.ndarray
+
+    @staticmethod
+    def of(out: SchedulerOutput, extra_rows: np.ndarray | None = None) -> StepArrays:
+        rows = out.logits_indices
+        if extra_rows is not None and len(extra_rows):
+            rows = np.concatenate([rows, extra_rows.astype(np.int64)])
+        return StepArrays(
+            out.input_token_ids,
+            out.positions,
+            out.slot_mapping,
+            out.query_start_loc,
+            out.context_lens,
+            out.block_tables,
+            rows,
+            out.block_copies,
+        )
+
+
+def load_model_runner(
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_blocks: int,
+    *,
+    rank: int = 0,
+    size: int = 1,
+    hf_config: Any = None,
+) -> ModelRunner:
+    """Builds this rank's shard of the model, reads its slices of the checkpoint, and sets up
+    its KV cache (its KV heads of ``num_blocks`` blocks)."""
+    source = resolve_model(config.model)
+    model = build_model(hf_config or load_config(source), dtype, TensorParallel(rank, size))
+    load_weights(model, source, config.quantization, device)  # packs linears where the weights call for it
+    model = model.to(device).eval()
+    return ModelRunner(model, num_blocks, config.block_size, dtype, device, config.attention_backend)
 
 
 class ModelRunner:
@@ -40,15 +100,27 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in model.layers
         ]
+        self.parallel: TensorParallelGroup | None = None
+        """With tensor parallelism (on rank 0): the group each step is sent to first."""
+
+    def execute(self, out: SchedulerOutput, extra_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy-on-write copies, then the forward pass (on every rank). Returns float32 logits
+        of the rows to sample (``[len(out.logits_indices), vocab]``) and of ``extra_rows``
+        (prompt logprobs)."""
+        arrays = StepArrays.of(out, extra_rows)
+        if self.parallel is None:
+            logits = self.forward(arrays)
+        else:
+            with self.parallel.guard():
+                self.parallel.send_step(arrays)
+                logits = self.forward(arrays)
+        num_sampled = len(out.logits_indices)
+        return logits[:num_sampled], logits[num_sampled:]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, extra_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy-on-write copies, then the forward pass. Returns float32 logits of the rows to
-        sample (``[len(out.logits_indices), vocab]``) and of ``extra_rows`` (prompt
-        logprobs)."""
-        rows = out.logits_indices
-        if extra_rows is not None and len(extra_rows):
-            rows = np.concatenate([rows, extra_rows.astype(np.int64)])
+    def forward(self, out: StepArrays) -> torch.Tensor:
+        """One step of this rank's shard; float32 logits of ``out.logits_rows`` (the whole
+        vocabulary on rank 0)."""
         # Everything the step reads on the device goes over in one copy (on CUDA).
         with self.inputs.one_copy():
             meta = self._metadata.build(
@@ -62,7 +134,9 @@ class ModelRunner:
                 device=self.device,
                 upload=self.inputs.upload,
             )
-            input_token_ids, positions, logits_rows = self.inputs.upload(out.input_token_ids, out.positions, rows)
+            input_token_ids, positions, logits_rows = self.inputs.upload(
+                out.input_token_ids, out.positions, out.logits_rows
+            )
             copies = self.inputs.upload(out.block_copies)[0] if len(out.block_copies) else None
         if copies is not None:
             if self.attention_backend == "cuda":
@@ -73,6 +147,4 @@ class ModelRunner:
                 for key_cache, value_cache in self.kv_caches:
                     key_cache[copies[:, 1]] = key_cache[copies[:, 0]]
                     value_cache[copies[:, 1]] = value_cache[copies[:, 0]]
-        logits = self.model(input_token_ids, positions, self.kv_caches, meta, logits_rows)
-        num_sampled = len(out.logits_indices)
-        return logits[:num_sampled], logits[num_sampled:]
+        return self.model(input_token_ids, positions, self.kv_caches, meta, logits_rows)
