@@ -120,7 +120,10 @@ def load_weights(model: Any, source: Any, quantization: str, device: torch.devic
     one memory map, each rank reading only its slices."""
     from pagedrs.models.loader import iter_weights
 
+    check_quantization(quantization)
     if source.gguf_file is not None:
+        if quantization == "int8":
+            pack_linears(model, quantization, {}, device)  # refuses it, before the file is read
         import os
 
         from pagedrs.quant.gguf import GGUFCheckpoint
