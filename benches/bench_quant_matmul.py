@@ -1,23 +1,34 @@
-"""What torch's own weight-only quantized matmuls cost on this CPU, on the default model's linear
-shapes (SmolLM2-135M: hidden 576, intermediate 1536, 49,152-token head), against float32 and
-bfloat16 ``x @ w.T``: the measurement issue 17 (quantized weights) starts from.
+"""Weight-only quantized matmuls on this CPU, on the default model's linear shapes (SmolLM2-135M:
+hidden 576, intermediate 1536, 49,152-token head), against float32 and bfloat16 ``x @ w.T``.
 
-Kernels: ``aten._weight_int8pack_mm`` (int8 weights, per-channel scales) and
-``aten._weight_int4pack_mm_for_cpu`` (int4, groups of 32), each on random weights of the
-right shape and dtype. Medians of 50 calls, microseconds, batch 1 (decode of one stream) and
-32; torch's default thread count.
+Kernels: pagedrs' own ``pagedrs_cpu.quant_matmul`` on GGUF blocks (Q8_0, Q4_1), and torch's
+``aten._weight_int8pack_mm`` (int8 weights, per-channel scales) and
+``aten._weight_int4pack_mm_for_cpu`` (int4, groups of 32), each on random weights of the right
+shape and dtype. Medians of 50 calls, microseconds, batch 1 (decode of one stream) and 32;
+torch's default thread count.
 
-    .venv/bin/python benches/bench_quant_matmul.py
+    .venv/bin/python benches/bench_quant_matmul.py            # the matmuls
+    .venv/bin/python benches/bench_quant_matmul.py --model    # the default model, auto vs none
+
+``--model`` loads the default model once per ``quantization`` (``auto``: its own Q4_1/Q8_0
+blocks; ``none``: dequantized to float32), each in a fresh process, and reports the resident
+memory the load added and single-stream greedy decode (128 new tokens after a short prompt,
+median of 3 runs, tokens per second over the whole request, prefill included).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
 import torch
+from gguf import GGMLQuantizationType, quants
 
 SHAPES = {  # name: (out_features, in_features)
     "qkv 576->960": (960, 576),
@@ -47,7 +58,17 @@ def kernels(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]
         torch.randint(0, 16, (out_features, in_features), dtype=torch.int32), 1
     )
     scales_and_zeros = torch.randn(in_features // 32, out_features, 2)
+    from pagedrs.attention import cpu_ops
+
+    ops = cpu_ops.load()
+    packed = {
+        qtype: torch.from_numpy(quants.quantize(w.numpy(), qtype))
+        for qtype in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1)
+    }
+    q8, q4 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1
     return {
+        "pagedrs Q8_0": lambda: ops.quant_matmul(x, packed[q8], int(q8), in_features),
+        "pagedrs Q4_1": lambda: ops.quant_matmul(x, packed[q4], int(q4), in_features),
         "float32": lambda: x @ w.t(),
         "bfloat16": lambda: x_bf16 @ w_bf16.t(),
         "int8pack": lambda: torch.ops.aten._weight_int8pack_mm(x, w_int8, scales),
@@ -55,7 +76,72 @@ def kernels(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]
     }
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def model_run(quantization: str) -> dict:
+    """One process's load and decode of the default model."""
+    from pagedrs import LLM, SamplingParams
+
+    before = rss_bytes()
+    start = time.perf_counter()
+    llm = LLM(device="cpu", quantization=quantization, kv_cache_memory="64MiB")
+    load_s = time.perf_counter() - start
+    loaded = rss_bytes()
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    prompt = "Write a short story about a robot who learns to paint."
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+    rates = []
+    for _ in range(3):
+        start = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)
+        rates.append(len(out[0].outputs[0].token_ids) / (time.perf_counter() - start))
+    return {
+        "quantization": quantization,
+        "load_s": round(load_s, 2),
+        "weight_MB": round(weights / 1e6, 1),
+        "load_rss_MB": round((loaded - before) / 2**20, 1),
+        "tok_per_s": round(statistics.median(rates), 1),
+    }
+
+
+def model_main() -> None:
+    results = {}
+    for quantization in ("auto", "none"):
+        line = (
+            subprocess.run(
+                [sys.executable, __file__, "--model-run", quantization], check=True, capture_output=True, text=True
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        results[quantization] = json.loads(line)
+        print(line)
+    auto, none = results["auto"], results["none"]
+    print(
+        json.dumps(
+            {
+                "decode_speedup": round(auto["tok_per_s"] / none["tok_per_s"], 2),
+                "load_rss_ratio": round(auto["load_rss_MB"] / none["load_rss_MB"], 3),
+            }
+        )
+    )
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", action="store_true", help="the default model, auto vs none")
+    parser.add_argument("--model-run", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.model_run:
+        print(json.dumps(model_run(args.model_run)))
+        return
+    if args.model:
+        model_main()
+        return
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for batch in (1, 32):

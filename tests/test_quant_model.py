@@ -10,7 +10,9 @@ import torch
 
 from pagedrs import LLM, SamplingParams
 from pagedrs.attention import cpu_ops
+from pagedrs.models.loader import resolve_model
 from pagedrs.quant.layers import QuantColumnParallelLinear, QuantRowParallelLinear, QuantVocabEmbedding
+from pagedrs.quant.loading import predicted_weight_bytes
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the CPU kernels do not build here")
 
@@ -23,6 +25,10 @@ PROMPTS = [
 
 def weight_bytes(llm: LLM) -> int:
     return sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+
+
+def predicted(model: str | None, quantization: str) -> int:
+    return predicted_weight_bytes(resolve_model(model), quantization, torch.float32, torch.device("cpu"))
 
 
 def greedy(llm: LLM, num_tokens: int, logprobs: int | None = None):
@@ -38,9 +44,10 @@ def test_default_model_packed_decodes_as_dequantized():
     assert all("norm" in name for name in float_params), float_params
     ours = greedy(packed, 24)
     packed_bytes = weight_bytes(packed)
+    assert packed_bytes == predicted(None, "auto")  # what `pagedrs memory` reports
     del packed
     dense = LLM(device="cpu", quantization="none", kv_cache_memory="64MiB")
-    assert packed_bytes * 5 < weight_bytes(dense)
+    assert packed_bytes * 5 < weight_bytes(dense) == predicted(None, "none")
     theirs = greedy(dense, 24, logprobs=2)
     for prompt, a, b in zip(PROMPTS, ours, theirs):
         if a.token_ids == b.token_ids:
@@ -57,6 +64,7 @@ def test_int8_packs_a_float_checkpoint_and_stays_close(tiny_llama):
     assert isinstance(layer.self_attn.qkv_proj, QuantColumnParallelLinear)
     assert isinstance(layer.mlp.down_proj, QuantRowParallelLinear)
     assert weight_bytes(int8) * 3 < weight_bytes(dense)
+    assert weight_bytes(int8) == predicted(tiny_llama, "int8")
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     prompt = [[5, 17, 33, 2, 9, 40, 41]]
     theirs = dense.generate(prompt, params, use_tqdm=False)[0].outputs[0].logprobs[0]

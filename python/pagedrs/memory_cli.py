@@ -20,6 +20,12 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     parser.add_argument("--device", default=None, help="for --dtype auto and the default budget: cpu or cuda")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8"],
+        help="as the server's: the weights' predicted size depends on it (auto: a GGUF stays packed)",
+    )
     parser.add_argument("--budget", default=None, help="KV bytes, e.g. 4GiB (default: the server's default here)")
     parser.add_argument(
         "--lengths",
@@ -41,10 +47,13 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def predict(args: argparse.Namespace) -> dict[str, Any]:
     from pagedrs.config import EngineConfig, default_kv_cache_memory, resolve_dtype
     from pagedrs.models.loader import load_config, resolve_model
+    from pagedrs.quant.loading import predicted_weight_bytes
 
     device = EngineConfig(device=args.device).torch_device()
     dtype = resolve_dtype(args.dtype, device)
-    config = load_config(resolve_model(args.model))
+    source = resolve_model(args.model)
+    config = load_config(source)
+    weight_bytes = predicted_weight_bytes(source, args.quantization, dtype, device)
     budget = parse_bytes(args.budget) if args.budget is not None else default_kv_cache_memory(device)
     capacity = kv_cache_capacity(config, budget, dtype, args.block_size)
     lengths = [int(item) for item in args.lengths.split(",") if item.strip()]
@@ -58,6 +67,8 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model or "default (SmolLM2-135M-Instruct)",
         "dtype": str(dtype).removeprefix("torch."),
         "block_size": args.block_size,
+        "quantization": args.quantization,
+        "weight_bytes": weight_bytes,
         "budget_bytes": budget,
         "kv_bytes_per_token": capacity.bytes_per_token,
         "bytes_per_block": capacity.bytes_per_block,
@@ -135,6 +146,10 @@ def main(args: argparse.Namespace) -> int:
         return 0
     p = prediction
     print(f"model {p['model']}, {p['dtype']}, block size {p['block_size']}, budget {p['budget_bytes'] / 2**20:.1f} MiB")
+    print(
+        f"weights {p['weight_bytes'] / 2**20:.1f} MiB (quantization {p['quantization']}); "
+        f"weights + KV budget {(p['weight_bytes'] + p['budget_bytes']) / 2**20:.1f} MiB"
+    )
     print(f"KV bytes per token {p['kv_bytes_per_token']:,}; per block {p['bytes_per_block']:,}")
     print(f"blocks {p['num_blocks']:,}; token capacity {p['token_capacity']:,}")
     for length, blocks in zip(p["lengths"], p["blocks_per_sequence"]):

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -135,3 +136,39 @@ def load_weights(model: Any, source: Any, quantization: str, device: torch.devic
     packed = pack_linears(model, quantization, None, device)
     model.load_weights(iter_weights(source))
     return packed
+
+
+def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes the loaded weights take (one rank, the whole model), from the checkpoint's tensor
+    types and shapes without loading it: packed blocks where `pack_linears` packs (a kernel
+    format of a 2-D GGUF tensor under ``auto``; a 2-D float weight as Q8_0 under ``int8``),
+    ``dtype`` elsewhere. (A fused q/k/v of mixed types, which loads dense, counts as packed.)"""
+    import os
+
+    from pagedrs.attention import cpu_ops
+
+    check_quantization(quantization)
+    element = torch.empty((), dtype=dtype).element_size()
+    packs = quantization != "none" and device.type == "cpu" and cpu_ops.available()
+    total = 0
+    if source.gguf_file is not None:
+        from pagedrs.quant.gguf import GGUFCheckpoint
+
+        for _, handle in GGUFCheckpoint(os.path.join(source.directory, source.gguf_file)):
+            numel = int(np.prod(handle.shape))
+            kept = packs and quantization == "auto" and handle.ggml_type in formats.KERNEL_TYPES
+            total += handle.nbytes if kept and len(handle.shape) == 2 else numel * element
+        return total
+    import glob
+
+    from safetensors import safe_open
+
+    q8_bytes_per_weight = formats.block_bytes(GGMLQuantizationType.Q8_0) / formats.BLOCK_SIZE
+    for path in sorted(glob.glob(os.path.join(source.directory, "*.safetensors"))):
+        with safe_open(path, framework="pt") as file:
+            for name in file.keys():
+                shape = file.get_slice(name).get_shape()
+                numel = int(np.prod(shape))
+                packed = packs and quantization == "int8" and len(shape) == 2 and shape[1] % formats.BLOCK_SIZE == 0
+                total += int(numel * q8_bytes_per_weight) if packed else numel * element
+    return total
