@@ -37,7 +37,9 @@ class LLM:
 
     ``LLM()`` loads the default model (SmolLM2-135M-Instruct); ``LLM("path/to/checkpoint")``
     a Hugging Face checkpoint directory or GGUF file. Keyword arguments are `EngineConfig`
-    fields (``dtype``, ``kv_cache_memory``, ``max_num_batched_tokens``, ...).
+    fields (``dtype``, ``kv_cache_memory``, ``max_num_batched_tokens``,
+    ``tensor_parallel_size``, ...). With ``tensor_parallel_size > 1`` worker processes are
+    spawned, so a script must create the `LLM` under ``if __name__ == "__main__":``.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
@@ -46,6 +48,17 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes (if any); the `LLM` cannot generate
+        afterwards. Also done at interpreter exit."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

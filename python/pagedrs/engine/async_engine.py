@@ -163,6 +163,11 @@ class AsyncLLMEngine:
     def is_alive(self) -> bool:
         return not self._stopped and self._dead is None
 
+    @property
+    def dead_reason(self) -> BaseException | None:
+        """What killed the engine loop, if anything did."""
+        return self._dead
+
     def num_waiting(self) -> int:
         """Requests queued but not running: the engine's waiting queue and adds in flight."""
         with self._pending_lock:
@@ -248,6 +253,7 @@ class AsyncLLMEngine:
             while not self._stopping:
                 if until is not None and until():
                     break
+                self.engine.check_health()  # a tensor-parallel rank that failed while idle
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self._stopping or not self.engine.has_unfinished_requests():
                     continue

@@ -135,17 +135,22 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabEmbedding(nn.Module):
-    """Token embeddings; rank ``r`` holds rows ``[r * V/tp, (r + 1) * V/tp)`` of the vocabulary."""
+    """Token embeddings; rank ``r`` holds rows ``[r * S, (r + 1) * S)`` of the vocabulary, with
+    ``S = ceil(V / tp)``: a vocabulary that does not divide evenly is padded with zero rows on
+    the last rank (their logits are cut off after the gather), as vLLM pads it."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype):
         super().__init__()
         self.tp = tp
-        self.shard_size = tp.split(vocab_size, "vocab size")
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp.size)
         self.start = tp.rank * self.shard_size
-        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.num_rows = max(0, min(self.shard_size, vocab_size - self.start))
+        """Rows of the checkpoint this rank holds (the rest of its shard is padding)."""
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
 
     def load(self, weight: WeightHandle) -> None:
-        self.weight.copy_(weight[self.start : self.start + self.shard_size])
+        self.weight[: self.num_rows].copy_(weight[self.start : self.start + self.num_rows])
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -163,4 +168,6 @@ class VocabEmbedding(nn.Module):
             return local
         parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
         torch.distributed.gather(local.contiguous(), parts, dst=0)
-        return torch.cat(parts, dim=-1) if parts is not None else local
+        if parts is None:
+            return local
+        return torch.cat(parts, dim=-1)[:, : self.vocab_size]

@@ -234,7 +234,8 @@ def build_app(
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "enable_prefix_caching": config.enable_prefix_caching,
             "scheduling_policy": config.scheduling_policy,
-            "tensor_parallel_size": 1,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "distributed_backend": inner.parallel.backend if inner.parallel is not None else None,
             "environment": environment(),
         }
 

@@ -72,6 +72,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=512,
         help="answer 503 to new requests while this many wait (0: no limit)",
     )
+    parallel = parser.add_argument_group(
+        "tensor parallelism",
+        "N ranks, one process each; on several machines every node runs the same command with its own "
+        "--node-rank (node 0 serves; the others are headless), or torchrun starts the ranks",
+    )
+    parallel.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    parallel.add_argument(
+        "--distributed-backend", default=None, choices=["gloo", "nccl"], help="default: gloo on CPU, nccl on CUDA"
+    )
+    parallel.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a rank may keep the others waiting before the server fails (default 120)",
+    )
+    parallel.add_argument("--nnodes", type=int, default=1, help="machines the ranks span (default 1)")
+    parallel.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 serves)")
+    parallel.add_argument("--master-addr", default="127.0.0.1", help="node 0's address for the rendezvous")
+    parallel.add_argument(
+        "--master-port", type=int, default=None, help="rendezvous port (default: a free one; needed with --nnodes > 1)"
+    )
     tools = parser.add_argument_group("tools and reasoning")
     tools.add_argument(
         "--enable-auto-tool-choice",
@@ -106,10 +127,39 @@ def served_name(args: argparse.Namespace) -> str:
     return DEFAULT_SERVED_NAME if args.model is None else args.model
 
 
+def engine_config(args: argparse.Namespace):
+    """The `EngineConfig` the flags describe."""
+    from pagedrs.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        attention_backend=args.attention_backend,
+        quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_backend=args.distributed_backend,
+        distributed_timeout=args.distributed_timeout,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
+
+
 def build_server(args: argparse.Namespace, start_engine_thread: bool = True):
     """Loads the model and returns ``(app, async engine)``. Without ``start_engine_thread``
     the caller runs the engine loop (`AsyncLLMEngine.run`)."""
-    from pagedrs.config import EngineConfig
     from pagedrs.engine.async_engine import AsyncLLMEngine
     from pagedrs.engine.llm_engine import LLMEngine
     from pagedrs.server.app import build_app
@@ -126,23 +176,7 @@ def build_server(args: argparse.Namespace, start_engine_thread: bool = True):
         reasoning_parser=get_reasoning_parser(args.reasoning_parser)() if args.reasoning_parser else None,
     )
 
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=args.enable_prefix_caching,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills,
-        scheduling_policy=args.scheduling_policy,
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        quantization=args.quantization,
-    )
+    config = engine_config(args)
     name = served_name(args)
     metrics = ServerMetrics(name)
     engine = AsyncLLMEngine(
@@ -165,9 +199,15 @@ def build_server(args: argparse.Namespace, start_engine_thread: bool = True):
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Runs the server until SIGTERM or Ctrl-C (exit status 0), or until the engine dies (1).
+    A headless node (``--node-rank`` > 0) or a non-zero rank started by torchrun serves its
+    tensor-parallel ranks instead, until node 0 stops them."""
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    headless = _serve_other_ranks(args)
+    if headless is not None:
+        return headless
     app, engine = build_server(args, start_engine_thread=False)
     logging.getLogger("pagedrs.server").info(
         "serving %s on http://%s:%d (API key %s)",
@@ -190,7 +230,26 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         server.should_exit = True
         http.join(10)
+        engine.engine.shutdown()
+    if not engine.is_alive() and engine.dead_reason is not None:
+        logging.getLogger("pagedrs.server").error("exiting: %s", engine.dead_reason)
+        return 1
     return 0 if server.started else 1
+
+
+def _serve_other_ranks(args: argparse.Namespace) -> int | None:
+    """Runs this process's tensor-parallel ranks when it is not rank 0 (a headless node, or a
+    rank torchrun started); ``None`` for rank 0, which serves."""
+    from pagedrs.engine.parallel import launched_setup, run_node, run_worker
+
+    config = engine_config(args)
+    device = config.torch_device()
+    launched = launched_setup(config, device)
+    if launched is not None:
+        return None if launched.rank == 0 else run_worker(launched)
+    if config.node_rank != 0:
+        return run_node(config, device)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,6 +117,28 @@ class _SchedulerCollector:
             ("masked_rows", "Logits rows masked by a constraint.", structured.num_masks),
         ):
             yield self._family(counter, f"pagedrs:structured_output_{name}", documentation, value)
+        yield from self._parallel()
+
+    def _parallel(self):
+        """The tensor-parallel layout (an info gauge, as vLLM's ``*_config_info``) and what
+        sending each step to the other ranks costs rank 0."""
+        inner = self.engine.engine
+        group = inner.parallel
+        info = GaugeMetricFamily(
+            "pagedrs:parallel_config_info",
+            "Tensor-parallel layout (value 1; the labels say).",
+            labels=[*self.labels, "tensor_parallel_size", "backend"],
+        )
+        backend = group.backend if group is not None else "none"
+        info.add_metric([*self.labels.values(), str(inner.config.tensor_parallel_size), backend], 1)
+        yield info
+        if group is not None:
+            sent = group.broadcast_stats()
+            counter = CounterMetricFamily
+            yield self._family(
+                counter, "pagedrs:tp_step_broadcast_seconds", "Rank 0's time sending steps.", sent["seconds"]
+            )
+            yield self._family(counter, "pagedrs:tp_step_broadcast_bytes", "Bytes of steps sent.", sent["bytes"])
 
 
 class ServerMetrics:
