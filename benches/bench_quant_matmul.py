@@ -12,7 +12,9 @@ torch's default thread count.
 
 ``--model`` loads the default model once per ``quantization`` (``auto``: its own Q4_1/Q8_0
 blocks; ``none``: dequantized to float32), each in a fresh process, and reports the resident
-memory the load added and single-stream greedy decode (128 new tokens after a short prompt,
+memory the load added (``load_rss_MB``: weights, KV cache of 64 MiB, tokenizer, and what the
+allocator keeps of load-time temporaries) and the process's resident total (``rss_MB``), and
+single-stream greedy decode (128 new tokens after a short prompt,
 median of 3 runs, tokens per second over the whole request, prefill included).
 """
 
@@ -104,6 +106,7 @@ def model_run(quantization: str) -> dict:
         "load_s": round(load_s, 2),
         "weight_MB": round(weights / 1e6, 1),
         "load_rss_MB": round((loaded - before) / 2**20, 1),
+        "rss_MB": round(loaded / 2**20, 1),
         "tok_per_s": round(statistics.median(rates), 1),
     }
 
