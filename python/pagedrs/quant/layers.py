@@ -125,11 +125,15 @@ class QuantVocabEmbedding(_Packed):
         super().__init__(dense.shard_size, dense.weight.shape[1], ggml_type)
         self.tp: TensorParallel = dense.tp
         self.shard_size, self.start = dense.shard_size, dense.start
+        # As the dense layer: a vocabulary that does not split evenly pads the last rank with
+        # zero rows (all-zero blocks dequantize to 0), cut off the gathered logits.
+        self.vocab_size, self.num_rows = dense.vocab_size, dense.num_rows
+        self.weight.zero_()
         self.dtype = dense.weight.dtype
 
     def load(self, weight: Any) -> None:
-        rows = slice(self.start, self.start + self.shard_size)
-        self.weight.copy_(_packed_slice(weight, self.ggml_type, rows, slice(None)))
+        rows = slice(self.start, self.start + self.num_rows)
+        self.weight[: self.num_rows].copy_(_packed_slice(weight, self.ggml_type, rows, slice(None)))
 
     def _lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
         flat = token_ids.reshape(-1)
@@ -153,4 +157,6 @@ class QuantVocabEmbedding(_Packed):
             return local
         parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
         torch.distributed.gather(local.contiguous(), parts, dst=0)
-        return torch.cat(parts, dim=-1) if parts is not None else local
+        if parts is None:
+            return local
+        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
