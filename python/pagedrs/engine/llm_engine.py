@@ -130,7 +130,9 @@ class LLMEngine:
         )
         self.parallel: TensorParallelGroup | None = None
         """The other tensor-parallel ranks (this engine is rank 0), when there are any."""
-        if tp_size > 1 or launched_setup(config, self.device) is not None:
+        # NOTE: an explicit backend with one rank also goes through torch.distributed (the GPU
+        # check proves the NCCL path initializes on one device this way).
+        if tp_size > 1 or config.distributed_backend is not None or launched_setup(config, self.device) is not None:
             self.parallel = TensorParallelGroup(config, self.device, capacity.num_blocks, self.dtype)
         try:
             self.runner = load_model_runner(
