@@ -54,10 +54,14 @@ logger = logging.getLogger("pagedrs")
 
 BACKENDS = ("gloo", "nccl")
 
-# NOTE: rank 0 may sit idle between requests for as long as it likes, so the group the step
-# header travels on never times out; a rank that dies closes its sockets, which fails the wait
-# at once. The forward pass's collectives use ``distributed_timeout``.
+# NOTE: each process sets its own timeout on the step group. Rank 0 uses
+# ``distributed_timeout``: gloo delivers a message only once the receiver waits for it, and a
+# healthy worker always waits for the next step, so a send that takes longer means a stuck
+# worker. Workers wait as long as rank 0 stays idle: they never time out there (a rank 0 that
+# dies closes its sockets, which ends the wait at once).
 _IDLE_TIMEOUT = timedelta(days=3650)
+_LOAD_TIMEOUT = timedelta(hours=1)
+"""How long ranks wait for each other to load their shards."""
 
 _STEP, _STOP = 1, 2
 _JOINED = "pagedrs/joined/"
@@ -259,7 +263,8 @@ def _connect(setup: RankSetup, workers_alive: Callable[[], bool] | None = None) 
         dist.init_process_group(
             setup.backend, store=store, rank=setup.rank, world_size=setup.world_size, timeout=timeout
         )
-    return _Groups(step=dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT))
+    step_timeout = timeout if setup.rank == 0 else _IDLE_TIMEOUT
+    return _Groups(step=dist.new_group(backend="gloo", timeout=step_timeout))
 
 
 def _wait_for_ranks(store: Any, setup: RankSetup, workers_alive: Callable[[], bool]) -> None:
@@ -352,7 +357,7 @@ class TensorParallelGroup:
     def wait_until_loaded(self) -> None:
         """Returns once every rank has loaded its shard (rank 0 has, when it calls this)."""
         with self.guard():
-            dist.barrier(group=self._groups.step)
+            dist.monitored_barrier(group=self._groups.step, timeout=_LOAD_TIMEOUT)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -396,7 +401,7 @@ class TensorParallelGroup:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
-        if not graceful:
+        if not graceful or self.failure is not None:  # the ranks are out of step: no goodbyes
             timeout = 0.0
         elif self.failure is None and dist.is_initialized():
             with contextlib.suppress(Exception):
@@ -483,7 +488,7 @@ def run_worker(setup: RankSetup, errors: Any = None) -> int:
         spec: list[Any] = [None]
         dist.broadcast_object_list(spec, src=0, group=groups.step)
         runner = _load_shard(spec[0], setup)
-        dist.barrier(group=groups.step)
+        dist.monitored_barrier(group=groups.step, timeout=_LOAD_TIMEOUT)
         _serve_steps(runner, groups)
         return 0
     except Exception as error:  # reported to rank 0 and logged; the process exits
