@@ -80,6 +80,17 @@ def gloo_rank(rank: int, port: int, count: int, results) -> None:
                 dist.broadcast(answer, src=1)
         if rank == 0:
             results.put(("gloo broadcast", name, statistics.median(sends), statistics.median(trips), payload.nbytes))
+    # For scale: one all-reduce of a decode token's hidden state (the default model's 576
+    # floats), which a forward pass does twice per layer.
+    hidden = torch.ones(576)
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        dist.all_reduce(hidden)
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        median = statistics.median(times)
+        results.put(("gloo all_reduce (for scale)", "576 float32", median, median, hidden.numel() * 4))
     dist.destroy_process_group()
 
 

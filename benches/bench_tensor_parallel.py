@@ -4,11 +4,16 @@ divide them), and what the parallelism costs per step: the step broadcast from r
 time) and rank 0's time in the forward pass's collectives (all-reduce after each row-parallel
 linear and the embedding, the logits gather), which includes waiting for the slowest rank.
 
+``--smol-shaped DIR`` instead writes (once) and runs a random-weight float32 Llama of the
+default model's size and shapes (576 hidden, 30 layers, 1536 intermediate, 49,152 tokens) but 8
+query and 4 KV heads of 72, so that tp=2 divides it: one rank per core on this machine.
+
 Every configuration runs in this process one after the other (rank 0 here, the other ranks
 spawned), on an idle machine; greedy and sampled (temperature 1.0) requests; medians of
 ``--repeats`` runs.
 
     .venv/bin/python benches/bench_tensor_parallel.py [--sizes 1 3] [--batch 1 16] [--tokens 64]
+    .venv/bin/python benches/bench_tensor_parallel.py --smol-shaped /tmp/smol-shaped --sizes 1 2
 """
 
 from __future__ import annotations
@@ -69,6 +74,32 @@ def run(llm: LLM, batch: int, tokens: int, temperature: float) -> tuple[float, i
     return seconds, steps
 
 
+def smol_shaped(directory: str) -> str:
+    """Writes the random-weight stand-in (see the module docstring) unless it is there."""
+    import os
+
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        return directory
+    import transformers
+
+    from pagedrs.models.loader import load_tokenizer, resolve_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    load_tokenizer(resolve_model(None)).save_pretrained(directory)
+    return directory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 3])
@@ -76,11 +107,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--smol-shaped", default=None, metavar="DIR")
     args = parser.parse_args()
+    model = smol_shaped(args.smol_shaped) if args.smol_shaped else None
     timer = CollectiveTimer()
     results = []
     for size in args.sizes:
-        llm = LLM(kv_cache_memory="256MiB", tensor_parallel_size=size, quantization=args.quantization)
+        llm = LLM(model, kv_cache_memory="256MiB", tensor_parallel_size=size, quantization=args.quantization)
         group = llm.engine.parallel
         for batch in args.batch:
             for temperature in (0.0, 1.0):
