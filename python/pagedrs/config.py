@@ -61,8 +61,10 @@ class EngineConfig:
     reference where neither can run), ``"torch"``, ``"cpu"`` or ``"cuda"``."""
     quantization: str = "auto"
     """Weights as vLLM spells it: ``"auto"`` keeps a GGUF's own 4/8-bit blocks (run by the CPU
-    kernel, `pagedrs.quant`), ``"none"`` dequantizes to ``dtype``, ``"int8"`` quantizes a float
-    checkpoint's linears to 8-bit blocks at load time (CPU)."""
+    kernel, `pagedrs.quant`) and an FP8 checkpoint's e4m3 linears (``torch._scaled_mm`` on
+    sm_89+ GPUs, dequantized on the fly elsewhere), ``"none"`` dequantizes to ``dtype``,
+    ``"int8"`` quantizes a float checkpoint's linears to 8-bit blocks at load time (CPU),
+    ``"fp8"`` to e4m3 with per-channel scales (any device)."""
     tensor_parallel_size: int = 1
     """Ranks the model is split across (one process each; see `pagedrs.engine.parallel`)."""
     distributed_backend: str | None = None

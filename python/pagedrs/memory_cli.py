@@ -23,8 +23,8 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "int8"],
-        help="as the server's: the weights' predicted size depends on it (auto: a GGUF stays packed)",
+        choices=["auto", "none", "int8", "fp8"],
+        help="as the server's: the weights' predicted size depends on it (auto: a GGUF or FP8 checkpoint stays packed)",
     )
     parser.add_argument("--budget", default=None, help="KV bytes, e.g. 4GiB (default: the server's default here)")
     parser.add_argument(

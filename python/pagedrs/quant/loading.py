@@ -3,6 +3,11 @@ linears): ``quantization="auto"`` keeps a GGUF's Q8_0/Q4_0/Q4_1 tensors as store
 dequantizes everything to the model's dtype, ``"int8"`` quantizes a float checkpoint's linears
 and embedding to Q8_0 blocks at load time. Packed weights run on the CPU kernel only; on other
 devices ``auto`` is ``none``.
+
+FP8 (`pagedrs.quant.fp8`, any device): ``"auto"`` keeps an FP8 checkpoint's e4m3 linears
+(``quantization_config`` with quant_method ``fp8`` or ``compressed-tensors``), ``"fp8"``
+also quantizes a float checkpoint's linears per channel at load time; embeddings and the head
+stay in the model's dtype, as vLLM keeps them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,13 @@ from torch import nn
 
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
 from pagedrs.quant import formats
+from pagedrs.quant.fp8 import (
+    Fp8ColumnParallelLinear,
+    Fp8RowParallelLinear,
+    checkpoint_scheme,
+    fp8_weight_names,
+    iter_fp8_weights,
+)
 from pagedrs.quant.layers import (
     QuantColumnParallelLinear,
     QuantRowParallelLinear,
@@ -27,7 +39,7 @@ from pagedrs.quant.layers import (
 
 logger = logging.getLogger("pagedrs")
 
-QUANTIZATION_CHOICES = ("auto", "none", "int8")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "fp8")
 
 # A fused module's checkpoint tensors: pagedrs fuses q/k/v and gate/up into one linear.
 _FUSED = {
@@ -76,10 +88,10 @@ def pack_linears(
     and the checkpoint's stored types (``ggml_types``: by Hugging Face name, ``None`` for a float
     checkpoint) call for it, before any weight is loaded. Returns the packed modules' types."""
     check_quantization(quantization)
-    if quantization == "int8" and ggml_types is not None:
+    if quantization in ("int8", "fp8") and ggml_types is not None:
         raise ValueError(
-            "quantization='int8' quantizes a float (safetensors) checkpoint; a GGUF model keeps its own "
-            "format with quantization='auto'"
+            f"quantization={quantization!r} quantizes a float (safetensors) checkpoint; a GGUF model keeps "
+            "its own format with quantization='auto'"
         )
     if quantization == "none" or (quantization == "auto" and ggml_types is None):
         return {}
@@ -115,15 +127,36 @@ def pack_linears(
     return packed
 
 
-def load_weights(model: Any, source: Any, quantization: str, device: torch.device) -> dict[str, GGMLQuantizationType]:
+def use_fp8_linears(model: nn.Module, quantization: str, fp8_names: set[str]) -> dict[str, str]:
+    """Replaces the model's dense linears by FP8 ones before any weight is loaded: under
+    ``"auto"`` those whose checkpoint weights (``fp8_names``: by Hugging Face name) are all
+    stored as e4m3, under ``"fp8"`` every one. Returns the replaced modules' names (-> "fp8")."""
+    replaced = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        if quantization == "auto" and not all(part in fp8_names for part in checkpoint_names(name)):
+            continue
+        if isinstance(module, ColumnParallelLinear):
+            model.set_submodule(name, Fp8ColumnParallelLinear(module))
+        else:
+            model.set_submodule(name, Fp8RowParallelLinear(module))
+        replaced[name] = "fp8"
+    return replaced
+
+
+def load_weights(
+    model: Any, source: Any, quantization: str, device: torch.device
+) -> dict[str, GGMLQuantizationType | str]:
     """Loads ``source``'s weights into ``model`` (built by `pagedrs.models.build_model`), packed
-    where `pack_linears` decides; returns the packed modules' types. A GGUF file is read through
-    one memory map, each rank reading only its slices."""
+    where `pack_linears` decides, FP8 where `use_fp8_linears` does; returns the packed modules'
+    types (``"fp8"`` for FP8 ones). A GGUF file is read through one memory map, each rank
+    reading only its slices."""
     from pagedrs.models.loader import iter_weights
 
     check_quantization(quantization)
     if source.gguf_file is not None:
-        if quantization == "int8":
+        if quantization in ("int8", "fp8"):
             pack_linears(model, quantization, {}, device)  # refuses it, before the file is read
         import os
 
@@ -132,17 +165,30 @@ def load_weights(model: Any, source: Any, quantization: str, device: torch.devic
         checkpoint = GGUFCheckpoint(os.path.join(source.directory, source.gguf_file))
         packed = pack_linears(model, quantization, checkpoint.ggml_types(), device)
         model.load_weights(iter(checkpoint))
-        return packed
+        return dict(packed)
+    scheme = checkpoint_scheme(source.directory)
+    if scheme is not None or quantization == "fp8":
+        if quantization == "int8":
+            raise ValueError(
+                "quantization='int8' quantizes a float checkpoint; an FP8 checkpoint keeps its own format "
+                "with quantization='auto' (or loads dequantized with 'none')"
+            )
+        fp8_names = fp8_weight_names(source.directory) if scheme is not None else set()
+        replaced = use_fp8_linears(model, quantization, fp8_names) if quantization != "none" else {}
+        model.load_weights(iter_fp8_weights(source.directory, scheme) if scheme is not None else iter_weights(source))
+        return dict(replaced)
     packed = pack_linears(model, quantization, None, device)
     model.load_weights(iter_weights(source))
-    return packed
+    return dict(packed)
 
 
 def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes the loaded weights take (one rank, the whole model), from the checkpoint's tensor
     types and shapes without loading it: packed blocks where `pack_linears` packs (a kernel
-    format of a 2-D GGUF tensor under ``auto``; a 2-D float weight as Q8_0 under ``int8``),
-    ``dtype`` elsewhere. (A fused q/k/v of mixed types, which loads dense, counts as packed.)"""
+    format of a 2-D GGUF tensor under ``auto``; a 2-D float weight as Q8_0 under ``int8``), one
+    byte a weight plus a float32 scale a row where `use_fp8_linears` makes FP8 linears (an e4m3
+    weight under ``auto``, every linear's weight under ``fp8``), ``dtype`` elsewhere. (A fused
+    q/k/v of mixed types, which loads dense, counts as packed.)"""
     import os
 
     from pagedrs.attention import cpu_ops
@@ -163,12 +209,33 @@ def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, d
 
     from safetensors import safe_open
 
+    from pagedrs.quant.fp8 import SCALE_SUFFIXES
+
+    scheme = checkpoint_scheme(source.directory)
+    fp8_layers = quantization == "fp8" or (quantization == "auto" and scheme is not None and scheme.block_size is None)
     q8_bytes_per_weight = formats.block_bytes(GGMLQuantizationType.Q8_0) / formats.BLOCK_SIZE
     for path in sorted(glob.glob(os.path.join(source.directory, "*.safetensors"))):
         with safe_open(path, framework="pt") as file:
             for name in file.keys():
-                shape = file.get_slice(name).get_shape()
+                if scheme is not None and name.endswith(SCALE_SUFFIXES):
+                    continue  # folded into the weight (its per-row scales are counted there)
+                tensor = file.get_slice(name)
+                shape = tensor.get_shape()
                 numel = int(np.prod(shape))
+                if (
+                    fp8_layers
+                    and _is_linear_weight(name)
+                    and (quantization == "fp8" or tensor.get_dtype() == "F8_E4M3")
+                ):
+                    total += numel + 4 * shape[0]
+                    continue
                 packed = packs and quantization == "int8" and len(shape) == 2 and shape[1] % formats.BLOCK_SIZE == 0
                 total += int(numel * q8_bytes_per_weight) if packed else numel * element
     return total
+
+
+def _is_linear_weight(name: str) -> bool:
+    """Whether a checkpoint tensor is a decoder layer's linear weight (what FP8 replaces)."""
+    parts = name.split(".")
+    linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    return name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in linears

@@ -62,9 +62,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "int8"],
-        help="auto: a GGUF keeps its own 4/8-bit weights (CPU); none: dequantize; "
-        "int8: quantize a float checkpoint's linears at load (CPU)",
+        choices=["auto", "none", "int8", "fp8"],
+        help="auto: a GGUF keeps its own 4/8-bit weights (CPU), an FP8 checkpoint its e4m3 weights; "
+        "none: dequantize; int8: quantize a float checkpoint's linears at load (CPU); fp8: to e4m3 per channel",
     )
     engine.add_argument(
         "--max-waiting-requests",
