@@ -313,3 +313,33 @@ def test_one_rank_through_torch_distributed_is_the_plain_engine(tiny_llama):
         distributed = llm.generate(PROMPTS, params, use_tqdm=False)
         assert llm.engine.parallel.broadcast_stats()["steps"] > 0
     assert [o.outputs[0].token_ids for o in distributed] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(tiny_checkpoint):
+    """Loading rank 1 of 2 reads half of every sharded tensor from the safetensors file (norms
+    and the row-parallel biases, which every rank holds, whole): no rank materializes the model."""
+    from pagedrs.layers.linear import TensorParallel
+    from pagedrs.models import build_model
+    from pagedrs.models.loader import iter_weights, load_config, resolve_model
+
+    _, directory, _ = tiny_checkpoint
+    source = resolve_model(directory)
+    reads: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+
+    class Recording:
+        def __init__(self, name, handle):
+            self.name, self.handle, self.shape = name, handle, handle.shape
+            sizes[name] = int(np.prod(handle.shape))
+
+        def __getitem__(self, index):
+            tensor = self.handle[index]
+            reads[self.name] = reads.get(self.name, 0) + tensor.numel()
+            return tensor
+
+    model = build_model(load_config(source), torch.float32, TensorParallel(1, 2))
+    model.load_weights((name, Recording(name, handle)) for name, handle in iter_weights(source))
+    sharded = [name for name in reads if "norm" not in name]
+    assert any("q_proj" in name for name in sharded) and any("down_proj" in name for name in sharded)
+    for name in sharded:
+        assert reads[name] * 2 == sizes[name], name
