@@ -18,6 +18,9 @@ machine whose image has torch, nvcc and transformers but nothing of ours).
    (max error relative to the largest output), the matmul's time against bf16 ``F.linear`` at
    16 and 4096 tokens, and a tiny compressed-tensors FP8 checkpoint (written by
    tests/test_quant_fp8.py's writer) decoded with ``_scaled_mm`` and with the fallback.
+6. Tensor parallelism's NCCL path (issue 13) with a world of one: the engine with
+   ``distributed_backend="nccl"`` (rendezvous, NCCL group, the gloo step group, the step
+   broadcast, the logits gather) generates exactly what the plain engine does.
 
 The Rust extension must be importable: carried as python/pagedrs/_core.abi3.so (built here by
 `make build`), or built there with `cargo build --release --features python` when a Rust
@@ -325,6 +328,44 @@ def fp8_weights() -> None:
     )
 
 
+def nccl_world_of_one() -> None:
+    import tempfile
+
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT))
+    from pagedrs import LLM, SamplingParams
+    from tests.conftest import TINY, save_word_tokenizer
+
+    torch.manual_seed(9)
+    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    with torch.no_grad():
+        hf_model.lm_head.weight.mul_(8)
+    directory = tempfile.mkdtemp()
+    hf_model.save_pretrained(directory)
+    save_word_tokenizer(directory, TINY["vocab_size"])
+    prompts = [[5, 17, 33, 2, 9], list(range(10, 47)), [7, 7, 7, 300, 12, 64, 19]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    settings = dict(device="cuda", dtype="float32", kv_cache_memory="64MiB")
+    plain = [o.outputs[0].token_ids for o in LLM(directory, **settings).generate(prompts, params, use_tqdm=False)]
+    start = time.perf_counter()
+    with LLM(directory, distributed_backend="nccl", **settings) as llm:
+        started = time.perf_counter() - start
+        group = llm.engine.parallel
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        sent = group.broadcast_stats() if group is not None else {"steps": 0, "seconds": 0.0}
+        backend = group.backend if group is not None else "none"
+    same = outputs == plain and backend == "nccl"
+    row(
+        "tensor parallel, NCCL, world of one",
+        "ok" if same else "FAIL",
+        f"backend {backend}, started in {started:.1f} s; {sum(a == b for a, b in zip(outputs, plain))}/{len(plain)} "
+        f"prompts identical to the plain engine; step broadcast "
+        f"{sent['seconds'] / max(sent['steps'], 1) * 1e6:.0f} us/step",
+    )
+
+
 def main() -> int:
     ensure_core()
     import torch
@@ -333,7 +374,7 @@ def main() -> int:
         print("no CUDA device: nothing to check here (make test compiles the kernels)")
         return 2
     row("device", "ok", environment())
-    steps = [build_kernels, kernel_tests, bandwidth, end_to_end, step_overhead, fp8_weights]
+    steps = [build_kernels, kernel_tests, bandwidth, end_to_end, step_overhead, fp8_weights, nccl_world_of_one]
     for step in steps:
         try:
             step()

@@ -163,11 +163,17 @@ class VocabEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary on rank 0, which samples; each rank computes its
         slice and rank 0 gathers them. Other ranks get their own slice back (unused)."""
-        local = F.linear(hidden, self.weight)
-        if self.tp.size == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
-        torch.distributed.gather(local.contiguous(), parts, dst=0)
-        if parts is None:
-            return local
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+        return gather_logits(F.linear(hidden, self.weight), self.tp, self.vocab_size)
+
+
+def gather_logits(local: torch.Tensor, tp: TensorParallel, vocab_size: int) -> torch.Tensor:
+    """Rank 0 gathers every rank's vocabulary slice of the logits (``[rows, V / tp]`` each)
+    into ``[rows, vocab_size]`` (dropping the padding rows of the last shard); other ranks get
+    their own slice back."""
+    if tp.size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp.size)] if tp.rank == 0 else None
+    torch.distributed.gather(local.contiguous(), parts, dst=0)
+    if parts is None:
+        return local
+    return torch.cat(parts, dim=-1)[:, :vocab_size]

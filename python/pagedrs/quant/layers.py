@@ -19,7 +19,13 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
+from pagedrs.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabEmbedding,
+    gather_logits,
+)
 from pagedrs.quant import formats
 
 
@@ -152,11 +158,4 @@ class QuantVocabEmbedding(_Packed):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """As `VocabEmbedding.logits`: the whole vocabulary on rank 0 (gathered), this rank's
         slice elsewhere."""
-        local = quant_matmul(hidden, self.weight, self.ggml_type)
-        if self.tp.size == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
-        torch.distributed.gather(local.contiguous(), parts, dst=0)
-        if parts is None:
-            return local
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+        return gather_logits(quant_matmul(hidden, self.weight, self.ggml_type), self.tp, self.vocab_size)
