@@ -150,9 +150,11 @@ class RankSetup:
 def launched_setup(config: EngineConfig, device: torch.device) -> RankSetup | None:
     """This process's rank when a launcher (``torchrun``, or anything that sets ``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``LOCAL_RANK``) started the ranks,
-    completed from ``config``; ``None`` otherwise. Every rank runs the same command line."""
+    completed from ``config``; ``None`` otherwise. Every rank runs the same command line.
+    With ``tensor_parallel_size == 1`` the variables are not ours (a data-parallel launch of one
+    engine per rank, say) and are ignored."""
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    if not all(name in os.environ for name in names) or int(os.environ["WORLD_SIZE"]) == 1:
+    if config.tensor_parallel_size == 1 or not all(name in os.environ for name in names):
         return None
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != config.tensor_parallel_size:
@@ -189,6 +191,12 @@ def check_parallel_config(config: EngineConfig, device: torch.device) -> None:
         raise ValueError("the nccl backend needs CUDA devices; use gloo on the CPU")
     if not config.distributed_timeout > 0:
         raise ValueError(f"distributed_timeout must be positive, got {config.distributed_timeout!r}")
+    if device.type == "cuda" and size > 1:
+        if device.index is not None:
+            raise ValueError(f"with tensor parallelism rank r of a node uses cuda:r; pass device='cuda', not {device}")
+        per_node = size // nnodes
+        if per_node > torch.cuda.device_count():
+            raise ValueError(f"{per_node} ranks per node need as many GPUs; this node has {torch.cuda.device_count()}")
 
 
 def _free_port() -> int:
@@ -227,13 +235,14 @@ def _share_cores(local_world_size: int) -> None:
     """Each rank of a node gets its share of the cores (unless ``OMP_NUM_THREADS`` says): on
     the CPU, ranks with a thread per core each would fight over them."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // local_world_size))
 
 
 @dataclass
 class _Groups:
     step: Any
-    """The group rank 0 broadcasts step messages on (gloo, never times out)."""
+    """The gloo group rank 0 broadcasts step messages on (timeouts: see `_IDLE_TIMEOUT`)."""
 
 
 def _connect(setup: RankSetup, workers_alive: Callable[[], bool] | None = None) -> _Groups:
@@ -314,6 +323,11 @@ class TensorParallelGroup:
         check_parallel_config(config, device)
         if config.node_rank != 0:
             raise ValueError("the engine runs on node 0; other nodes serve their ranks with run_node")
+        if dist.is_initialized():
+            raise ValueError(
+                "torch.distributed is already initialized in this process (another tensor-parallel engine "
+                "still running?): shut it down first (LLM.shutdown())"
+            )
         launched = launched_setup(config, device)
         if launched is not None:
             if launched.rank != 0:
@@ -326,15 +340,20 @@ class TensorParallelGroup:
         """Why a rank failed, once one has (set by the monitor thread or by `guard`)."""
         self._closed = False
         self._errors = _spawn_context().SimpleQueue()
+        self._errors_lock = threading.Lock()
+        self._error_lines: list[str] = []
         self.workers = [_start_worker(other, self._errors) for other in others]
-        _share_cores(setup.local_world_size)
+        if setup.local_world_size > 1:
+            _share_cores(setup.local_world_size)
         try:
             self._groups = _connect(setup, workers_alive=lambda: not self._any_worker_exited())
             spec = [ShardSpec(config, num_blocks, dtype)]
             dist.broadcast_object_list(spec, src=0, group=self._groups.step)
-        except Exception as error:
+        except BaseException as error:  # Ctrl-C too: no worker may outlive a failed start
             self.shutdown(graceful=False)
-            raise TensorParallelError(self._describe(error)) from error
+            if isinstance(error, Exception):
+                raise TensorParallelError(self._describe(error)) from error
+            raise
         self._monitor = threading.Thread(target=self._watch_workers, name="pagedrs-tp-monitor", daemon=True)
         self._monitor.start()
         atexit.register(self.shutdown)
@@ -366,6 +385,10 @@ class TensorParallelGroup:
         self.check()
         try:
             yield
+        except KeyboardInterrupt:
+            # Ctrl-C mid-step: the workers may sit in a collective, so no goodbye at shutdown.
+            self.failure = self.failure or "interrupted during a step"
+            raise
         except Exception as error:
             # A dead worker's exit is often seen by the collective first: give its monitor a
             # moment to say which rank it was.
@@ -395,8 +418,10 @@ class TensorParallelGroup:
         return {"steps": self._num_steps, "bytes": self._step_bytes, "seconds": self._step_seconds}
 
     def shutdown(self, timeout: float = 10.0, graceful: bool = True) -> None:
-        """Tells the workers to leave, waits for them, kills any that stay. Idempotent.
-        ``graceful=False`` (the ranks may be out of step): kills this node's workers at once."""
+        """Tells the workers to leave, waits ``timeout`` for them, kills any that stay.
+        Idempotent. (Sending the stop message can itself take up to ``distributed_timeout``
+        if a worker is stuck.) ``graceful=False``, or after a failure (the ranks may be out of
+        step): kills this node's workers at once."""
         if self._closed:
             return
         self._closed = True
@@ -434,11 +459,13 @@ class TensorParallelGroup:
                 logger.error("%s; the engine stops", self.failure)
 
     def _reported_errors(self) -> str:
-        lines = []
-        while not self._errors.empty():
-            rank, text = self._errors.get()
-            lines.append(f"rank {rank} raised {text.strip().splitlines()[-1]}")
-        return "; ".join(lines)
+        """What workers reported before exiting (kept: the monitor and the engine thread both
+        ask, and each must see them all)."""
+        with self._errors_lock:  # `empty` then `get` must not interleave with another reader
+            while not self._errors.empty():
+                rank, text = self._errors.get()
+                self._error_lines.append(f"rank {rank} raised {text.strip().splitlines()[-1]}")
+            return "; ".join(self._error_lines)
 
     def _describe(self, error: BaseException) -> str:
         reported = self._reported_errors()
@@ -483,7 +510,8 @@ def run_worker(setup: RankSetup, errors: Any = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {setup.rank}: %(message)s")
     try:
-        _share_cores(setup.local_world_size)
+        if setup.local_world_size > 1:
+            _share_cores(setup.local_world_size)
         groups = _connect(setup)
         spec: list[Any] = [None]
         dist.broadcast_object_list(spec, src=0, group=groups.step)

@@ -121,5 +121,10 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, WeightHandle]]:
     if not bins:
         raise ValueError(f"no *.safetensors or pytorch_model*.bin weights in {source.directory!r}")
     for path in bins:
-        # mmap: pages of other ranks' shards are never read.
-        yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
+        # mmap: pages of other ranks' shards are never read. (Files of torch's legacy format,
+        # before 1.6, cannot be mapped: those are read whole.)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        yield from state.items()
