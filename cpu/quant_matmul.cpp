@@ -12,7 +12,8 @@
 //   num_blocks      in_features / kBlockSize, blocks of one weight row
 //
 // Layouts (all contiguous, on the CPU):
-//   x               [num_tokens, in_features] float32 or bfloat16
+//   x               [num_tokens, in_features] float32, bfloat16 or float16 (the two 16-bit
+//                   dtypes are converted to float32 once, before the matmul)
 //   weight          [out_features, num_blocks * block_bytes] uint8; block_bytes: Q8_0 34
 //                   (fp16 d, int8 q[32]), Q4_0 18 (fp16 d, 16 bytes of nibbles), Q4_1 20 (fp16
 //                   d, fp16 m, 16 bytes of nibbles); byte j of the nibbles holds weight j in its
@@ -38,8 +39,12 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The intrinsics used below: _cvtsh_ss (F16C) and the AVX-512 ones.
+#if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__))
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PAGEDRS_QUANT_AVX512 1
 #endif
 
@@ -226,14 +231,14 @@ int64_t block_bytes(int64_t ggml_type) {
 }
 
 // y = x @ dequant(weight)^T (see the header for layouts).
-//   x:      float32 or bfloat16 [num_tokens, in_features]
+//   x:      float32, bfloat16 or float16 [num_tokens, in_features]
 //   weight: uint8 [out_features, in_features / 32 * block_bytes(ggml_type)]
 //   in_features is given, not inferred, so a weight of the wrong type or width fails loudly.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type, int64_t in_features) {
   const int64_t bytes = block_bytes(ggml_type);
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "pagedrs_cpu: quant_matmul needs CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "pagedrs_cpu: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "pagedrs_cpu: x must be float32, bfloat16 or float16, got ", x.scalar_type());
   TORCH_CHECK(weight.scalar_type() == at::kByte, "pagedrs_cpu: weight must be uint8 (packed blocks), got ",
               weight.scalar_type());
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "pagedrs_cpu: x and weight must be contiguous");

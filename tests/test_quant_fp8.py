@@ -73,21 +73,36 @@ def write_fp8_checkpoint(directory: str, hf_model, strategy: str = "channel") ->
             tensors[name] = tensor.contiguous()
             continue
         weight = tensor.float()
-        if strategy == "channel":
-            amax = weight.abs().amax(dim=1, keepdim=True)
+        if strategy == "block":  # DeepSeek-style: a scale per 32 x 32 block, as weight_scale_inv
+            out_features, in_features = weight.shape
+            blocks = weight.reshape(out_features // 32, 32, in_features // 32, 32)
+            block_scale = blocks.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max
+            scale = block_scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+        elif strategy == "channel":
+            scale = weight.abs().amax(dim=1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
         else:
-            amax = weight.abs().amax().reshape(1)
-        scale = amax / torch.finfo(torch.float8_e4m3fn).max
+            scale = weight.abs().amax().reshape(1) / torch.finfo(torch.float8_e4m3fn).max
         values = (weight / scale).to(torch.float8_e4m3fn)
         tensors[name] = values
-        tensors[name + "_scale"] = scale.float()
+        if strategy == "block":
+            tensors[name + "_scale_inv"] = block_scale.float()
+        else:
+            tensors[name + "_scale"] = scale.float()
         with torch.no_grad():
             tensor.copy_(values.float() * scale)  # the oracle holds exactly what we dequantize
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     config_path = os.path.join(directory, "config.json")
     with open(config_path) as file:
         config = json.load(file)
-    config["quantization_config"] = compressed_tensors_config(strategy)
+    if strategy == "block":
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [32, 32],
+        }
+    else:
+        config["quantization_config"] = compressed_tensors_config(strategy)
     with open(config_path, "w") as file:
         json.dump(config, file)
 
@@ -204,6 +219,31 @@ def test_fp8_quantizes_a_float_checkpoint_and_stays_close(tiny_llama):
     assert max(errors) < 0.02
 
 
+def test_block_wise_checkpoint_loads_dense_under_auto_as_predicted(tmp_path):
+    """Block-wise scales (``weight_block_size``) do not fit the per-channel FP8 layers:
+    ``auto`` loads the dequantized weights dense (as `pagedrs memory` predicts) and ``fp8``
+    requantizes them per channel, instead of either failing halfway through loading."""
+    from tests.conftest import TINY, save_word_tokenizer
+
+    hf_model = tiny_hf_llama(13)
+    directory = str(tmp_path)
+    write_fp8_checkpoint(directory, hf_model, "block")
+    save_word_tokenizer(directory, TINY["vocab_size"])
+    auto = LLM(directory, quantization="auto")
+    model = auto.engine.model
+    assert not any(isinstance(m, fp8._Fp8Linear) for m in model.modules())
+    assert torch.equal(model.layers[1].mlp.down_proj.weight, hf_model.model.layers[1].mlp.down_proj.weight)
+    assert loaded_weight_bytes(auto) == predicted(directory, "auto") == predicted(directory, "none")
+    for prompt, tokens in zip(PROMPTS, run(auto, PROMPTS)):
+        assert_same_or_near_tie(hf_model, prompt, tokens, hf_greedy(hf_model, prompt, NEW_TOKENS))
+    requantized = LLM(directory, quantization="fp8")
+    layer = requantized.engine.model.layers[1].mlp.down_proj
+    assert isinstance(layer, Fp8RowParallelLinear)
+    expected = hf_model.model.layers[1].mlp.down_proj.weight
+    torch.testing.assert_close(fp8.dequantize(layer.weight, layer.weight_scale), expected, rtol=0.07, atol=1e-6)
+    assert loaded_weight_bytes(requantized) == predicted(directory, "fp8")
+
+
 # --------------------------------------------------------------------------- layers and shards
 
 
@@ -278,7 +318,7 @@ def test_block_scales_dequantize_but_do_not_load_as_fp8(fp8_file):
     values = file.get_tensor("b").float()
     expected = values * block_scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
     assert torch.equal(handle[:], expected) and torch.equal(handle[:, 40:64], expected[:, 40:64])
-    with pytest.raises(ValueError, match="quantization='none'"):
+    with pytest.raises(ValueError, match="no per-channel scales"):
         handle.fp8_slice(slice(None), slice(None))
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from pagedrs import LLM
+from pagedrs import LLM, SamplingParams
 from pagedrs.models import build_model
 from pagedrs.models.loader import load_config, resolve_model
 from pagedrs.quant.gguf import GGUFCheckpoint, hf_name
@@ -171,6 +171,34 @@ def test_packed_rows_dequantize_as_gguf_does(tiny_gguf):
         handle.packed_cols(slice(16, 48))
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"],
+    ids=["Q8_0", "F32"],
+)
+def test_a_column_shard_copies_only_its_columns(tiny_gguf, name):
+    """A row-parallel rank's half of the columns is copied out of the memory map alone, not
+    every row in full first (numpy reports its allocations to tracemalloc)."""
+    import tracemalloc
+
+    handle = GGUFCheckpoint(tiny_gguf[0]).tensors[name]
+    half = slice(0, handle.shape[1] // 2)
+    expected = handle[:][:, half]
+    tracemalloc.start()
+    try:
+        values = handle[:, half]
+        packed = handle.packed_cols(half) if handle.quantized else None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert torch.equal(values, expected)
+    if packed is not None:
+        assert torch.equal(packed, handle.packed_rows()[:, : packed.shape[1]])
+    # Half the tensor's bytes and about a kilobyte of Python objects; a full copy of the rows
+    # first would trace at least all of them.
+    assert peak < handle.nbytes / 2 + 2048 < handle.nbytes, f"{peak} bytes traced for half of {handle.nbytes}"
+
+
 def test_unknown_tensor_names_are_refused():
     assert hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
     assert hf_name("rope_freqs.weight") is None
@@ -200,6 +228,24 @@ def test_greedy_with_packed_weights_matches_transformers_on_the_same_file(tiny_g
     for prompt, tokens in zip(PROMPTS, run(llm, PROMPTS)):
         assert len(tokens) == NEW_TOKENS
         assert_same_or_near_tie(hf_model, prompt, tokens, hf_greedy(hf_model, prompt, NEW_TOKENS))
+
+
+def test_float16_on_the_cpu_keeps_the_packed_weights_and_generates(tiny_gguf):
+    """The kernel takes float16 activations, so a GGUF loaded in float16 stays packed and its
+    first-token log-probs stay close to the float32 run's."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    runs = {}
+    for dtype in ("float32", "float16"):
+        llm = LLM(tiny_gguf[0], dtype=dtype, device="cpu", quantization="auto")
+        assert isinstance(llm.engine.model.embed_tokens, QuantVocabEmbedding)
+        assert isinstance(llm.engine.model.layers[0].mlp.down_proj, QuantRowParallelLinear)
+        runs[dtype] = [out.outputs[0] for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+    for half, full in zip(runs["float16"], runs["float32"]):
+        assert len(half.token_ids) == NEW_TOKENS
+        first_half, first_full = half.logprobs[0], full.logprobs[0]
+        shared = set(first_half) & set(first_full)
+        assert shared
+        assert max(abs(first_half[t].logprob - first_full[t].logprob) for t in shared) < 0.05
 
 
 def test_bad_quantization_values_are_refused(tiny_gguf):

@@ -1,7 +1,7 @@
 """The weight-only quantized matmul (``torch.ops.pagedrs_cpu.quant_matmul``) equals "dequantize
 with ``gguf.quants``, then ``F.linear``" up to the order of the additions, for every format,
-odd token counts, output counts that are not a multiple of any tile, and float32 or bfloat16
-activations; the torch dequantizer and Q8_0 quantizer equal ``gguf.quants`` bit for bit."""
+odd token counts, output counts that are not a multiple of any tile, and float32, bfloat16 or
+float16 activations; the torch dequantizer and Q8_0 quantizer equal ``gguf.quants`` bit for bit."""
 
 from __future__ import annotations
 
@@ -50,14 +50,35 @@ def test_matches_dequantize_then_linear_in_float32(qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-def test_bfloat16_activations_give_bfloat16_out_rounded_once(qtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_activations_give_their_dtype_out_rounded_once(qtype, dtype):
     packed, weight = packed_weight(qtype, 45, 128, seed=3)
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).to(dtype)
     out = cpu_ops.load().quant_matmul(x, packed, int(qtype), 128)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == dtype
     expected = F.linear(x.double(), weight.double())
-    # One rounding to bfloat16 (8 bits of mantissa) of a float32 sum.
-    assert torch.allclose(out.double(), expected, rtol=2**-8, atol=1e-4 * expected.abs().max().item())
+    # One rounding to the 16-bit dtype (half its epsilon: 2**-8 for bfloat16, 2**-11 for
+    # float16) of a float32 sum.
+    assert torch.allclose(
+        out.double(), expected, rtol=torch.finfo(dtype).eps / 2, atol=1e-4 * expected.abs().max().item()
+    )
+
+
+def test_packed_layer_with_float16_input_matches_the_dequantized_weights():
+    """The packed path of ``LLM(dtype="float16", device="cpu")``: a layer's float16 output is
+    its dequantized weights' float64 product, rounded once to float16."""
+    from pagedrs.layers.linear import RowParallelLinear, TensorParallel
+    from pagedrs.quant.layers import QuantRowParallelLinear
+
+    packed, weight = packed_weight(GGMLQuantizationType.Q4_1, 24, 96, seed=5)
+    dense = RowParallelLinear(96, 24, bias=False, tp=TensorParallel(0, 1), dtype=torch.float16)
+    layer = QuantRowParallelLinear(dense, GGMLQuantizationType.Q4_1)
+    layer.weight.copy_(packed)
+    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(6)).half()
+    out = layer(x)
+    assert out.dtype == torch.float16 and out.shape == (2, 3, 24)
+    expected = F.linear(x.double(), weight.double())
+    assert torch.allclose(out.double(), expected, rtol=2**-11, atol=1e-4 * expected.abs().max().item())
 
 
 def test_empty_batch_gives_empty_output():
@@ -79,7 +100,7 @@ def test_bad_inputs_are_refused():
         op(torch.randn(2, 48), packed, q8, 48)
     with pytest.raises(RuntimeError, match="x must be"):
         op(torch.randn(2, 96), packed, q8, 64)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         op(x.double(), packed, q8, 64)
     with pytest.raises(RuntimeError, match="uint8"):
         op(x, packed.to(torch.int8), q8, 64)

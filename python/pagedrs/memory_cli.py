@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from pagedrs.memory import block_slack, kv_cache_capacity, parse_bytes
+from pagedrs.quant import QUANTIZATION_CHOICES
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -23,7 +24,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "int8", "fp8"],
+        choices=QUANTIZATION_CHOICES,
         help="as the server's: the weights' predicted size depends on it (auto: a GGUF or FP8 checkpoint stays packed)",
     )
     parser.add_argument("--budget", default=None, help="KV bytes, e.g. 4GiB (default: the server's default here)")

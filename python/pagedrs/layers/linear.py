@@ -117,10 +117,13 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False) if bias else None
 
+    def input_cols(self) -> slice:
+        """This rank's columns (input features) of the full checkpoint tensor."""
+        return slice(self.tp.rank * self.input_size, (self.tp.rank + 1) * self.input_size)
+
     def load(self, weight: WeightHandle) -> None:
         """Copies this rank's columns from a full checkpoint tensor."""
-        cols = slice(self.tp.rank * self.input_size, (self.tp.rank + 1) * self.input_size)
-        self.weight.copy_(weight[:, cols])
+        self.weight.copy_(weight[:, self.input_cols()])
 
     def load_bias(self, bias: WeightHandle) -> None:
         """The bias is not sharded: every rank adds it after the reduction."""

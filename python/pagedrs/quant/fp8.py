@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from pagedrs.quant.sharding import ColumnShardBias, ReplicatedBias
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
@@ -55,8 +56,15 @@ class Fp8Scheme:
     quant_method: str
     """``"fp8"`` or ``"compressed-tensors"``."""
     block_size: tuple[int, int] | None
-    """``weight_block_size`` of block-wise FP8 (DeepSeek-style ``weight_scale_inv``); such
-    weights load only dequantized (``quantization="none"``)."""
+    """``weight_block_size`` of block-wise FP8 (DeepSeek-style ``weight_scale_inv``). The FP8
+    layers hold one scale a row, so such weights load dequantized (``"auto"``, ``"none"``) or
+    requantized per channel from the dequantized values (``"fp8"``)."""
+
+    @property
+    def per_channel(self) -> bool:
+        """Whether the FP8 layers can hold the weights as stored (per-channel or per-tensor
+        scales, not block-wise)."""
+        return self.block_size is None
 
 
 def checkpoint_scheme(directory: str) -> Fp8Scheme | None:
@@ -135,10 +143,11 @@ class Fp8WeightHandle:
         return values * full[rows, cols]
 
     def fp8_slice(self, rows: slice, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weight_fp8[rows, cols], scale[rows])`` as stored."""
+        """``(weight_fp8[rows, cols], scale[rows])`` as stored (per-channel scales only)."""
         if self.block_size is not None:
             raise ValueError(
-                "block-wise FP8 weights (weight_block_size) load only dequantized: use quantization='none'"
+                "block-wise FP8 weights (weight_block_size) have no per-channel scales: they load dequantized "
+                "(quantization='auto' or 'none') or requantized per channel ('fp8')"
             )
         return self._slice[rows, cols], self._scale[rows].clone()
 
@@ -251,8 +260,9 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
 
 def _fp8_slice(weight: Any, rows: slice, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight[rows, cols]`` (one of them ``slice(None)``) as e4m3 values and per-row scales:
-    as stored for an FP8 checkpoint's handle, quantized per channel for a float one."""
-    if hasattr(weight, "fp8_slice"):
+    as stored for an FP8 checkpoint's per-channel handle, quantized per channel from the float
+    values otherwise (a float tensor, or a block-wise handle's dequantized values)."""
+    if hasattr(weight, "fp8_slice") and getattr(weight, "block_size", None) is None:
         return weight.fp8_slice(rows, cols)
     return quantize_per_channel(weight[rows] if cols == slice(None) else weight[:, cols])
 
@@ -283,7 +293,7 @@ class _Fp8Linear(nn.Module):
         return f"fp8 e4m3 per-channel, out={self.weight.shape[0]}, in={self.in_features}"
 
 
-class Fp8ColumnParallelLinear(_Fp8Linear):
+class Fp8ColumnParallelLinear(ColumnShardBias, _Fp8Linear):
     """`ColumnParallelLinear` with FP8 rows: this rank's rows of each fused logical output."""
 
     def __init__(self, dense: ColumnParallelLinear):
@@ -297,35 +307,24 @@ class Fp8ColumnParallelLinear(_Fp8Linear):
         self.weight[target].copy_(values)
         self.weight_scale[target].copy_(scale)
 
-    def load_bias(self, shard: int, bias: Any) -> None:
-        if self.bias is None:
-            raise ValueError("checkpoint has a bias for a layer built without one")
-        source, target = self.shard_rows[shard]
-        self.bias[target].copy_(bias[source])
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x)
         return out + self.bias if self.bias is not None else out
 
 
-class Fp8RowParallelLinear(_Fp8Linear):
+class Fp8RowParallelLinear(ReplicatedBias, _Fp8Linear):
     """`RowParallelLinear` with FP8 columns of this rank's input features and every row's
     scale; partial sums are all-reduced across ranks, the bias added once after."""
 
     def __init__(self, dense: RowParallelLinear):
         super().__init__(dense.weight.shape[0], dense.input_size, dense.bias)
         self.tp: TensorParallel = dense.tp
+        self.input_cols = dense.input_cols()  # the dense layer's rule for this rank's columns
 
     def load(self, weight: Any) -> None:
-        cols = slice(self.tp.rank * self.in_features, (self.tp.rank + 1) * self.in_features)
-        values, scale = _fp8_slice(weight, slice(None), cols)
+        values, scale = _fp8_slice(weight, slice(None), self.input_cols)
         self.weight.copy_(values)
         self.weight_scale.copy_(scale)
-
-    def load_bias(self, bias: Any) -> None:
-        if self.bias is None:
-            raise ValueError("checkpoint has a bias for a layer built without one")
-        self.bias.copy_(bias[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x)

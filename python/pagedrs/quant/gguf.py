@@ -115,11 +115,16 @@ class GGUFTensor:
     def nbytes(self) -> int:
         return int(self._data.nbytes)
 
-    def _stored(self, rows: range) -> np.ndarray:
-        """Stored rows (in Hugging Face's order): a copy, never a view of the memory map."""
-        if self._row_order is None:
-            return np.array(self._data[rows.start : rows.stop])
-        return self._data[self._row_order[rows.start : rows.stop]]
+    def _stored(self, rows: range, stored_cols: slice = slice(None)) -> np.ndarray:
+        """Stored rows (in Hugging Face's order), cut to ``stored_cols`` of each (items of the
+        memory map's row: bytes of a packed row, elements of a float one): a copy, never a view
+        of the memory map.
+
+        NOTE: the view is cut before the copy, so a column shard (a row-parallel rank's) reads
+        just its part of each row, not every page of the tensor."""
+        order = slice(rows.start, rows.stop) if self._row_order is None else self._row_order[rows.start : rows.stop]
+        view = self._data[order] if stored_cols == slice(None) else self._data[order, stored_cols]
+        return np.array(view, order="C")  # a copy even where the view is already contiguous
 
     def packed_rows(self, rows: slice = slice(None)) -> torch.Tensor:
         """uint8 ``[num_rows, row_bytes]``: the stored blocks of a row range of a quantized matrix."""
@@ -134,8 +139,10 @@ class GGUFTensor:
         span = _rows_of(cols, self.shape[1])
         if span.start % block_size or span.stop % block_size:
             raise ValueError(f"columns {span.start}:{span.stop} of {self.name} do not fall on {block_size}-blocks")
-        packed = self.packed_rows()
-        return packed[:, span.start // block_size * type_size : span.stop // block_size * type_size].contiguous()
+        if not self.quantized or len(self.shape) != 2:
+            raise ValueError(f"{self.name} is not a quantized matrix ({self.ggml_type.name}, shape {self.shape})")
+        stored_cols = slice(span.start // block_size * type_size, span.stop // block_size * type_size)
+        return torch.from_numpy(self._stored(range(self.shape[0]), stored_cols))
 
     def _dequantize(self, stored: np.ndarray) -> torch.Tensor:
         if self.ggml_type in formats.KERNEL_TYPES:
@@ -143,7 +150,7 @@ class GGUFTensor:
         if self.ggml_type == GGMLQuantizationType.BF16:
             return torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16).float()
         if self.ggml_type in FLOAT_TYPES:
-            return torch.from_numpy(stored.astype(np.float32))
+            return torch.from_numpy(stored.astype(np.float32, copy=False))  # stored is a copy already
         return torch.from_numpy(gguf_quants.dequantize(stored, self.ggml_type))
 
     def __getitem__(self, key: Any) -> torch.Tensor:
@@ -155,12 +162,15 @@ class GGUFTensor:
             return self._dequantize(self._stored(rows)).reshape(len(rows))
         cols = _rows_of(cols_key, self.shape[1])
         if not self.quantized:
-            return self._dequantize(self._stored(rows))[:, cols.start : cols.stop]
-        # Only the blocks that hold the columns are dequantized.
+            # Items of a stored row per column: 1 for F16/F32 (elements), 2 for BF16 (bytes).
+            per_col = self._data.shape[1] // self.shape[1]
+            stored = self._stored(rows, slice(cols.start * per_col, cols.stop * per_col))
+            return self._dequantize(stored).reshape(len(rows), len(cols))
+        # Only the blocks that hold the columns are read and dequantized.
         block_size, type_size = gguf_quants.GGML_QUANT_SIZES[self.ggml_type]
         first, last = cols.start // block_size, -(-cols.stop // block_size)
-        stored = self._stored(rows)[:, first * type_size : last * type_size]
-        values = self._dequantize(np.ascontiguousarray(stored)).reshape(len(rows), -1)
+        stored = self._stored(rows, slice(first * type_size, last * type_size))
+        values = self._dequantize(stored).reshape(len(rows), -1)
         offset = first * block_size
         return values[:, cols.start - offset : cols.stop - offset].contiguous()
 

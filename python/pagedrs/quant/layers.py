@@ -27,6 +27,7 @@ from pagedrs.layers.linear import (
     gather_logits,
 )
 from pagedrs.quant import formats
+from pagedrs.quant.sharding import ColumnShardBias, ReplicatedBias
 
 
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
@@ -67,7 +68,7 @@ class _Packed(nn.Module):
         return f"{self.ggml_type.name}, out={self.weight.shape[0]}, in={self.in_features}"
 
 
-class QuantColumnParallelLinear(_Packed):
+class QuantColumnParallelLinear(ColumnShardBias, _Packed):
     """`ColumnParallelLinear` with packed rows: this rank's rows of each fused logical output."""
 
     def __init__(self, dense: ColumnParallelLinear, ggml_type: GGMLQuantizationType):
@@ -80,12 +81,6 @@ class QuantColumnParallelLinear(_Packed):
         source, target = self.shard_rows[shard]
         self.weight[target].copy_(_packed_slice(weight, self.ggml_type, source, slice(None)))
 
-    def load_bias(self, shard: int, bias: Any) -> None:
-        if self.bias is None:
-            raise ValueError("checkpoint has a bias for a layer built without one")
-        source, target = self.shard_rows[shard]
-        self.bias[target].copy_(bias[source])
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = quant_matmul(x, self.weight, self.ggml_type)
         return out + self.bias if self.bias is not None else out
@@ -96,7 +91,7 @@ def fits_row_shard(dense: RowParallelLinear) -> bool:
     return dense.input_size % formats.BLOCK_SIZE == 0
 
 
-class QuantRowParallelLinear(_Packed):
+class QuantRowParallelLinear(ReplicatedBias, _Packed):
     """`RowParallelLinear` with packed blocks of this rank's input columns; partial sums are
     all-reduced across ranks, the bias added once after."""
 
@@ -105,16 +100,11 @@ class QuantRowParallelLinear(_Packed):
             raise ValueError(f"a shard of {dense.input_size} input features is not whole {formats.BLOCK_SIZE}-blocks")
         super().__init__(dense.weight.shape[0], dense.input_size, ggml_type)
         self.tp: TensorParallel = dense.tp
+        self.input_cols = dense.input_cols()  # the dense layer's rule for this rank's columns
         self.bias = dense.bias
 
     def load(self, weight: Any) -> None:
-        cols = slice(self.tp.rank * self.in_features, (self.tp.rank + 1) * self.in_features)
-        self.weight.copy_(_packed_slice(weight, self.ggml_type, slice(None), cols))
-
-    def load_bias(self, bias: Any) -> None:
-        if self.bias is None:
-            raise ValueError("checkpoint has a bias for a layer built without one")
-        self.bias.copy_(bias[:])
+        self.weight.copy_(_packed_slice(weight, self.ggml_type, slice(None), self.input_cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = quant_matmul(x, self.weight, self.ggml_type)

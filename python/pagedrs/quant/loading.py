@@ -5,9 +5,10 @@ and embedding to Q8_0 blocks at load time. Packed weights run on the CPU kernel 
 devices ``auto`` is ``none``.
 
 FP8 (`pagedrs.quant.fp8`, any device): ``"auto"`` keeps an FP8 checkpoint's e4m3 linears
-(``quantization_config`` with quant_method ``fp8`` or ``compressed-tensors``), ``"fp8"``
-also quantizes a float checkpoint's linears per channel at load time; embeddings and the head
-stay in the model's dtype, as vLLM keeps them.
+(``quantization_config`` with quant_method ``fp8`` or ``compressed-tensors``) with per-channel
+or per-tensor scales and loads block-wise ones (``weight_block_size``) dequantized, ``"fp8"``
+quantizes every linear per channel at load time (a float checkpoint's, or a block-wise one's
+dequantized values); embeddings and the head stay in the model's dtype, as vLLM keeps them.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
-from pagedrs.quant import formats
+from pagedrs.quant import QUANTIZATION_CHOICES, formats
 from pagedrs.quant.fp8 import (
     Fp8ColumnParallelLinear,
     Fp8RowParallelLinear,
+    Fp8Scheme,
     checkpoint_scheme,
     fp8_weight_names,
     iter_fp8_weights,
@@ -38,8 +40,6 @@ from pagedrs.quant.layers import (
 )
 
 logger = logging.getLogger("pagedrs")
-
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "fp8")
 
 # A fused module's checkpoint tensors: pagedrs fuses q/k/v and gate/up into one linear.
 _FUSED = {
@@ -127,6 +127,13 @@ def pack_linears(
     return packed
 
 
+def makes_fp8_linears(quantization: str, scheme: Fp8Scheme | None) -> bool:
+    """Whether `load_weights` replaces a safetensors checkpoint's linears by FP8 ones: always
+    under ``"fp8"``; under ``"auto"`` for an FP8 checkpoint whose scales the FP8 layers hold as
+    stored (not block-wise: those load dense, dequantized)."""
+    return quantization == "fp8" or (quantization == "auto" and scheme is not None and scheme.per_channel)
+
+
 def use_fp8_linears(model: nn.Module, quantization: str, fp8_names: set[str]) -> dict[str, str]:
     """Replaces the model's dense linears by FP8 ones before any weight is loaded: under
     ``"auto"`` those whose checkpoint weights (``fp8_names``: by Hugging Face name) are all
@@ -173,8 +180,12 @@ def load_weights(
                 "quantization='int8' quantizes a float checkpoint; an FP8 checkpoint keeps its own format "
                 "with quantization='auto' (or loads dequantized with 'none')"
             )
-        fp8_names = fp8_weight_names(source.directory) if scheme is not None else set()
-        replaced = use_fp8_linears(model, quantization, fp8_names) if quantization != "none" else {}
+        replaced = {}
+        if makes_fp8_linears(quantization, scheme):
+            fp8_names = fp8_weight_names(source.directory) if scheme is not None else set()
+            replaced = use_fp8_linears(model, quantization, fp8_names)
+        elif quantization == "auto":
+            logger.info("block-wise FP8 weights (weight_block_size) load dequantized to the model's dtype")
         model.load_weights(iter_fp8_weights(source.directory, scheme) if scheme is not None else iter_weights(source))
         return dict(replaced)
     packed = pack_linears(model, quantization, None, device)
@@ -183,11 +194,14 @@ def load_weights(
 
 
 def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes the loaded weights take (one rank, the whole model), from the checkpoint's tensor
+    """Bytes the loaded weights of the whole, unsharded model take (what one process holds at
+    tensor-parallel size 1; at size ``tp`` each rank holds about ``1 / tp`` of the linears and
+    embeddings, plus the replicated norms and row-parallel biases), from the checkpoint's tensor
     types and shapes without loading it: packed blocks where `pack_linears` packs (a kernel
     format of a 2-D GGUF tensor under ``auto``; a 2-D float weight as Q8_0 under ``int8``), one
     byte a weight plus a float32 scale a row where `use_fp8_linears` makes FP8 linears (an e4m3
-    weight under ``auto``, every linear's weight under ``fp8``), ``dtype`` elsewhere. (A fused
+    weight with per-channel or per-tensor scales under ``auto``, every linear's weight under
+    ``fp8``), ``dtype`` elsewhere (block-wise FP8 under ``auto`` loads dequantized). (A fused
     q/k/v of mixed types, which loads dense, counts as packed.)"""
     import os
 
@@ -212,7 +226,7 @@ def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, d
     from pagedrs.quant.fp8 import SCALE_SUFFIXES
 
     scheme = checkpoint_scheme(source.directory)
-    fp8_layers = quantization == "fp8" or (quantization == "auto" and scheme is not None and scheme.block_size is None)
+    fp8_layers = makes_fp8_linears(quantization, scheme)
     q8_bytes_per_weight = formats.block_bytes(GGMLQuantizationType.Q8_0) / formats.BLOCK_SIZE
     for path in sorted(glob.glob(os.path.join(source.directory, "*.safetensors"))):
         with safe_open(path, framework="pt") as file:

@@ -14,6 +14,7 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from pagedrs.quant import QUANTIZATION_CHOICES
     from pagedrs.server.reasoning import REASONING_PARSERS
     from pagedrs.server.tool_parsers import TOOL_PARSERS
 
@@ -62,7 +63,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "int8", "fp8"],
+        choices=QUANTIZATION_CHOICES,
         help="auto: a GGUF keeps its own 4/8-bit weights (CPU), an FP8 checkpoint its e4m3 weights; "
         "none: dequantize; int8: quantize a float checkpoint's linears at load (CPU); fp8: to e4m3 per channel",
     )
