@@ -194,7 +194,8 @@ def test_the_server_streams_a_chat_with_tp2_and_stops_its_workers_on_sigterm(tin
         server.process.send_signal(signal.SIGTERM)
         code = server.process.wait(timeout=30)
     assert code == 0, server.log()[-2000:]
-    assert workers and not any(_alive(pid) for pid in workers)
+    # The worker, and multiprocessing's resource tracker once every pipe to it has closed.
+    assert workers and wait_for(lambda: not any(_alive(pid) for pid in workers), timeout=10)
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])
