@@ -21,6 +21,13 @@ thread (`TensorParallelGroup.failure`); a rank that dies makes rank 0's next col
 its socket closes, and one that hangs makes it time out (``distributed_timeout``). Either way
 the engine raises `TensorParallelError` and stops for good. Workers die with their parent
 (``PR_SET_PDEATHSIG``) and leave on rank 0's stop message or a closed connection.
+
+NOTE: on NCCL the forward pass's collectives are asynchronous, so a dead rank may surface at
+the next synchronization (in the sampler, outside `guard`) or as NCCL's watchdog aborting the
+process after ``distributed_timeout``: the server still ends, possibly by that abort rather
+than exit status 1. Only the gloo (CPU) behaviour is tested; see docs/gpu.md. A worker on
+another node whose rank 0 vanishes without closing its sockets (power loss, a partition)
+waits until killed: idle workers have no timeout, and rank 0 sends no heartbeat.
 """
 
 from __future__ import annotations
@@ -315,8 +322,8 @@ class ShardSpec:
 class TensorParallelGroup:
     """Rank 0's side: starts this node's other ranks, meets the rest, sends each step.
 
-    ``world`` ranks are on the step's critical path: `send_step` then the caller's forward
-    pass, all inside `guard`, which turns any failure into `TensorParallelError`.
+    Each step is `send_step`, then the caller's own forward pass, both inside `guard`, which
+    turns any failure into `TensorParallelError`.
     """
 
     def __init__(self, config: EngineConfig, device: torch.device, num_blocks: int, dtype: torch.dtype):
@@ -354,12 +361,12 @@ class TensorParallelGroup:
             if isinstance(error, Exception):
                 raise TensorParallelError(self._describe(error)) from error
             raise
-        self._monitor = threading.Thread(target=self._watch_workers, name="pagedrs-tp-monitor", daemon=True)
-        self._monitor.start()
-        atexit.register(self.shutdown)
         self._step_seconds = 0.0
         self._step_bytes = 0
         self._num_steps = 0
+        self._monitor = threading.Thread(target=self._watch_workers, name="pagedrs-tp-monitor", daemon=True)
+        self._monitor.start()
+        atexit.register(self.shutdown)
 
     @property
     def rank(self) -> int:
