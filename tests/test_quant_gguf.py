@@ -18,6 +18,7 @@ from pagedrs.models.loader import load_config, resolve_model
 from pagedrs.quant.gguf import GGUFCheckpoint, hf_name
 from pagedrs.quant.layers import QuantColumnParallelLinear, QuantRowParallelLinear, QuantVocabEmbedding
 from pagedrs.quant.loading import load_weights
+from tests.conftest import TINY
 from tests.test_model_oracle import NEW_TOKENS, PROMPTS, assert_same_or_near_tie, hf_greedy, run
 
 Q8_0, Q4_0, Q4_1, F32 = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, None)
@@ -120,16 +121,7 @@ def tiny_gguf(request, tmp_path_factory):
     import transformers
 
     tied = request.param == "tied"
-    config = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tied,
-    )
+    config = transformers.LlamaConfig(**TINY, tie_word_embeddings=tied)
     torch.manual_seed(5)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # clear greedy choices (random weights give flat logits)

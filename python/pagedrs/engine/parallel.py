@@ -14,7 +14,7 @@ Each step rank 0 broadcasts the step's arrays (a fixed-size header, then one pac
 (all-reduce after row-parallel linears, logits gathered to rank 0) and rank 0 samples. Ranks
 meet through torch.distributed's ``env://`` rendezvous (``MASTER_ADDR``, ``MASTER_PORT``,
 ``RANK``, ``WORLD_SIZE``), so going multi-node is configuration, and ``torchrun`` may start the
-ranks instead (`RankSetup.from_environment`).
+ranks instead (`launched_setup`).
 
 Faults end the engine, never hang it: a local worker that exits is seen at once by a monitor
 thread (`TensorParallelGroup.failure`); a rank that dies makes rank 0's next collective fail as
@@ -246,14 +246,9 @@ def _share_cores(local_world_size: int) -> None:
         torch.set_num_threads(max(1, cores // local_world_size))
 
 
-@dataclass
-class _Groups:
-    step: Any
-    """The gloo group rank 0 broadcasts step messages on (timeouts: see `_IDLE_TIMEOUT`)."""
-
-
-def _connect(setup: RankSetup, workers_alive: Callable[[], bool] | None = None) -> _Groups:
-    """Joins the rendezvous and the process group; returns the step group. Every rank calls
+def _connect(setup: RankSetup, workers_alive: Callable[[], bool] | None = None) -> Any:
+    """Joins the rendezvous and the process group; returns the gloo group rank 0 sends step
+    messages on (its timeouts: see `_IDLE_TIMEOUT`). Every rank calls
     this. Rank 0 passes ``workers_alive`` (its local workers), so a worker that dies before it
     joins fails the start at once instead of after the whole timeout."""
     if setup.device_type == "cuda":
@@ -280,7 +275,7 @@ def _connect(setup: RankSetup, workers_alive: Callable[[], bool] | None = None) 
             setup.backend, store=store, rank=setup.rank, world_size=setup.world_size, timeout=timeout
         )
     step_timeout = timeout if setup.rank == 0 else _IDLE_TIMEOUT
-    return _Groups(step=dist.new_group(backend="gloo", timeout=step_timeout))
+    return dist.new_group(backend="gloo", timeout=step_timeout)
 
 
 def _wait_for_ranks(store: Any, setup: RankSetup, workers_alive: Callable[[], bool]) -> None:
@@ -353,9 +348,9 @@ class TensorParallelGroup:
         if setup.local_world_size > 1:
             _share_cores(setup.local_world_size)
         try:
-            self._groups = _connect(setup, workers_alive=lambda: not self._any_worker_exited())
+            self._step_group = _connect(setup, workers_alive=lambda: not self._any_worker_exited())
             spec = [ShardSpec(config, num_blocks, dtype)]
-            dist.broadcast_object_list(spec, src=0, group=self._groups.step)
+            dist.broadcast_object_list(spec, src=0, group=self._step_group)
         except BaseException as error:  # Ctrl-C too: no worker may outlive a failed start
             self.shutdown(graceful=False)
             if isinstance(error, Exception):
@@ -383,13 +378,13 @@ class TensorParallelGroup:
     def wait_until_loaded(self) -> None:
         """Returns once every rank has loaded its shard (rank 0 has, when it calls this)."""
         with self.guard():
-            dist.monitored_barrier(group=self._groups.step, timeout=_LOAD_TIMEOUT)
+            dist.monitored_barrier(group=self._step_group, timeout=_LOAD_TIMEOUT)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Any failure inside (a collective, the forward pass) is fatal: the ranks are out of
-        step. Raises `TensorParallelError` naming the first cause known."""
-        self.check()
+        step. Raises `TensorParallelError` naming the first cause known. (The engine calls
+        `check` before each step.)"""
         try:
             yield
         except KeyboardInterrupt:
@@ -414,8 +409,8 @@ class TensorParallelGroup:
         """Broadcasts one step's arrays to every rank (call inside `guard`)."""
         start = time.perf_counter()
         header, payload = pack_step(arrays)
-        dist.broadcast(torch.from_numpy(header), src=0, group=self._groups.step)
-        dist.broadcast(torch.from_numpy(payload), src=0, group=self._groups.step)
+        dist.broadcast(torch.from_numpy(header), src=0, group=self._step_group)
+        dist.broadcast(torch.from_numpy(payload), src=0, group=self._step_group)
         self._step_seconds += time.perf_counter() - start
         self._step_bytes += header.nbytes + payload.nbytes
         self._num_steps += 1
@@ -439,7 +434,7 @@ class TensorParallelGroup:
             with contextlib.suppress(Exception):
                 header = np.zeros(HEADER_LEN, np.int64)
                 header[0] = _STOP
-                dist.broadcast(torch.from_numpy(header), src=0, group=self._groups.step)
+                dist.broadcast(torch.from_numpy(header), src=0, group=self._step_group)
         deadline = time.monotonic() + timeout
         for worker in self.workers:
             worker.join(max(0.0, deadline - time.monotonic()))
@@ -519,12 +514,12 @@ def run_worker(setup: RankSetup, errors: Any = None) -> int:
     try:
         if setup.local_world_size > 1:
             _share_cores(setup.local_world_size)
-        groups = _connect(setup)
+        step_group = _connect(setup)
         spec: list[Any] = [None]
-        dist.broadcast_object_list(spec, src=0, group=groups.step)
+        dist.broadcast_object_list(spec, src=0, group=step_group)
         runner = _load_shard(spec[0], setup)
-        dist.monitored_barrier(group=groups.step, timeout=_LOAD_TIMEOUT)
-        _serve_steps(runner, groups)
+        dist.monitored_barrier(group=step_group, timeout=_LOAD_TIMEOUT)
+        _serve_steps(runner, step_group)
         return 0
     except Exception as error:  # reported to rank 0 and logged; the process exits
         logger.exception("tensor-parallel rank %d failed", setup.rank)
@@ -544,17 +539,17 @@ def _load_shard(spec: ShardSpec, setup: RankSetup) -> Any:
     )
 
 
-def _serve_steps(runner: Any, groups: _Groups) -> None:
+def _serve_steps(runner: Any, step_group: Any) -> None:
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     while True:
-        dist.broadcast(header, src=0, group=groups.step)
+        dist.broadcast(header, src=0, group=step_group)
         command, num_bytes = int(header[0]), int(header[1])
         if command == _STOP:
             return
         if command != _STEP:
             raise RuntimeError(f"unknown step command {command}")
         payload = torch.empty(num_bytes, dtype=torch.uint8)
-        dist.broadcast(payload, src=0, group=groups.step)
+        dist.broadcast(payload, src=0, group=step_group)
         runner.forward(unpack_step(header.numpy(), payload.numpy()))
 
 
