@@ -22,6 +22,11 @@
 //!   logits_choice_indices [0, 1, 0]
 //! ```
 //!
+//! A speculative decode of B proposing `d1 d2` puts them after its token, and samples each
+//! of its rows (see `speculative`): B's inputs become `[b9 d1 d2]` at positions 9..12,
+//! `logits_indices` gets B's three rows, and `logits_draft_token_ids` says which proposal
+//! each row verifies (`[d1, d2, -1]`: the last row is the bonus).
+//!
 //! NOTE (the runner's contract): do `block_copies` first; then, in every layer, write all
 //! of the batch's new keys/values before any attention of that layer reads the cache. A
 //! sequence's prefix hit may point at blocks that another sequence of the same batch is
@@ -88,12 +93,20 @@ pub struct SchedulerOutput {
     /// has rows for choices 0..n, in order, though only choice 0 is scheduled.
     /// `[num_logits]`
     pub logits_choice_indices: Vec<i32>,
+    /// For each logits row, the proposed token it verifies (-1: none, sample freely).
+    /// `[num_logits]`
+    pub logits_draft_token_ids: Vec<i64>,
+    /// Proposed tokens of each scheduled sequence (they follow its known tokens in the
+    /// inputs and are counted in `num_scheduled_tokens`). `[num_seqs]`
+    pub num_draft_tokens: Vec<i32>,
     /// Copy-on-write block copies to do before the forward pass.
     pub block_copies: Vec<BlockCopy>,
     /// Tokens of prompts (or recomputed sequences) in this batch.
     pub num_prefill_tokens: usize,
-    /// Tokens of sequences decoding one new token.
+    /// Tokens of sequences decoding one new token (proposed tokens included).
     pub num_decode_tokens: usize,
+    /// Proposed tokens in the batch.
+    pub num_spec_tokens: usize,
     /// Sequences preempted while building this batch.
     pub preempted: Vec<SequenceId>,
 }
@@ -121,8 +134,10 @@ pub(crate) struct ScheduledSeq {
     pub choice_index: usize,
     /// First position computed this step.
     pub start: usize,
-    /// Tokens computed this step.
+    /// Known tokens computed this step.
     pub num_tokens: usize,
+    /// Proposed tokens scheduled after them (their rows are all sampled).
+    pub num_drafts: usize,
     /// Logits rows to sample from its last token (0 for an unfinished prefill chunk).
     pub num_samples: usize,
     /// Whether these tokens are a decode (one generated token) rather than a prefill.
@@ -132,11 +147,11 @@ pub(crate) struct ScheduledSeq {
 impl SchedulerOutput {
     /// An empty batch with room for `scheduled`, its block tables already sized.
     pub(crate) fn for_sequences(scheduled: &[ScheduledSeq], block_size: usize) -> Self {
-        let num_tokens: usize = scheduled.iter().map(|seq| seq.num_tokens).sum();
-        let num_logits: usize = scheduled.iter().map(|seq| seq.num_samples).sum();
+        let num_tokens: usize = scheduled.iter().map(|seq| seq.num_tokens + seq.num_drafts).sum();
+        let num_logits: usize = scheduled.iter().map(|seq| seq.num_samples + seq.num_drafts).sum();
         let width = scheduled
             .iter()
-            .map(|seq| (seq.start + seq.num_tokens).div_ceil(block_size))
+            .map(|seq| (seq.start + seq.num_tokens + seq.num_drafts).div_ceil(block_size))
             .max()
             .unwrap_or(0);
         let num_seqs = scheduled.len();
@@ -159,27 +174,33 @@ impl SchedulerOutput {
             logits_indices: Vec::with_capacity(num_logits),
             logits_request_indices: Vec::with_capacity(num_logits),
             logits_choice_indices: Vec::with_capacity(num_logits),
+            logits_draft_token_ids: Vec::with_capacity(num_logits),
+            num_draft_tokens: Vec::with_capacity(num_seqs),
             ..Default::default()
         }
     }
 
-    /// Appends one scheduled sequence whose known tokens are `token_ids` and blocks
-    /// `block_table`.
+    /// Appends one scheduled sequence whose known tokens are `token_ids`, blocks
+    /// `block_table` and proposals `drafts` (`seq.num_drafts` of them).
     pub(crate) fn push(
         &mut self,
         seq: &ScheduledSeq,
         token_ids: &[u32],
+        drafts: &[u32],
         block_table: &[BlockId],
         block_size: usize,
     ) {
+        debug_assert_eq!(drafts.len(), seq.num_drafts);
         let row = self.sequence_ids.len();
-        let end = seq.start + seq.num_tokens;
+        let end = seq.start + seq.num_tokens + seq.num_drafts;
         self.sequence_ids.push(seq.id);
         self.requests.push(seq.request);
         self.choice_indices.push(seq.choice_index as u32);
-        self.num_scheduled_tokens.push(seq.num_tokens as i32);
+        self.num_scheduled_tokens.push((seq.num_tokens + seq.num_drafts) as i32);
+        self.num_draft_tokens.push(seq.num_drafts as i32);
         let first_row = self.input_token_ids.len();
-        self.input_token_ids.extend(token_ids[seq.start..end].iter().map(|&t| i64::from(t)));
+        let known = &token_ids[seq.start..seq.start + seq.num_tokens];
+        self.input_token_ids.extend(known.iter().chain(drafts).map(|&t| i64::from(t)));
         self.positions.extend((seq.start..end).map(|p| p as i64));
         self.slot_mapping.extend((seq.start..end).map(|position| {
             let block = block_table[position / block_size].0 as usize;
@@ -194,13 +215,22 @@ impl SchedulerOutput {
             *slot = block.0 as i32;
         }
         let last_row = (first_row + seq.num_tokens - 1) as i64;
+        for (offset, &draft) in drafts.iter().enumerate() {
+            self.logits_indices.push(last_row + offset as i64);
+            self.logits_request_indices.push(row as i32);
+            self.logits_choice_indices.push(seq.choice_index as i32);
+            self.logits_draft_token_ids.push(i64::from(draft));
+        }
+        let bonus_row = last_row + seq.num_drafts as i64;
         for k in 0..seq.num_samples {
-            self.logits_indices.push(last_row);
+            self.logits_indices.push(bonus_row);
             self.logits_request_indices.push(row as i32);
             self.logits_choice_indices.push((seq.choice_index + k) as i32);
+            self.logits_draft_token_ids.push(-1);
         }
+        self.num_spec_tokens += seq.num_drafts;
         if seq.is_decode {
-            self.num_decode_tokens += seq.num_tokens;
+            self.num_decode_tokens += seq.num_tokens + seq.num_drafts;
         } else {
             self.num_prefill_tokens += seq.num_tokens;
         }

@@ -2,6 +2,7 @@
 
 use crate::error::{Error, Result};
 use crate::sequence::StopConditions;
+use crate::speculative::SpeculativeConfig;
 
 /// Order in which waiting requests are admitted (and, reversed, running ones preempted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +36,8 @@ pub struct SchedulerConfig {
     pub long_prefill_token_threshold: Option<usize>,
     /// Most requests with an unfinished prefill at once.
     pub max_num_partial_prefills: usize,
+    /// Speculative decoding (`None`: off).
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 impl Default for SchedulerConfig {
@@ -50,6 +53,7 @@ impl Default for SchedulerConfig {
             policy: SchedulingPolicy::Fcfs,
             long_prefill_token_threshold: None,
             max_num_partial_prefills: 1,
+            speculative: None,
         }
     }
 }
@@ -80,6 +84,9 @@ impl SchedulerConfig {
                 "long_prefill_token_threshold must be at least 1 (or unset)".into(),
             ));
         }
+        if let Some(speculative) = &self.speculative {
+            speculative.validate()?;
+        }
         Ok(())
     }
 }
@@ -97,10 +104,14 @@ pub struct RequestParams {
     pub cache_salt: Option<String>,
     /// Arrival time for ordering; `None`: the order of `add_request` calls.
     pub arrival_time: Option<f64>,
+    /// Whether its choices may speculate when the scheduler does (the caller turns it off
+    /// for sampling rules the verifier does not cover).
+    pub speculate: bool,
 }
 
 impl Default for RequestParams {
-    /// One choice, the default stop conditions, priority 0, no salt, arrival by call order.
+    /// One choice, the default stop conditions, priority 0, no salt, arrival by call order,
+    /// speculation allowed.
     fn default() -> Self {
         RequestParams {
             stop: StopConditions::default(),
@@ -108,6 +119,7 @@ impl Default for RequestParams {
             priority: 0,
             cache_salt: None,
             arrival_time: None,
+            speculate: true,
         }
     }
 }

@@ -321,6 +321,18 @@ impl KVCacheManager {
         id: SequenceId,
         num_new_tokens: usize,
     ) -> Result<Option<Vec<BlockCopy>>> {
+        self.allocate_slots_with_drafts(id, num_new_tokens, 0)
+    }
+
+    /// `allocate_slots`, plus slots for `num_draft_tokens` proposed tokens after the new
+    /// ones. Proposals are not known tokens: they are not marked computed and never cached
+    /// until `accept_drafts` says which of them were verified.
+    pub fn allocate_slots_with_drafts(
+        &mut self,
+        id: SequenceId,
+        num_new_tokens: usize,
+        num_draft_tokens: usize,
+    ) -> Result<Option<Vec<BlockCopy>>> {
         let block_size = self.pool.block_size();
         let sequence = lookup_mut(&mut self.slots, id)?;
         if sequence.pending_hit.iter().any(|&block| !self.pool.is_current(block)) {
@@ -340,8 +352,11 @@ impl KVCacheManager {
 
         // Count what this needs before changing anything, so "no" leaves no trace.
         let num_held_blocks = sequence.block_table.len() + sequence.pending_hit.len();
-        let num_new_blocks = end.div_ceil(block_size).saturating_sub(num_held_blocks);
+        let num_new_blocks =
+            (end + num_draft_tokens).div_ceil(block_size).saturating_sub(num_held_blocks);
         let write_block = first_new_token / block_size;
+        // NOTE: proposals never reach a held block past the write block: a sequence holds
+        // none (`accept_drafts` releases them), so this copy covers every shared write.
         let needs_copy = num_new_tokens > 0
             && !first_new_token.is_multiple_of(block_size)
             && self.pool.ref_count(sequence.block_table[write_block]) > 1;
@@ -383,6 +398,34 @@ impl KVCacheManager {
             cache_full_blocks(&mut self.pool, &mut self.hasher, sequence);
         }
         Ok(Some(copies))
+    }
+
+    /// After a speculative step: `num_accepted` of the proposals scheduled after the
+    /// sequence's computed tokens were verified (and appended with `append_token_ids`), so
+    /// their KV is kept and their full blocks cached; blocks past the known tokens, which
+    /// held only rejected proposals, are released.
+    pub fn accept_drafts(&mut self, id: SequenceId, num_accepted: usize) -> Result<()> {
+        let block_size = self.pool.block_size();
+        let sequence = lookup_mut(&mut self.slots, id)?;
+        let num_computed = sequence.num_computed_tokens + num_accepted;
+        if num_computed >= sequence.token_ids.len() {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {id} cannot accept {num_accepted} proposals: {} of its {} tokens are \
+                 computed and its last token never is",
+                sequence.num_computed_tokens,
+                sequence.token_ids.len()
+            )));
+        }
+        sequence.num_computed_tokens = num_computed;
+        let num_needed_blocks = sequence.token_ids.len().div_ceil(block_size);
+        while sequence.block_table.len() > num_needed_blocks {
+            let block = sequence.block_table.pop().expect("longer than needed");
+            self.pool.release(block)?;
+        }
+        if self.enable_prefix_caching {
+            cache_full_blocks(&mut self.pool, &mut self.hasher, sequence);
+        }
+        Ok(())
     }
 
     /// Releases every block of a sequence, tail first (so chain tails are evicted before

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod prefix_cache;
 pub mod scheduler;
 pub mod sequence;
+pub mod speculative;
 pub mod structured;
 
 #[cfg(feature = "python")]
@@ -30,4 +31,5 @@ pub use metrics::SchedulerStats;
 pub use prefix_cache::BlockHash;
 pub use scheduler::{RequestParams, Scheduler, SchedulerConfig, SchedulingPolicy};
 pub use sequence::{FinishReason, StopConditions};
+pub use speculative::{SpeculativeConfig, SpeculativeMethod};
 pub use structured::{GrammarId, GrammarKind, GrammarMatchers, MatcherHandle, StructuredStats};

@@ -1,5 +1,7 @@
 //! Counters the scheduler keeps for metrics; Python pulls a snapshot.
 
+use crate::speculative::MAX_SPECULATIVE_TOKENS;
+
 /// A snapshot of the scheduler's state and counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SchedulerStats {
@@ -31,6 +33,15 @@ pub struct SchedulerStats {
     pub num_prefill_tokens_total: u64,
     /// Tokens sampled since start.
     pub num_generated_tokens_total: u64,
+    /// Speculative steps of a sequence (a sequence that proposed at least one token) since
+    /// start.
+    pub num_drafts_total: u64,
+    /// Tokens proposed since start.
+    pub num_draft_tokens_total: u64,
+    /// Proposed tokens accepted since start.
+    pub num_accepted_tokens_total: u64,
+    /// Accepted proposals by their position in the proposal (0 = first).
+    pub num_accepted_tokens_per_pos: [u64; MAX_SPECULATIVE_TOKENS],
 }
 
 impl SchedulerStats {

@@ -16,6 +16,7 @@ use crate::kv_cache_manager::{BlockCopy, KVCacheManager, SequenceId};
 use crate::metrics::SchedulerStats;
 use crate::prefix_cache::BuildPrehashed;
 use crate::sequence::{FinishReason, QueueKey, Sequence, SequenceStatus, SequenceTable};
+use crate::speculative::{Drafter, SpeculativeMethod, SuffixCache};
 
 /// What building a batch changed besides the batch itself.
 #[derive(Default)]
@@ -34,6 +35,17 @@ struct Admission {
     num_partial_prefills: usize,
     /// Seats held by running prompts for the choices they will fork into.
     num_fork_seats: usize,
+}
+
+/// A sequence of the last schedule that samples, and how.
+#[derive(Debug, Clone, Copy)]
+struct LogitsOwner {
+    /// The sequence.
+    id: SequenceId,
+    /// Its logits rows: 1, `n` for a prompt that forks, or 1 + its proposals.
+    num_rows: usize,
+    /// Proposals it verifies (its first `num_drafts` rows).
+    num_drafts: usize,
 }
 
 /// A caller's request: one id, `n` sequences once its prompt is computed.
@@ -75,9 +87,12 @@ pub struct Scheduler {
     requests: HashMap<u64, Request, BuildPrehashed>,
     /// Caller ids of live requests to their handle.
     external_id_to_request: HashMap<Arc<str>, u64>,
-    /// Sequences of the last schedule that sample, with their number of logits rows (1,
-    /// or `n` for a prompt that forks), in row order.
-    last_logits_owners: Vec<(SequenceId, usize)>,
+    /// Sequences of the last schedule that sample, in row order.
+    last_logits_owners: Vec<LogitsOwner>,
+    /// Proposals of the last schedule, in row order (`LogitsOwner::num_drafts` each).
+    last_drafts: Vec<u32>,
+    /// Outputs of recently finished sequences (suffix speculation).
+    suffix_cache: Option<SuffixCache>,
     /// Sequences `schedule` ended on its own (capacity), delivered by the next
     /// `update_from_output`. Finishes the caller decided (aborts, stop strings) are not
     /// queued: the caller already knows.
@@ -94,6 +109,12 @@ impl Scheduler {
     /// A scheduler with an empty queue and a free KV cache.
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
+        let suffix_cache = match config.speculative.as_ref().map(|spec| &spec.method) {
+            Some(&SpeculativeMethod::Suffix { max_depth, max_cached_requests, .. }) => {
+                Some(SuffixCache::new(max_depth, max_cached_requests))
+            }
+            _ => None,
+        };
         let kv = KVCacheManager::new(
             config.num_blocks,
             config.block_size,
@@ -109,6 +130,8 @@ impl Scheduler {
             requests: HashMap::default(),
             external_id_to_request: HashMap::new(),
             last_logits_owners: Vec::new(),
+            last_drafts: Vec::new(),
+            suffix_cache,
             pending_updates: Vec::new(),
             next_request_handle: 0,
             next_arrival_order: 0,
@@ -197,6 +220,10 @@ impl Scheduler {
             num_computed_tokens: 0,
             stop: params.stop,
             num_preemptions: 0,
+            drafter: match &self.config.speculative {
+                Some(spec) if params.speculate => Some(Drafter::new(&spec.method)),
+                _ => None,
+            },
         });
         self.waiting.insert(key, id);
         Ok(handle)
@@ -316,6 +343,12 @@ impl Scheduler {
     /// cannot get a block, the running sequence last in queue order is preempted (its
     /// blocks freed, requeued to recompute), possibly itself. A sequence that cannot fit
     /// even alone ends with `FinishReason::Capacity`.
+    ///
+    /// With speculative decoding, a sequence decoding an output token also proposes up to
+    /// `k` tokens after it (see `speculative`), within the budget left after one token for
+    /// every decode behind it; proposals never cause a preemption (a sequence that cannot get
+    /// their slots decodes without them), and no sequence proposes in a step that runs
+    /// `disable_by_batch_size` sequences or more.
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
         let block_size = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
@@ -329,6 +362,11 @@ impl Scheduler {
             num_fork_seats += self.sequences[*id].num_pending_forks;
         }
         let mut num_partial_prefills = 0;
+        let speculating = self.config.speculative.as_ref().is_some_and(|spec| {
+            spec.disable_by_batch_size.is_none_or(|limit| self.running.len() < limit)
+        });
+        let mut drafts: Vec<u32> = Vec::new();
+        let mut step_drafts: Vec<u32> = Vec::new();
 
         let mut index = 0;
         while index < self.running.len() {
@@ -347,11 +385,25 @@ impl Scheduler {
                 index += 1;
                 continue;
             }
-            if !self.allocate_or_preempt(id, num_new, &mut num_decodes_behind, &mut changes)? {
+            if speculating && is_decode {
+                let room = budget.saturating_sub(reserved + num_new);
+                self.propose(id, room, &mut drafts);
+            } else {
+                drafts.clear();
+            }
+            let mut num_drafts = drafts.len();
+            if !self.allocate_or_preempt(
+                id,
+                num_new,
+                &mut num_drafts,
+                &mut num_decodes_behind,
+                &mut changes,
+            )? {
                 // `id` itself was preempted or ended: the running list shrank at `index`.
                 continue;
             }
-            budget -= num_new;
+            step_drafts.extend_from_slice(&drafts[..num_drafts]);
+            budget -= num_new + num_drafts;
             let seq = self.sequences.get_mut(id).expect("running");
             seq.num_computed_tokens += num_new;
             let caught_up = seq.num_computed_tokens == seq.num_tokens;
@@ -362,6 +414,7 @@ impl Scheduler {
                 choice_index: seq.choice_index,
                 start,
                 num_tokens: num_new,
+                num_drafts,
                 num_samples: if caught_up { 1 + seq.num_pending_forks } else { 0 },
                 is_decode: is_decode && start >= seq.num_prompt_tokens,
             });
@@ -379,13 +432,21 @@ impl Scheduler {
         out.preempted = changes.preempted;
         out.block_copies = changes.block_copies;
         self.last_logits_owners.clear();
+        let mut next_draft = 0;
         for seq in &scheduled {
             let (token_ids, block_table) = self.kv.tokens_and_blocks(seq.id)?;
-            out.push(seq, token_ids, block_table, block_size);
+            let seq_drafts = &step_drafts[next_draft..next_draft + seq.num_drafts];
+            next_draft += seq.num_drafts;
+            out.push(seq, token_ids, seq_drafts, block_table, block_size);
             if seq.num_samples > 0 {
-                self.last_logits_owners.push((seq.id, seq.num_samples));
+                self.last_logits_owners.push(LogitsOwner {
+                    id: seq.id,
+                    num_rows: seq.num_samples + seq.num_drafts,
+                    num_drafts: seq.num_drafts,
+                });
             }
         }
+        self.last_drafts = step_drafts;
         self.stats.step_num_prefill_tokens = out.num_prefill_tokens;
         self.stats.step_num_decode_tokens = out.num_decode_tokens;
         self.stats.num_prefill_tokens_total += out.num_prefill_tokens as u64;
@@ -397,11 +458,26 @@ impl Scheduler {
     /// stop conditions and frees what finished. Call it after every `schedule`, even an
     /// empty one: it also delivers sequences `schedule` ended on its own.
     ///
-    /// Returns those sequences first (no token, no logits row), then one update per
-    /// sequence that got a token, in logits-row order. A sequence aborted or finished by
+    /// A sequence that proposed tokens gets the longest prefix of its rows whose sampled
+    /// token equals the proposal that row verifies, plus the next row's token (the
+    /// correction, or the bonus row's), each checked against the stop conditions in turn.
+    /// `draft_token_ids` replaces the proposals of the last schedule (all of them, in row
+    /// order) when the caller wrote its own into the batch (`SpeculativeMethod::External`).
+    ///
+    /// Returns the sequences `schedule` ended (no token, no logits row) first, then one
+    /// update per appended token, in logits-row order. A sequence aborted or finished by
     /// the caller since `schedule` gets nothing: its rows are dropped.
     pub fn update_from_output(&mut self, sampled_token_ids: &[u32]) -> Result<Vec<SequenceUpdate>> {
-        let num_rows: usize = self.last_logits_owners.iter().map(|&(_, rows)| rows).sum();
+        self.update_from_output_with_drafts(sampled_token_ids, None)
+    }
+
+    /// `update_from_output`, with the caller's proposals (see there).
+    pub fn update_from_output_with_drafts(
+        &mut self,
+        sampled_token_ids: &[u32],
+        draft_token_ids: Option<&[u32]>,
+    ) -> Result<Vec<SequenceUpdate>> {
+        let num_rows: usize = self.last_logits_owners.iter().map(|owner| owner.num_rows).sum();
         if sampled_token_ids.len() != num_rows {
             return Err(Error::InvalidArgument(format!(
                 "expected {num_rows} sampled tokens (one per logits row of the last schedule), \
@@ -409,15 +485,36 @@ impl Scheduler {
                 sampled_token_ids.len()
             )));
         }
+        if let Some(drafts) = draft_token_ids {
+            if drafts.len() != self.last_drafts.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "expected {} draft tokens (the proposals of the last schedule), got {}",
+                    self.last_drafts.len(),
+                    drafts.len()
+                )));
+            }
+            self.last_drafts.copy_from_slice(drafts);
+        }
         let mut owners = std::mem::take(&mut self.last_logits_owners);
+        let drafts = std::mem::take(&mut self.last_drafts);
         let mut updates = std::mem::take(&mut self.pending_updates);
         updates.reserve(owners.len());
         let mut next_row = 0;
-        for &(id, num_rows) in &owners {
+        let mut next_draft = 0;
+        let mut num_appended = 0;
+        for &LogitsOwner { id, num_rows, num_drafts } in &owners {
             let first_row = next_row;
             next_row += num_rows;
+            let seq_drafts = &drafts[next_draft..next_draft + num_drafts];
+            next_draft += num_drafts;
             // A sequence aborted (or finished) since `schedule` drops its rows.
             if !self.sequences.contains(id) {
+                continue;
+            }
+            if num_drafts > 0 {
+                let rows = &sampled_token_ids[first_row..first_row + num_rows];
+                num_appended +=
+                    self.append_verified(id, rows, seq_drafts, first_row, &mut updates)?;
                 continue;
             }
             // NOTE: fork before the parent's token is appended: the children start from
@@ -428,12 +525,72 @@ impl Scheduler {
                 let row = first_row + 1 + offset;
                 updates.push(self.append_token(child, sampled_token_ids[row], row)?);
             }
+            num_appended += num_rows;
         }
-        self.stats.num_generated_tokens_total += sampled_token_ids.len() as u64;
-        // Keep the allocation for the next step.
+        self.stats.num_generated_tokens_total += num_appended as u64;
+        // Keep the allocations for the next step.
         owners.clear();
         self.last_logits_owners = owners;
         Ok(updates)
+    }
+
+    /// Appends a speculating sequence's verified tokens: the rows that sampled their own
+    /// proposal, then the first row that did not (or the bonus row), stopping early when a
+    /// stop condition ends it. Returns the number of tokens appended.
+    fn append_verified(
+        &mut self,
+        id: SequenceId,
+        rows: &[u32],
+        drafts: &[u32],
+        first_row: usize,
+        updates: &mut Vec<SequenceUpdate>,
+    ) -> Result<usize> {
+        let num_accepted = rows.iter().zip(drafts).take_while(|(row, draft)| row == draft).count();
+        self.stats.num_drafts_total += 1;
+        self.stats.num_draft_tokens_total += drafts.len() as u64;
+        self.stats.num_accepted_tokens_total += num_accepted as u64;
+        for position in 0..num_accepted {
+            self.stats.num_accepted_tokens_per_pos[position] += 1;
+        }
+        for (offset, &token) in rows[..=num_accepted].iter().enumerate() {
+            let update = self.append_token(id, token, first_row + offset)?;
+            updates.push(update);
+            if update.finish_reason.is_some() {
+                return Ok(offset + 1);
+            }
+        }
+        // The accepted proposals' KV was computed from the very tokens now appended.
+        self.kv.accept_drafts(id, num_accepted)?;
+        self.sequences.get_mut(id).expect("live").num_computed_tokens += num_accepted;
+        Ok(num_accepted + 1)
+    }
+
+    /// Writes into `drafts` what running sequence `id` proposes after its last token: at most
+    /// `room` tokens, `k`, what its `max_tokens` and `max_model_len` leave after the token it
+    /// decodes anyway, and nothing unless it decodes an output token and speculates.
+    fn propose(&mut self, id: SequenceId, room: usize, drafts: &mut Vec<u32>) {
+        drafts.clear();
+        let Some(spec) = &self.config.speculative else {
+            return;
+        };
+        let Some(seq) = self.sequences.get_mut(id) else {
+            return;
+        };
+        if seq.num_tokens <= seq.num_prompt_tokens || seq.num_pending_forks > 0 {
+            return;
+        }
+        let max_tokens = room
+            .min(spec.num_speculative_tokens)
+            .min(seq.stop.max_tokens.saturating_sub(seq.num_output_tokens() + 1))
+            .min(self.config.max_model_len.saturating_sub(seq.num_tokens + 1));
+        let Some(drafter) = &mut seq.drafter else {
+            return;
+        };
+        let Ok(token_ids) = self.kv.token_ids(id) else {
+            return;
+        };
+        let shared = self.suffix_cache.as_ref().map(|cache| &cache.trie);
+        drafter.propose(&spec.method, token_ids, max_tokens, shared, drafts);
     }
 
     /// Whether a running sequence lacks exactly one token (a decode, or the last token of
@@ -456,13 +613,23 @@ impl Scheduler {
 
     /// Allocates `num_new` slots for running sequence `id`, preempting from the back of the
     /// running list until it fits. Returns false when `id` itself left the running list.
+    /// Proposals (`num_drafts`) get slots only if they fit without a preemption; otherwise
+    /// `num_drafts` drops to 0.
     fn allocate_or_preempt(
         &mut self,
         id: SequenceId,
         num_new: usize,
+        num_drafts: &mut usize,
         num_decodes_behind: &mut usize,
         changes: &mut StepChanges,
     ) -> Result<bool> {
+        if *num_drafts > 0 {
+            if let Some(copies) = self.kv.allocate_slots_with_drafts(id, num_new, *num_drafts)? {
+                changes.block_copies.extend(copies);
+                return Ok(true);
+            }
+            *num_drafts = 0;
+        }
         loop {
             if let Some(copies) = self.kv.allocate_slots(id, num_new)? {
                 changes.block_copies.extend(copies);
@@ -534,6 +701,7 @@ impl Scheduler {
                 choice_index: seq.choice_index,
                 start: num_cached,
                 num_tokens: num_new,
+                num_drafts: 0,
                 num_samples: if is_partial { 0 } else { num_seats },
                 is_decode: false,
             });
@@ -627,6 +795,12 @@ impl Scheduler {
     /// Frees a finished sequence's blocks and forgets it (and its request once no choice
     /// is left).
     fn release(&mut self, id: SequenceId) -> Result<()> {
+        if let Some(cache) = &mut self.suffix_cache {
+            let seq = &self.sequences[id];
+            if seq.drafter.is_some() {
+                cache.insert(&self.kv.token_ids(id)?[seq.num_prompt_tokens..]);
+            }
+        }
         self.kv.free(id)?;
         let seq = self.sequences.remove(id).expect("live");
         match seq.status {
@@ -665,3 +839,7 @@ impl Scheduler {
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "scheduler_spec_tests.rs"]
+mod spec_tests;

@@ -505,6 +505,24 @@ fn bad_requests_and_configs_are_errors() {
 /// Thousands of requests with random lengths, n, priorities and aborts on a tight cache.
 #[test]
 fn randomized_simulation_keeps_invariants_and_ends_with_every_block_free() {
+    randomized_simulation(None);
+}
+
+/// The same with speculative steps: proposals accepted at random.
+#[test]
+fn randomized_speculative_simulation_keeps_invariants_and_ends_with_every_block_free() {
+    use crate::speculative::{SpeculativeConfig, SpeculativeMethod};
+    let s = randomized_simulation(Some(SpeculativeConfig {
+        method: SpeculativeMethod::Ngram { min_n: 1, max_n: 2 },
+        num_speculative_tokens: 4,
+        disable_by_batch_size: Some(10),
+    }));
+    let stats = s.stats();
+    assert!(stats.num_drafts_total > 1000, "{stats:?}");
+    assert!(stats.num_accepted_tokens_total > 1000, "{stats:?}");
+}
+
+fn randomized_simulation(speculative: Option<crate::speculative::SpeculativeConfig>) -> Scheduler {
     let mut rng = SmallRng::seed_from_u64(99);
     let cfg = SchedulerConfig {
         num_blocks: 40,
@@ -515,6 +533,7 @@ fn randomized_simulation_keeps_invariants_and_ends_with_every_block_free() {
         policy: SchedulingPolicy::Priority,
         long_prefill_token_threshold: Some(12),
         max_num_partial_prefills: 2,
+        speculative,
         ..Default::default()
     };
     let mut s = Scheduler::new(cfg).unwrap();
@@ -537,6 +556,7 @@ fn randomized_simulation_keeps_invariants_and_ends_with_every_block_free() {
                 priority: rng.gen_range(-2..3),
                 cache_salt: rng.gen_bool(0.2).then(|| "salt".to_owned()),
                 arrival_time: None,
+                speculate: rng.gen_bool(0.9),
             };
             s.add_request(&id, &tokens, p).unwrap();
             live.push(id);
@@ -553,8 +573,18 @@ fn randomized_simulation_keeps_invariants_and_ends_with_every_block_free() {
             out.query_start_loc.last().copied().unwrap_or(0) as usize,
             out.num_batched_tokens()
         );
+        // A row accepts its proposal with probability 0.6.
         let sampled: Vec<u32> =
-            (0..out.logits_indices.len()).map(|_| rng.gen_range(0..5)).collect();
+            out.logits_draft_token_ids
+                .iter()
+                .map(|&draft| {
+                    if draft >= 0 && rng.gen_bool(0.6) {
+                        draft as u32
+                    } else {
+                        rng.gen_range(0..5)
+                    }
+                })
+                .collect();
         for update in s.update_from_output(&sampled).unwrap() {
             finished += usize::from(update.finish_reason.is_some());
         }
@@ -567,4 +597,5 @@ fn randomized_simulation_keeps_invariants_and_ends_with_every_block_free() {
     assert_eq!(s.kv_cache().num_free_blocks(), 40);
     assert_eq!(s.kv_cache().num_sequences(), 0);
     assert!(s.requests.is_empty() && s.external_id_to_request.is_empty());
+    s
 }

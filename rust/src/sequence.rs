@@ -5,6 +5,7 @@
 use std::cmp::Ordering;
 
 use crate::kv_cache_manager::SequenceId;
+use crate::speculative::Drafter;
 
 /// Why a sequence ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,6 +201,8 @@ pub struct Sequence {
     pub stop: StopConditions,
     /// Times this sequence was preempted.
     pub num_preemptions: u32,
+    /// Its proposer, when it speculates.
+    pub(crate) drafter: Option<Drafter>,
 }
 
 impl Sequence {
