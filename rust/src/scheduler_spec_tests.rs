@@ -18,12 +18,15 @@ fn next_token(context: &[u32], choice: usize) -> u32 {
     for &token in &context[context.len().saturating_sub(3)..] {
         h = (h ^ u64::from(token)).wrapping_mul(1099511628211);
     }
-    if h % 5 != 0 && context.len() >= 4 {
+    if !h.is_multiple_of(5) && context.len() >= 4 {
         context[context.len() - 4]
     } else {
         (h >> 7) as u32 % 6
     }
 }
+
+/// Each choice's tokens and finish reason, by (request id, choice).
+type Results = HashMap<(String, usize), (Vec<u32>, Option<FinishReason>)>;
 
 /// What the KV cache holds, slot by slot: (token, position) written there.
 type KvStore = HashMap<i64, (i64, i64)>;
@@ -139,7 +142,7 @@ fn run(
     speculative: Option<SpeculativeConfig>,
     work: &Workload,
     num_blocks: usize,
-) -> (HashMap<(String, usize), (Vec<u32>, Option<FinishReason>)>, Scheduler) {
+) -> (Results, Scheduler) {
     let config = SchedulerConfig {
         num_blocks,
         block_size: 4,
@@ -154,7 +157,7 @@ fn run(
     let mut s = Scheduler::new(config).unwrap();
     let mut kv = KvStore::new();
     let mut rng = SmallRng::seed_from_u64(7);
-    let mut results: HashMap<(String, usize), (Vec<u32>, Option<FinishReason>)> = HashMap::new();
+    let mut results = Results::new();
     let mut next = 0;
     let mut steps = 0;
     while next < work.prompts.len() || s.has_unfinished_requests() {
@@ -166,7 +169,8 @@ fn run(
             }
         }
         for update in run_step(&mut s, &mut kv, &mut rng) {
-            let id = s_external_id(&s, &results, update.request);
+            // Handles are issued in order: request `r{i}` has handle i.
+            let id = format!("r{}", update.request);
             let entry = results.entry((id, update.choice_index)).or_default();
             entry.0.extend(update.new_token_id);
             if update.finish_reason.is_some() {
@@ -179,15 +183,6 @@ fn run(
     assert_eq!(s.kv.num_free_blocks(), num_blocks, "every block is free again");
     assert_eq!(s.kv.num_sequences(), 0);
     (results, s)
-}
-
-/// The request id of a handle (handles are issued in order, so `r{handle}`).
-fn s_external_id(
-    _s: &Scheduler,
-    _results: &HashMap<(String, usize), (Vec<u32>, Option<FinishReason>)>,
-    handle: u64,
-) -> String {
-    format!("r{handle}")
 }
 
 fn spec(method: SpeculativeMethod, k: usize) -> Option<SpeculativeConfig> {

@@ -97,7 +97,7 @@ impl SpeculativeConfig {
                 max_spec_factor,
                 max_cached_requests: _,
             } => {
-                if max_depth < 2 || max_depth > 255 {
+                if !(2..=255).contains(&max_depth) {
                     return invalid(format!(
                         "suffix_decoding_max_tree_depth must be between 2 and 255, got {max_depth}"
                     ));
@@ -297,8 +297,8 @@ impl SuffixTrie {
 
     /// Indexes the tokens of a sequence not indexed yet.
     fn extend(&mut self, token_ids: &[u32]) {
-        for index in self.num_indexed..token_ids.len() {
-            self.push(token_ids[index]);
+        for &token in &token_ids[self.num_indexed.min(token_ids.len())..] {
+            self.push(token);
         }
         self.num_indexed = token_ids.len();
     }
