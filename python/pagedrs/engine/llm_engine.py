@@ -4,6 +4,7 @@ strings, logprobs, outputs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -21,12 +22,13 @@ from pagedrs.engine.model_runner import load_model_runner
 from pagedrs.engine.parallel import TensorParallelError, TensorParallelGroup, check_parallel_config, launched_setup
 from pagedrs.errors import DuplicateRequestError
 from pagedrs.layers.linear import TensorParallel
-from pagedrs.memory import kv_cache_capacity
+from pagedrs.memory import kv_bytes_per_token, kv_cache_capacity
 from pagedrs.models import architecture_of, build_model
 from pagedrs.models.loader import load_config, load_tokenizer, resolve_model
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.sampler import Sampler, SamplerOutput, SamplingRow
 from pagedrs.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from pagedrs.spec_decode import DraftModelProposer, SpeculativeConfig, speculates, verify_and_sample
 from pagedrs.structured_vocab import token_bytes
 
 logger = logging.getLogger("pagedrs")
@@ -109,9 +111,20 @@ class LLMEngine:
         if tp_size > 1:
             with torch.device("meta"):  # an indivisible head count fails here, before any rank starts
                 build_model(self.hf_config, self.dtype, TensorParallel(0, tp_size))
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
+        self.draft_hf_config = self._draft_config(self.speculative, tp_size)
         capacity = kv_cache_capacity(
             self.hf_config, config.kv_cache_bytes(self.device), self.dtype, config.block_size, tp_size
         )
+        if self.draft_hf_config is not None:
+            # The draft model's KV lives in the same blocks (`pagedrs.spec_decode.drafter`).
+            bytes_per_token = capacity.bytes_per_token + kv_bytes_per_token(self.draft_hf_config, self.dtype)
+            capacity = dataclasses.replace(
+                capacity,
+                bytes_per_token=bytes_per_token,
+                bytes_per_block=bytes_per_token * config.block_size,
+                num_blocks=config.kv_cache_bytes(self.device) // (bytes_per_token * config.block_size),
+            )
         if capacity.num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for one block of {capacity.bytes_per_block} bytes")
         model_max_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2**31)
@@ -127,6 +140,7 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_num_partial_prefills=config.max_num_partial_prefills,
             namespace=f"{self.model_name}|{self.dtype}",
+            **(self.speculative.scheduler_kwargs() if self.speculative is not None else {}),
         )
         self.parallel: TensorParallelGroup | None = None
         """The other tensor-parallel ranks (this engine is rank 0), when there are any."""
@@ -147,6 +161,16 @@ class LLMEngine:
             raise
         self.model = self.runner.model
         self.sampler = Sampler(self.hf_config.vocab_size, config.seed, self.device)
+        self.drafter: DraftModelProposer | None = None
+        if self.speculative is not None and self.speculative.model is not None:
+            draft_runner = load_model_runner(
+                dataclasses.replace(config, model=self.speculative.model),
+                self.dtype,
+                self.device,
+                capacity.num_blocks,
+                hf_config=self.draft_hf_config,
+            )
+            self.drafter = DraftModelProposer(draft_runner, self.sampler)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._requests: dict[str, _Request] = {}
         self._token_texts: dict[int, str] = {}
@@ -157,8 +181,12 @@ class LLMEngine:
         # the first constrained step.)
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedrs-grammar")
         self._num_constrained_requests = 0
+        self._step_drafts: np.ndarray | None = None
+        """The draft model's proposals of the step being run, for the core."""
         self.last_schedule: SchedulerOutput | None = None
         """The last step's batch (`SchedulerOutput`), for metrics and benchmarks."""
+        if self.speculative is not None:
+            logger.info("speculative decoding: %s", self.speculative)
         logger.info(
             "pagedrs engine: %s (%s) %s on %s, tensor parallel %d%s, %d KV blocks of %d tokens (%d tokens)",
             self.model_name,
@@ -171,6 +199,22 @@ class LLMEngine:
             config.block_size,
             capacity.num_tokens,
         )
+
+    def _draft_config(self, speculative: SpeculativeConfig | None, tp_size: int) -> Any:
+        """The draft model's Hugging Face config, checked against the target's; ``None`` without
+        a draft model."""
+        if speculative is None or speculative.model is None:
+            return None
+        if tp_size > 1:
+            raise ValueError("a draft model runs with tensor_parallel_size 1 (ngram and suffix speculation run with any)")
+        draft_config = load_config(resolve_model(speculative.model))
+        architecture_of(draft_config)  # an unsupported draft architecture fails here
+        if draft_config.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_config.vocab_size} tokens) differs from the target's "
+                f"({self.hf_config.vocab_size}): it must share the target's tokenizer"
+            )
+        return draft_config
 
     # -- requests --------------------------------------------------------------------------
 
@@ -231,6 +275,7 @@ class LLMEngine:
                 n=params.n,
                 priority=priority,
                 cache_salt=cache_salt,
+                speculate=speculates(params),
             )
         except BaseException:
             self._release(request)
@@ -353,9 +398,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.last_schedule = out
         touched: dict[str, _Request] = {}
+        self._step_drafts: np.ndarray | None = None
         sampled = self._execute(out, touched) if len(out) else None
         token_ids = sampled.token_ids if sampled is not None else np.zeros(len(out.logits_indices), np.int64)
-        self._apply(self.scheduler.update_from_output(token_ids), sampled, touched)
+        self._apply(self.scheduler.update_from_output(token_ids, self._step_drafts), sampled, touched)
         outputs = [request.to_output() for request in touched.values()]
         for request in touched.values():
             if request.finished():
@@ -374,6 +420,9 @@ class LLMEngine:
                 masks = self._fill_masks([matcher for _, matcher in constrained])
             prompt_rows = self._prompt_logprob_rows(out)
             extra_rows = np.array([row for row, _, _ in prompt_rows], dtype=np.int64)
+            draft_probs = None
+            if self.drafter is not None:  # it writes its proposals into the batch
+                self._step_drafts, draft_probs = self.drafter.propose(out, rows)
             logits, prompt_logits = self.runner.execute(out, extra_rows)
             self._record_prompt_logprobs(prompt_rows, prompt_logits)
             allowed = None if masks is None else ([row for row, _ in constrained], masks.result())
@@ -387,7 +436,11 @@ class LLMEngine:
                 self._fail(request_id, error, touched)
             return None
         try:
-            sampled = self.sampler(logits, rows, banned, allowed)
+            if out.num_spec_tokens:
+                draft_ids = out.logits_draft_token_ids
+                sampled = verify_and_sample(self.sampler, logits, rows, banned, allowed, draft_ids, draft_probs)
+            else:
+                sampled = self.sampler(logits, rows, banned, allowed)
         except Exception:  # find the rows at fault, sample the others
             logger.exception("sampling the batch failed; sampling its %d rows one at a time", len(rows))
             sampled = self._sample_rows_alone(out, logits, rows, banned, allowed, touched)
@@ -431,6 +484,11 @@ class LLMEngine:
         """The core's columns into outputs: each new token detokenized and checked against
         stop strings, logprobs recorded, finish reasons set."""
         request_ids = updates.request_ids
+        # A speculating choice may get several tokens (rows) in one update; the core may have
+        # finished it at a later row than the one a stop string matches in.
+        finished_by_core = {
+            (request_ids[row], int(updates.choice_indices[row])) for row in np.flatnonzero(updates.finish_codes)
+        }
         columns = zip(
             updates.choice_indices.tolist(),
             updates.token_ids.tolist(),
@@ -448,7 +506,8 @@ class LLMEngine:
                 continue  # failed in this step's execute
             try:
                 if row >= 0:
-                    self._append(request, choice, token, sampled, row, core_finished=finish_code != 0)
+                    core_finished = finish_code != 0 or (request_id, index) in finished_by_core
+                    self._append(request, choice, token, sampled, row, core_finished=core_finished)
                 if finish_code and not choice.output.finished():
                     reason = FINISH_REASONS[finish_code - 1]
                     choice.output.finish_reason = reason

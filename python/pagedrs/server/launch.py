@@ -68,6 +68,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "none: dequantize; int8: quantize a float checkpoint's linears at load (CPU); fp8: to e4m3 per channel",
     )
     engine.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}, {"method": "suffix", "num_speculative_tokens": 8}, or '
+        '{"model": DRAFT_PATH, "num_speculative_tokens": 4}',
+    )
+    engine.add_argument(
         "--max-waiting-requests",
         type=int,
         default=512,
@@ -148,6 +155,7 @@ def engine_config(args: argparse.Namespace):
         seed=args.seed,
         attention_backend=args.attention_backend,
         quantization=args.quantization,
+        speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_backend=args.distributed_backend,
         distributed_timeout=args.distributed_timeout,

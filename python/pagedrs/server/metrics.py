@@ -117,7 +117,30 @@ class _SchedulerCollector:
             ("masked_rows", "Logits rows masked by a constraint.", structured.num_masks),
         ):
             yield self._family(counter, f"pagedrs:structured_output_{name}", documentation, value)
+        yield from self._speculative(stats)
         yield from self._parallel()
+
+    def _speculative(self, stats):
+        """Speculative decoding, with vLLM's names (only when it is on)."""
+        speculative = self.engine.engine.speculative
+        if speculative is None:
+            return
+        counter = CounterMetricFamily
+        for name, documentation, value in (
+            ("num_drafts", "Speculative steps of a sequence (one that proposed tokens).", stats.num_drafts_total),
+            ("num_draft_tokens", "Proposed tokens.", stats.num_draft_tokens_total),
+            ("num_accepted_tokens", "Proposed tokens accepted by verification.", stats.num_accepted_tokens_total),
+        ):
+            yield self._family(counter, f"pagedrs:spec_decode_{name}", documentation, value)
+        per_position = CounterMetricFamily(
+            "pagedrs:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposed tokens by their position in the proposal (0 = first).",
+            labels=[*self.labels, "position"],
+        )
+        counts = stats.num_accepted_tokens_per_pos[: speculative.num_speculative_tokens]
+        for position, value in enumerate(counts):
+            per_position.add_metric([*self.labels.values(), str(position)], value)
+        yield per_position
 
     def _parallel(self):
         """The tensor-parallel layout (an info gauge, as vLLM's ``*_config_info``) and what

@@ -13,6 +13,7 @@ use crate::error::Error;
 use crate::metrics::SchedulerStats;
 use crate::scheduler::{RequestParams, Scheduler, SchedulerConfig, SchedulingPolicy};
 use crate::sequence::{FinishReason, StopConditions};
+use crate::speculative::{SpeculativeConfig, SpeculativeMethod};
 
 /// One step's batch. Every array is a fresh numpy array handed over without a copy.
 #[pyclass(name = "SchedulerOutput", module = "pagedrs._core", frozen, get_all)]
@@ -42,6 +43,11 @@ pub(super) struct PySchedulerOutput {
     /// Choice (0..n) each logits row samples for; a prompt with `n > 1` has rows for
     /// choices 0..n. `int32 [num_logits]`
     logits_choice_indices: Py<PyArray1<i32>>,
+    /// Proposed token each logits row verifies, -1 where none. `int64 [num_logits]`
+    logits_draft_token_ids: Py<PyArray1<i64>>,
+    /// Proposed tokens of each sequence, the last of its scheduled tokens (placeholders 0
+    /// under the `draft` method, for the caller to fill). `int32 [num_seqs]`
+    num_draft_tokens: Py<PyArray1<i32>>,
     /// Copy-on-write copies `(src, dst)` to do before the forward pass. `int64 [k, 2]`
     block_copies: Py<PyArray2<i64>>,
     /// Sequences in the batch.
@@ -50,8 +56,10 @@ pub(super) struct PySchedulerOutput {
     num_batched_tokens: usize,
     /// Prefill tokens in the batch.
     num_prefill_tokens: usize,
-    /// Decode tokens in the batch.
+    /// Decode tokens in the batch (proposals included).
     num_decode_tokens: usize,
+    /// Proposed tokens in the batch.
+    num_spec_tokens: usize,
     /// Sequences preempted this step. `list[tuple[str, int]]` of (request id, choice).
     preempted: Py<PyList>,
 }
@@ -168,6 +176,15 @@ pub(super) struct PySchedulerStats {
     num_prefill_tokens_total: u64,
     /// Tokens sampled since start.
     num_generated_tokens_total: u64,
+    /// Sequences' speculative steps since start.
+    num_drafts_total: u64,
+    /// Proposed tokens since start.
+    num_draft_tokens_total: u64,
+    /// Proposed tokens accepted since start.
+    num_accepted_tokens_total: u64,
+    /// Accepted proposals by position in the proposal (0 = first; 32 entries, the most
+    /// proposals a step allows).
+    num_accepted_tokens_per_pos: Vec<u64>,
 }
 
 impl From<SchedulerStats> for PySchedulerStats {
@@ -188,6 +205,10 @@ impl From<SchedulerStats> for PySchedulerStats {
             step_num_decode_tokens: s.step_num_decode_tokens,
             num_prefill_tokens_total: s.num_prefill_tokens_total,
             num_generated_tokens_total: s.num_generated_tokens_total,
+            num_drafts_total: s.num_drafts_total,
+            num_draft_tokens_total: s.num_draft_tokens_total,
+            num_accepted_tokens_total: s.num_accepted_tokens_total,
+            num_accepted_tokens_per_pos: s.num_accepted_tokens_per_pos.to_vec(),
         }
     }
 }
@@ -290,6 +311,15 @@ impl PyScheduler {
         long_prefill_token_threshold = None,
         max_num_partial_prefills = 1,
         namespace = "",
+        speculative_method = None,
+        num_speculative_tokens = 0,
+        prompt_lookup_min = 1,
+        prompt_lookup_max = 4,
+        suffix_max_tree_depth = 24,
+        suffix_min_token_prob = 0.1,
+        suffix_max_spec_factor = 1.0,
+        suffix_max_cached_requests = 10000,
+        spec_disable_by_batch_size = None,
     ))]
     // One parameter per Python keyword argument: the signature is the Python API.
     #[allow(clippy::too_many_arguments)]
@@ -305,8 +335,53 @@ impl PyScheduler {
         long_prefill_token_threshold: Option<i64>,
         max_num_partial_prefills: i64,
         namespace: &str,
+        speculative_method: Option<&str>,
+        num_speculative_tokens: i64,
+        prompt_lookup_min: i64,
+        prompt_lookup_max: i64,
+        suffix_max_tree_depth: i64,
+        suffix_min_token_prob: f64,
+        suffix_max_spec_factor: f64,
+        suffix_max_cached_requests: i64,
+        spec_disable_by_batch_size: Option<i64>,
     ) -> PyResult<Self> {
         let build = || -> Result<Scheduler, Error> {
+            let method = match speculative_method {
+                None => None,
+                Some("ngram") => Some(SpeculativeMethod::Ngram {
+                    min_n: to_count(prompt_lookup_min, "prompt_lookup_min")?,
+                    max_n: to_count(prompt_lookup_max, "prompt_lookup_max")?,
+                }),
+                Some("suffix") => Some(SpeculativeMethod::Suffix {
+                    max_depth: to_count(suffix_max_tree_depth, "suffix_max_tree_depth")?,
+                    min_token_prob: suffix_min_token_prob,
+                    max_spec_factor: suffix_max_spec_factor,
+                    max_cached_requests: to_count(
+                        suffix_max_cached_requests,
+                        "suffix_max_cached_requests",
+                    )?,
+                }),
+                Some("draft") => Some(SpeculativeMethod::External),
+                Some(other) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "speculative_method must be \"ngram\", \"suffix\" or \"draft\", got \
+                         {other:?}"
+                    )))
+                }
+            };
+            let speculative = match method {
+                None => None,
+                Some(method) => Some(SpeculativeConfig {
+                    method,
+                    num_speculative_tokens: to_count(
+                        num_speculative_tokens,
+                        "num_speculative_tokens",
+                    )?,
+                    disable_by_batch_size: spec_disable_by_batch_size
+                        .map(|size| to_count(size, "disable_by_batch_size"))
+                        .transpose()?,
+                }),
+            };
             Scheduler::new(SchedulerConfig {
                 num_blocks: to_count(num_blocks, "num_blocks")?,
                 block_size: to_count(block_size, "block_size")?,
@@ -323,6 +398,7 @@ impl PyScheduler {
                     max_num_partial_prefills,
                     "max_num_partial_prefills",
                 )?,
+                speculative,
             })
         };
         let inner = build().map_err(|err| to_py_err(py, err))?;
@@ -343,6 +419,7 @@ impl PyScheduler {
         priority = 0,
         cache_salt = None,
         arrival_time = None,
+        speculate = true,
     ))]
     // One parameter per Python keyword argument: the signature is the Python API.
     #[allow(clippy::too_many_arguments)]
@@ -360,6 +437,7 @@ impl PyScheduler {
         priority: i64,
         cache_salt: Option<String>,
         arrival_time: Option<f64>,
+        speculate: bool,
     ) -> PyResult<()> {
         let external_id = request_id.to_str()?;
         let result = (|| {
@@ -380,6 +458,7 @@ impl PyScheduler {
                 priority,
                 cache_salt,
                 arrival_time,
+                speculate,
             };
             self.inner.add_request(external_id, &prompt, params)
         })();
@@ -461,23 +540,39 @@ impl PyScheduler {
             logits_indices: out.logits_indices.into_pyarray(py).unbind(),
             logits_request_indices: out.logits_request_indices.into_pyarray(py).unbind(),
             logits_choice_indices: out.logits_choice_indices.into_pyarray(py).unbind(),
+            logits_draft_token_ids: out.logits_draft_token_ids.into_pyarray(py).unbind(),
+            num_draft_tokens: out.num_draft_tokens.into_pyarray(py).unbind(),
             block_copies: block_copies.into_pyarray(py).unbind(),
             num_prefill_tokens: out.num_prefill_tokens,
             num_decode_tokens: out.num_decode_tokens,
+            num_spec_tokens: out.num_spec_tokens,
             preempted,
         })
     }
 
     /// Appends the sampled tokens (one per `logits_indices` row of the last `schedule`) and
-    /// returns, as columns, one row per sequence that got a token or that `schedule` ended.
+    /// returns, as columns, one row per appended token (a speculating sequence may get
+    /// several, in order) or per sequence that `schedule` ended. `draft_token_ids`: the
+    /// proposals the caller wrote into the batch under the `draft` method, in row order.
+    #[pyo3(signature = (sampled_token_ids, draft_token_ids = None))]
     fn update_from_output(
         &mut self,
         py: Python<'_>,
         sampled_token_ids: &Bound<'_, PyAny>,
+        draft_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStepUpdates> {
         let sampled = sampled_tokens(sampled_token_ids)?;
         let sampled = to_token_ids(sampled).map_err(|err| to_py_err(py, err))?;
-        let updates = self.inner.update_from_output(&sampled).map_err(|err| to_py_err(py, err))?;
+        let drafts = match draft_token_ids {
+            Some(drafts) => {
+                Some(to_token_ids(sampled_tokens(drafts)?).map_err(|err| to_py_err(py, err))?)
+            }
+            None => None,
+        };
+        let updates = self
+            .inner
+            .update_from_output_with_drafts(&sampled, drafts.as_deref())
+            .map_err(|err| to_py_err(py, err))?;
         let step_updates = self.step_updates(py, &updates)?;
         self.forget_finished(&updates);
         Ok(step_updates)

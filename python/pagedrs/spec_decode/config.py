@@ -1,0 +1,127 @@
+"""``--speculative-config``: which proposer, how many tokens, when to step aside."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "suffix", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings, with vLLM's keys:
+
+    - ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+      "prompt_lookup_max": b}``: prompt lookup (the core's n-gram index);
+    - ``{"method": "suffix", "num_speculative_tokens": k, ...}``: suffix decoding over the
+      request's tokens and recent outputs (``suffix_decoding_*`` keys);
+    - ``{"model": PATH, "num_speculative_tokens": k}``: a draft model sharing the target's
+      tokenizer (``"method": "draft_model"`` may be given or left out).
+
+    ``disable_by_batch_size``: no sequence speculates in a step running this many sequences
+    or more (a big batch is compute-bound, and verifying proposals costs more than it
+    saves). ``None`` keeps the default, `DEFAULT_DISABLE_BY_BATCH_SIZE`; 0 never steps aside.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 10000
+    disable_by_batch_size: int | None = None
+
+    @staticmethod
+    def parse(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a dict, its JSON text, or ``None`` (no speculation). Unknown keys, a missing
+        ``num_speculative_tokens`` or bad values raise ``ValueError``."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {value!r}")
+        known = {field.name for field in fields(SpeculativeConfig)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        value = dict(value)
+        method = value.pop("method", None)
+        if method is None:
+            method = "draft_model" if value.get("model") is not None else None
+        if method == "draft":
+            method = "draft_model"
+        if method not in METHODS:
+            raise ValueError(f"speculative config: method must be one of {', '.join(METHODS)} (or give a model), got {method!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative config: num_speculative_tokens is required")
+        config = SpeculativeConfig(method=method, **value)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        def positive_int(name: str, value: Any, low: int = 1) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"speculative config: {name} must be an integer >= {low}, got {value!r}")
+
+        positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative config: num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative config: the draft_model method needs a model")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative config: method {self.method!r} takes no model")
+        low, high = self.lookup_range()
+        positive_int("prompt_lookup_min", low)
+        positive_int("prompt_lookup_max", high)
+        if low > high:
+            raise ValueError(f"speculative config: prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        positive_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 2)
+        positive_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
+        if self.disable_by_batch_size is not None:
+            positive_int("disable_by_batch_size", self.disable_by_batch_size, 0)
+
+    def lookup_range(self) -> tuple[int, int]:
+        """``(prompt_lookup_min, prompt_lookup_max)``; as in vLLM, one given alone sets both
+        ends, and neither gives 1..4 here."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            return 1, 4
+        return (high if low is None else low), (low if high is None else high)
+
+    def scheduler_kwargs(self) -> dict[str, Any]:
+        """The core `Scheduler`'s speculative keyword arguments."""
+        low, high = self.lookup_range()
+        disable = self.disable_by_batch_size
+        if disable is None:
+            disable = DEFAULT_DISABLE_BY_BATCH_SIZE
+        return {
+            "speculative_method": {"draft_model": "draft"}.get(self.method, self.method),
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "prompt_lookup_min": low,
+            "prompt_lookup_max": high,
+            "suffix_max_tree_depth": self.suffix_decoding_max_tree_depth,
+            "suffix_min_token_prob": self.suffix_decoding_min_token_prob,
+            "suffix_max_spec_factor": self.suffix_decoding_max_spec_factor,
+            "suffix_max_cached_requests": self.suffix_decoding_max_cached_requests,
+            "spec_disable_by_batch_size": disable or None,
+        }
+
+
+MAX_SPECULATIVE_TOKENS = 32
+"""The core's limit on proposals per sequence and step."""
+
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+"""Sequences at which speculation steps aside unless the config says otherwise (measured on
+the default model on CPU: see docs/benchmarks.md, "Speculative decoding")."""
