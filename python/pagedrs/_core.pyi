@@ -143,6 +143,14 @@ class SchedulerOutput:
         """For each logits row, the choice (0..n-1) its token goes to: the ``n`` rows of a
         prompt with ``n > 1`` are for choices ``0..n-1``, in order. ``[num_logits]``"""
     @property
+    def logits_draft_token_ids(self) -> npt.NDArray[np.int64]:
+        """For each logits row, the proposed token it verifies; -1 where none (a bonus row, or
+        no speculation). ``[num_logits]``"""
+    @property
+    def num_draft_tokens(self) -> npt.NDArray[np.int32]:
+        """Proposed tokens of each sequence: the last of its ``num_scheduled_tokens``
+        (placeholders 0 under the ``draft`` method, for the caller to fill). ``[num_seqs]``"""
+    @property
     def block_copies(self) -> npt.NDArray[np.int64]:
         """Copy-on-write ``(src, dst)`` block copies to do before the forward pass. ``[k, 2]``"""
     @property
@@ -153,6 +161,9 @@ class SchedulerOutput:
     def num_prefill_tokens(self) -> int: ...
     @property
     def num_decode_tokens(self) -> int: ...
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens in the batch."""
     @property
     def preempted(self) -> list[tuple[str, int]]:
         """``(request_id, choice_index)`` of sequences preempted while building this batch."""
@@ -177,6 +188,11 @@ class SchedulerStats:
     step_num_decode_tokens: int
     num_prefill_tokens_total: int
     num_generated_tokens_total: int
+    num_drafts_total: int
+    num_draft_tokens_total: int
+    num_accepted_tokens_total: int
+    num_accepted_tokens_per_pos: list[int]
+    """32 entries (the most proposals a step allows): accepted proposals by position."""
 
 FINISH_REASONS: tuple[str, ...]
 """``("stop", "length", "abort", "capacity")``: ``StepUpdates.finish_codes`` code ``c > 0``
@@ -244,7 +260,19 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         max_num_partial_prefills: int = 1,
         namespace: str = "",
-    ) -> Scheduler: ...
+        speculative_method: str | None = None,
+        num_speculative_tokens: int = 0,
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 4,
+        suffix_max_tree_depth: int = 24,
+        suffix_min_token_prob: float = 0.1,
+        suffix_max_spec_factor: float = 1.0,
+        suffix_max_cached_requests: int = 10000,
+        spec_disable_by_batch_size: int | None = None,
+    ) -> Scheduler:
+        """``speculative_method``: ``"ngram"``, ``"suffix"`` or ``"draft"`` (the caller's
+        proposals) turns speculative decoding on, ``num_speculative_tokens`` at most per
+        sequence and step."""
     def add_request(
         self,
         request_id: str,
@@ -259,8 +287,10 @@ class Scheduler:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        speculate: bool = True,
     ) -> None:
-        """Queues a request. ``DuplicateRequestError`` for a live id; ``InvalidArgumentError``
+        """Queues a request (``speculate``: whether its choices may propose tokens when
+        the scheduler speculates). ``DuplicateRequestError`` for a live id; ``InvalidArgumentError``
         (a ``ValueError``) for an empty prompt, one that leaves no room for output,
         ``max_tokens < 1``, ``min_tokens > max_tokens`` or ``n`` outside ``[1, max_num_seqs]``.
 
@@ -274,11 +304,18 @@ class Scheduler:
         freeing its blocks. Not reported back: ``update_from_output`` says nothing more of
         this choice. ``reason`` must be one of ``FINISH_REASONS``."""
     def schedule(self) -> SchedulerOutput: ...
-    def update_from_output(self, sampled_token_ids: npt.NDArray[np.integer] | list[int]) -> StepUpdates:
+    def update_from_output(
+        self,
+        sampled_token_ids: npt.NDArray[np.integer] | list[int],
+        draft_token_ids: npt.NDArray[np.integer] | list[int] | None = None,
+    ) -> StepUpdates:
         """Appends one sampled token per ``logits_indices`` row of the last ``schedule`` (row
         ``i`` goes to choice ``logits_choice_indices[i]`` of sequence
-        ``logits_request_indices[i]``), applies stop conditions, frees what finished.
-        ``InvalidArgumentError`` when the count does not match."""
+        ``logits_request_indices[i]``), applies stop conditions, frees what finished. A
+        speculating sequence gets the rows that sampled their proposal, then one more (one
+        update row per token). ``draft_token_ids``: the proposals the caller wrote into the
+        batch (``draft`` method), in row order. ``InvalidArgumentError`` when a count does not
+        match."""
     def request_status(self, request_id: str, index: int = 0) -> str:
         """``"waiting"``, ``"running"`` or ``"preempted"``; ``UnknownRequestError`` once the
         request has ended, ``InvalidArgumentError`` once that choice has."""

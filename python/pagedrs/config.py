@@ -80,9 +80,9 @@ class EngineConfig:
     """Where rank 0 listens for the rendezvous (``MASTER_ADDR``)."""
     master_port: int | None = None
     """Rendezvous port (``MASTER_PORT``); ``None`` picks a free one (one node only)."""
-    speculative_config: dict[str, Any] | str | None = None
-    """Speculative decoding, as vLLM's ``--speculative-config`` (a dict or its JSON): see
-    `pagedrs.spec_decode.SpeculativeConfig`. ``None``: off."""
+    speculative_config: Any = None
+    """Speculative decoding, as vLLM's ``--speculative-config``: a dict, its JSON text or a
+    `pagedrs.spec_decode.SpeculativeConfig` (see there). ``None``: off."""
 
     def torch_device(self) -> torch.device:
         if self.device is None:

@@ -206,7 +206,9 @@ class LLMEngine:
         if speculative is None or speculative.model is None:
             return None
         if tp_size > 1:
-            raise ValueError("a draft model runs with tensor_parallel_size 1 (ngram and suffix speculation run with any)")
+            raise ValueError(
+                "a draft model runs with tensor_parallel_size 1 (ngram and suffix speculation run with any)"
+            )
         draft_config = load_config(resolve_model(speculative.model))
         architecture_of(draft_config)  # an unsupported draft architecture fails here
         if draft_config.vocab_size != self.hf_config.vocab_size:
@@ -398,7 +400,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.last_schedule = out
         touched: dict[str, _Request] = {}
-        self._step_drafts: np.ndarray | None = None
+        self._step_drafts = None
         sampled = self._execute(out, touched) if len(out) else None
         token_ids = sampled.token_ids if sampled is not None else np.zeros(len(out.logits_indices), np.int64)
         self._apply(self.scheduler.update_from_output(token_ids, self._step_drafts), sampled, touched)

@@ -70,6 +70,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument(
         "--speculative-config",
         default=None,
+        type=_speculative_config,
         help='speculative decoding as JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}, {"method": "suffix", "num_speculative_tokens": 8}, or '
         '{"model": DRAFT_PATH, "num_speculative_tokens": 4}',
@@ -127,6 +128,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def _speculative_config(text: str):
+    """``--speculative-config``, checked when the arguments are parsed (a bad one is a usage
+    error, not a traceback)."""
+    from pagedrs.spec_decode import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def served_name(args: argparse.Namespace) -> str:

@@ -52,7 +52,9 @@ class SpeculativeConfig:
         known = {field.name for field in fields(SpeculativeConfig)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"unknown speculative config keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            raise ValueError(
+                f"unknown speculative config keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
         value = dict(value)
         method = value.pop("method", None)
         if method is None:
@@ -60,7 +62,9 @@ class SpeculativeConfig:
         if method == "draft":
             method = "draft_model"
         if method not in METHODS:
-            raise ValueError(f"speculative config: method must be one of {', '.join(METHODS)} (or give a model), got {method!r}")
+            raise ValueError(
+                f"speculative config: method must be one of {', '.join(METHODS)} (or give a model), got {method!r}"
+            )
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative config: num_speculative_tokens is required")
         config = SpeculativeConfig(method=method, **value)
@@ -96,9 +100,9 @@ class SpeculativeConfig:
         """``(prompt_lookup_min, prompt_lookup_max)``; as in vLLM, one given alone sets both
         ends, and neither gives 1..4 here."""
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if low is None and high is None:
-            return 1, 4
-        return (high if low is None else low), (low if high is None else high)
+        if low is None:
+            return (1, 4) if high is None else (high, high)
+        return low, low if high is None else high
 
     def scheduler_kwargs(self) -> dict[str, Any]:
         """The core `Scheduler`'s speculative keyword arguments."""

@@ -48,9 +48,7 @@ class DraftModelProposer:
         self.block_size = runner.block_size
 
     @torch.inference_mode()
-    def propose(
-        self, out: SchedulerOutput, rows: list[SamplingRow]
-    ) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
+    def propose(self, out: SchedulerOutput, rows: list[SamplingRow]) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
         """Runs the draft model over the step and writes its proposals into the batch
         (``out.input_token_ids`` and ``out.logits_draft_token_ids``, in place). ``rows``: the
         `SamplingRow` of each logits row. Returns the proposals in row order (what the core's
@@ -85,8 +83,13 @@ class DraftModelProposer:
             # Every sequence still speculating writes its proposal's KV; those that need
             # another proposal also read logits.
             logits = self.runner.forward(
-                self._single_token_arrays(out, speculating[writers], base_positions[writers] + step + 1,
-                                          drafts[writers, step], np.isin(writers, active))
+                self._single_token_arrays(
+                    out,
+                    speculating[writers],
+                    base_positions[writers] + step + 1,
+                    drafts[writers, step],
+                    np.isin(writers, active),
+                )
             )
         flat = []
         for i, seq in enumerate(speculating.tolist()):
@@ -133,7 +136,12 @@ class DraftModelProposer:
         )
 
     def _single_token_arrays(
-        self, out: SchedulerOutput, seqs: np.ndarray, positions: np.ndarray, tokens: np.ndarray, wants_logits: np.ndarray
+        self,
+        out: SchedulerOutput,
+        seqs: np.ndarray,
+        positions: np.ndarray,
+        tokens: np.ndarray,
+        wants_logits: np.ndarray,
     ) -> StepArrays:
         """One token per sequence ``seqs`` at ``positions``, in the step's slots."""
         block_tables = out.block_tables[seqs]

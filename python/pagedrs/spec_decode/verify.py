@@ -114,7 +114,9 @@ def verify_and_sample(
     """The step's tokens: the plain sampler for greedy rows and rows without a proposal, the
     rejection rule for sampled rows with one (``draft_probs``: ``q`` by logits row, from a draft
     model). Logprobs, where asked, are of the token each row ends up with."""
-    verify = [i for i, (row, draft) in enumerate(zip(rows, draft_ids.tolist())) if draft >= 0 and not row.params.is_greedy]
+    verify = [
+        i for i, (row, draft) in enumerate(zip(rows, draft_ids.tolist())) if draft >= 0 and not row.params.is_greedy
+    ]
     if not verify:
         return sampler(logits, rows, banned, allowed)
     plain = [i for i in range(len(rows)) if i not in set(verify)]
@@ -148,9 +150,11 @@ def _with_logprobs(
     """Logprob columns of every row that asked, for the tokens chosen."""
     asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     index = torch.tensor(asked, device=logits.device)
-    columns = sampler.logprob_columns(
-        logits[index], torch.from_numpy(token_ids[asked]).to(logits.device), num_top
-    ).cpu().numpy()
+    columns = (
+        sampler.logprob_columns(logits[index], torch.from_numpy(token_ids[asked]).to(logits.device), num_top)
+        .cpu()
+        .numpy()
+    )
     num_rows = len(rows)
     logprobs, ranks = np.zeros(num_rows), np.zeros(num_rows, dtype=np.int64)
     top_ids, top_logprobs = np.zeros((num_rows, num_top), dtype=np.int64), np.zeros((num_rows, num_top))

@@ -1,0 +1,280 @@
+"""Speculative decoding: greedy output identical with and without it for every method (n-gram,
+suffix, draft model), through preemption, chunked prefill, prefix hits, stop strings, max_tokens
+inside an accepted run and n > 1; the rejection rule keeps the target distribution exactly
+(chi-square against the plain sampler); bad settings are refused; the server serves it and
+exports vLLM's metrics."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from pagedrs import LLM, SamplingParams
+from pagedrs.sampler import Sampler, SamplingRow
+from pagedrs.spec_decode import SpeculativeConfig
+from pagedrs.spec_decode.verify import filtered_probs, rejection_sample, uniforms
+from tests.server_process import start_server
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 5}
+
+# Prompts whose continuations repeat (a random model loops, and copies): proposals get accepted.
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [9, 10, 11, 9, 10, 11, 9, 10],
+    [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 20, 21, 22],
+    [40, 41, 40, 41, 40],
+]
+
+
+def generate(llm: LLM, params: SamplingParams, prompts=PROMPTS) -> list[list[list[int]]]:
+    outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+    return [[choice.token_ids for choice in output.outputs] for output in outputs]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    stats = llm.engine.scheduler.stats()
+    assert stats.num_used_blocks == 0 and stats.num_running == 0 and stats.num_waiting == 0
+
+
+def engine_settings(**overrides):
+    # A tiny cache (preemption), small steps (chunked prefill) and the prefix cache on.
+    settings = dict(kv_cache_memory=24 * 1024, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    return {**settings, **overrides}
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_model_free_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_checkpoint, spec):
+    _, directory, _ = tiny_checkpoint
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+    plain = LLM(directory, **engine_settings())
+    expected = generate(plain, params) + generate(plain, params)  # the second round hits the prefix cache
+    speculative = LLM(directory, **engine_settings(speculative_config=spec))
+    got = generate(speculative, params) + generate(speculative, params)
+    assert got == expected
+    stats = speculative.engine.scheduler.stats()
+    assert stats.num_drafts_total > 0 and stats.num_accepted_tokens_total > 0, stats
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0, "the cache was never tight or hit"
+    assert_all_blocks_free(speculative)
+
+
+@pytest.fixture(scope="module")
+def other_llama(tmp_path_factory, tiny_llama) -> str:
+    """A second tiny Llama (other weights, same tokenizer): a draft that is often wrong."""
+    import transformers
+
+    from tests.conftest import TINY, save_word_tokenizer
+
+    torch.manual_seed(99)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 1})).eval()
+    directory = tmp_path_factory.mktemp("draft-llama")
+    model.save_pretrained(directory)
+    save_word_tokenizer(directory, TINY["vocab_size"])
+    return str(directory)
+
+
+@pytest.mark.parametrize("draft", ["itself", "other"])
+def test_a_draft_model_gives_the_greedy_tokens_of_plain_decoding(tiny_llama, other_llama, draft):
+    model = tiny_llama if draft == "itself" else other_llama
+    spec = {"model": model, "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)
+    expected = generate(LLM(tiny_llama, **engine_settings()), params)
+    # The draft's KV shares the blocks: the same number of blocks takes more memory.
+    memory = 24 * 1024 * (2 if draft == "itself" else 3) // (1 if draft == "itself" else 2)
+    speculative = LLM(tiny_llama, **engine_settings(kv_cache_memory=memory, speculative_config=spec))
+    assert speculative.engine.scheduler.num_blocks == LLM(tiny_llama, **engine_settings()).engine.scheduler.num_blocks
+    assert generate(speculative, params) == expected
+    stats = speculative.engine.scheduler.stats()
+    assert stats.num_drafts_total > 0, stats
+    if draft == "itself":  # the target drafting for itself is always right
+        assert stats.num_accepted_tokens_total == stats.num_draft_tokens_total
+    assert stats.num_preemptions_total > 0
+    assert_all_blocks_free(speculative)
+
+
+def test_max_tokens_and_stop_strings_land_inside_accepted_runs(tiny_llama):
+    plain = LLM(tiny_llama, kv_cache_memory="4MiB")
+    speculative = LLM(tiny_llama, kv_cache_memory="4MiB", speculative_config=NGRAM)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    text = plain.generate([PROMPTS[1]], long, use_tqdm=False)[0].outputs[0].text
+    words = text.split()
+    # A stop string on a word deep in the output, and every max_tokens up to 40.
+    stop = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[" ".join(words[17:19])])
+    for params in [stop] + [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in range(1, 41, 3)]:
+        want = plain.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+        got = speculative.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert speculative.engine.scheduler.stats().num_accepted_tokens_total > 0
+    assert_all_blocks_free(speculative)
+
+
+def test_the_default_model_copies_with_fewer_steps_and_the_same_tokens(default_llm):
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    prompt = f"Repeat the following text exactly:\n{text}\nRepeated text:\n"
+    params = SamplingParams(temperature=0, max_tokens=48)
+    expected = default_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    for spec in (NGRAM, SUFFIX):
+        speculative = LLM(kv_cache_memory="256MiB", speculative_config=spec)
+        got = speculative.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == expected
+        stats = speculative.engine.scheduler.stats()
+        # Most of the copy is proposed and accepted: far fewer steps than tokens.
+        assert stats.num_accepted_tokens_total >= len(expected) // 2, stats
+        speculative.shutdown()
+
+
+def test_sampled_speculation_is_reproducible_with_a_seed_and_logprobs_are_of_the_kept_token(tiny_llama):
+    spec = {**NGRAM, "prompt_lookup_min": 1}  # sampled text repeats less
+    speculative = LLM(tiny_llama, kv_cache_memory="4MiB", speculative_config=spec)
+    params = SamplingParams(temperature=0.7, top_k=20, max_tokens=30, seed=5, logprobs=2, ignore_eos=True)
+    first = speculative.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    second = speculative.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert first.token_ids == second.token_ids and len(first.token_ids) == 30
+    assert speculative.engine.scheduler.stats().num_drafts_total > 0
+    for token, entry in zip(first.token_ids, first.logprobs):
+        assert token in entry and entry[token].logprob <= 0
+
+
+def test_requests_with_rules_the_verifier_does_not_cover_do_not_speculate(tiny_llama):
+    speculative = LLM(tiny_llama, kv_cache_memory="4MiB", speculative_config=NGRAM)
+    penalized = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)
+    expected = LLM(tiny_llama, kv_cache_memory="4MiB").generate([PROMPTS[0]], penalized, use_tqdm=False)
+    got = speculative.generate([PROMPTS[0]], penalized, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert speculative.engine.scheduler.stats().num_drafts_total == 0
+
+
+def test_speculation_steps_aside_in_a_batch_at_the_disable_size(tiny_llama):
+    spec = {**NGRAM, "disable_by_batch_size": 2}
+    speculative = LLM(tiny_llama, kv_cache_memory="4MiB", max_num_seqs=4, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    speculative.generate(PROMPTS, params, use_tqdm=False)  # four at once: never below 2 until the end
+    batch_drafts = speculative.engine.scheduler.stats().num_drafts_total
+    speculative.generate([PROMPTS[0]], params, use_tqdm=False)
+    alone = speculative.engine.scheduler.stats().num_drafts_total - batch_drafts
+    assert alone > 0 and batch_drafts < alone
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("{not json", "not valid JSON"),
+        ({"method": "ngram"}, "num_speculative_tokens is required"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "<="),
+        ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown speculative config keys: typo"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
+    ],
+)
+def test_bad_speculative_configs_are_refused(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    import transformers
+
+    from tests.conftest import TINY
+
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, "vocab_size": 256})).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(
+            tiny_llama, kv_cache_memory="4MiB", speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2}
+        )
+
+
+# -- the rejection rule keeps the target distribution -------------------------------------
+
+
+def _two_sample_chi_square(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
+    """Chi-square statistic of two samples' counts over the bins either uses, and its degrees
+    of freedom."""
+    bins = (a + b) > 0
+    a, b = a[bins].astype(float), b[bins].astype(float)
+    scale_a, scale_b = np.sqrt(b.sum() / a.sum()), np.sqrt(a.sum() / b.sum())
+    return float((((scale_a * a - scale_b * b) ** 2) / (a + b)).sum()), int(bins.sum()) - 1
+
+
+@pytest.mark.parametrize("draft", ["point", "model"])
+def test_rejection_sampling_matches_plain_sampling_chi_square(tiny_llama, other_llama, draft):
+    """The tiny model's next-token distribution after a prompt, under temperature, top-k and
+    top-p: 200k tokens emitted by verification (proposals from a fixed token, or drawn from a
+    second model's distribution) against 200k from the plain sampler."""
+    from transformers import AutoModelForCausalLM
+
+    def next_logits(directory: str) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(directory).eval()
+        with torch.no_grad():
+            return model(torch.tensor([PROMPTS[2]])).logits[0, -1] * 4  # sharpen the flat random head
+
+    target_logits = next_logits(tiny_llama)
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+    num_draws, vocab = 200_000, target_logits.shape[-1]
+    sampler = Sampler(vocab, seed=3)
+    rows = [SamplingRow(params, None)] * num_draws
+    logits = target_logits.expand(num_draws, -1).contiguous()
+    plain = sampler(logits.clone(), rows).token_ids
+    target = filtered_probs(target_logits.unsqueeze(0), [params]).expand(num_draws, -1)
+    if draft == "point":  # n-gram: always the second most likely token
+        drafts = torch.full((num_draws,), int(target[0].argsort(descending=True)[1]))
+        q = None
+    else:
+        q_row = filtered_probs(next_logits(other_llama).unsqueeze(0), [params])
+        generator = torch.Generator().manual_seed(8)
+        drafts = torch.multinomial(q_row.expand(num_draws, -1), 1, replacement=True, generator=generator).squeeze(1)
+        q = q_row.expand(num_draws, -1)
+    verified = rejection_sample(target, drafts, q, uniforms(sampler, rows[:1], 2 * num_draws).view(num_draws, 2))
+    accepted = (verified == drafts).float().mean().item()
+    assert 0.02 < accepted < 0.98, accepted  # both branches of the rule are exercised
+    counts_plain = np.bincount(plain, minlength=vocab)
+    counts_verified = np.bincount(verified.numpy(), minlength=vocab)
+    statistic, dof = _two_sample_chi_square(counts_plain, counts_verified)
+    # The 99.9% quantile of chi-square(dof) is below dof + 3.3 sqrt(2 dof) + 10 for these sizes.
+    assert statistic < dof + 3.3 * np.sqrt(2 * dof) + 10, (statistic, dof)
+    # And the test has the power to see a 2% shift of mass: move 2% from the top token.
+    shifted = counts_verified.copy()
+    top, other = np.argsort(counts_verified)[-1], np.argsort(counts_verified)[-2]
+    moved = int(0.02 * num_draws)
+    shifted[top] -= moved
+    shifted[other] += moved
+    assert _two_sample_chi_square(counts_plain, shifted)[0] > dof + 3.3 * np.sqrt(2 * dof) + 10
+
+
+# -- the server ---------------------------------------------------------------------------
+
+
+def test_the_server_speculates_and_exports_vllm_metrics(tiny_smol, tmp_path):
+    question = [{"role": "user", "content": "Say a b c a b c a b c a b c"}]
+    expected = LLM(tiny_smol, kv_cache_memory="4MiB").chat(
+        question, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False
+    )[0]
+    args = [tiny_smol, "--kv-cache-memory", "4MiB", "--max-model-len", "256", "--log-level", "warning"]
+    spec = {"model": tiny_smol, "num_speculative_tokens": 3}  # drafting for itself: always accepted
+    server = start_server([*args, "--speculative-config", json.dumps(spec)], str(tmp_path / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        stream = client.chat.completions.create(
+            model=tiny_smol, messages=question, max_tokens=24, temperature=0, stream=True
+        )
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text == expected.outputs[0].text
+        metrics = server.metrics()
+        assert metrics["pagedrs:spec_decode_num_drafts_total"] > 0
+        accepted = metrics["pagedrs:spec_decode_num_accepted_tokens_total"]
+        assert accepted == metrics["pagedrs:spec_decode_num_draft_tokens_total"] > 0
+        assert "pagedrs:spec_decode_num_accepted_tokens_per_pos_total" in metrics
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=30)
+
+
+def test_the_server_refuses_a_bad_speculative_config(tiny_smol, tmp_path):
+    args = [tiny_smol, "--kv-cache-memory", "4MiB", "--log-level", "warning", "--speculative-config", "{bad"]
+    with pytest.raises(RuntimeError, match="speculative config is not valid JSON") as error:
+        start_server(args, str(tmp_path / "server.log"), timeout=60)
+    assert "Traceback" not in str(error.value)
