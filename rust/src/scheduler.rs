@@ -18,6 +18,10 @@ use crate::prefix_cache::BuildPrehashed;
 use crate::sequence::{FinishReason, QueueKey, Sequence, SequenceStatus, SequenceTable};
 use crate::speculative::{Drafter, SpeculativeMethod, SuffixCache};
 
+/// Most decode steps a sequence sits out after proposals that all failed (see
+/// `append_verified`).
+const MAX_SPEC_COOLDOWN: u32 = 15;
+
 /// What building a batch changed besides the batch itself.
 #[derive(Default)]
 struct StepChanges {
@@ -224,6 +228,8 @@ impl Scheduler {
                 Some(spec) if params.speculate => Some(Drafter::new(&spec.method)),
                 _ => None,
             },
+            num_spec_misses: 0,
+            spec_cooldown: 0,
         });
         self.waiting.insert(key, id);
         Ok(handle)
@@ -347,8 +353,9 @@ impl Scheduler {
     /// With speculative decoding, a sequence decoding an output token also proposes up to
     /// `k` tokens after it (see `speculative`), within the budget left after one token for
     /// every decode behind it; proposals never cause a preemption (a sequence that cannot get
-    /// their slots decodes without them), and no sequence proposes in a step that runs
-    /// `disable_by_batch_size` sequences or more.
+    /// their slots decodes without them), no sequence proposes in a step that runs
+    /// `disable_by_batch_size` sequences or more, and one whose proposals keep failing
+    /// proposes less and less often.
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
         let block_size = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
@@ -552,6 +559,16 @@ impl Scheduler {
         for position in 0..num_accepted {
             self.stats.num_accepted_tokens_per_pos[position] += 1;
         }
+        // NOTE: a sequence whose proposals keep failing backs off exponentially (1, 3, 7, ...
+        // decode steps without proposing, at most `MAX_SPEC_COOLDOWN`): on text that does not
+        // repeat, verification would cost more than it saves.
+        let seq = self.sequences.get_mut(id).expect("live");
+        if num_accepted == 0 {
+            seq.num_spec_misses += 1;
+            seq.spec_cooldown = ((1u32 << seq.num_spec_misses.min(16)) - 1).min(MAX_SPEC_COOLDOWN);
+        } else {
+            seq.num_spec_misses = 0;
+        }
         for (offset, &token) in rows[..=num_accepted].iter().enumerate() {
             let update = self.append_token(id, token, first_row + offset)?;
             updates.push(update);
@@ -577,6 +594,10 @@ impl Scheduler {
             return;
         };
         if seq.num_tokens <= seq.num_prompt_tokens || seq.num_pending_forks > 0 {
+            return;
+        }
+        if seq.spec_cooldown > 0 {
+            seq.spec_cooldown -= 1;
             return;
         }
         let max_tokens = room

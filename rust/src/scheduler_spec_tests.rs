@@ -347,3 +347,37 @@ fn caller_proposals_must_match_the_schedule() {
     assert!(matches!(err, Error::InvalidArgument(_)));
     assert!(s.update_from_output_with_drafts(&[1, 2, 3], Some(&[1, 2])).is_ok());
 }
+
+#[test]
+fn a_sequence_whose_proposals_keep_failing_backs_off_and_recovers_on_a_hit() {
+    let config = SchedulerConfig {
+        num_blocks: 64,
+        block_size: 4,
+        speculative: spec(SpeculativeMethod::External, 2),
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request("a", &[1, 2], params_max(200)).unwrap();
+    s.schedule().unwrap();
+    s.update_from_output(&[3]).unwrap();
+    let mut speculative_steps = Vec::new();
+    for step in 0..60 {
+        let out = s.schedule().unwrap();
+        let num_drafts = out.num_draft_tokens[0] as usize;
+        if num_drafts > 0 {
+            speculative_steps.push(step);
+        }
+        // Every proposal is wrong (the placeholders are 0, the model says 9), except at step 40.
+        let mut sampled = vec![9; num_drafts + 1];
+        if step >= 40 && num_drafts > 0 {
+            sampled[0] = 0;
+        }
+        s.update_from_output(&sampled).unwrap();
+    }
+    // Misses at 0, then after 1, 3, 7, 15, 15 ... steps of waiting.
+    assert_eq!(&speculative_steps[..5], &[0, 2, 6, 14, 30], "{speculative_steps:?}");
+    // The first proposal accepted (at or after step 40) resets the back-off: the next step
+    // proposes again.
+    let first_hit = *speculative_steps.iter().find(|&&step| step >= 40).unwrap();
+    assert!(speculative_steps.contains(&(first_hit + 1)), "{speculative_steps:?}");
+}

@@ -203,6 +203,10 @@ pub struct Sequence {
     pub num_preemptions: u32,
     /// Its proposer, when it speculates.
     pub(crate) drafter: Option<Drafter>,
+    /// Speculative steps in a row in which none of its proposals was accepted.
+    pub(crate) num_spec_misses: u32,
+    /// Decode steps it still sits out before proposing again (after misses).
+    pub(crate) spec_cooldown: u32,
 }
 
 impl Sequence {
