@@ -230,6 +230,11 @@ impl Scheduler {
             },
             num_spec_misses: 0,
             spec_cooldown: 0,
+            spec_len: self
+                .config
+                .speculative
+                .as_ref()
+                .map_or(0, |spec| spec.num_speculative_tokens),
         });
         self.waiting.insert(key, id);
         Ok(handle)
@@ -354,8 +359,8 @@ impl Scheduler {
     /// `k` tokens after it (see `speculative`), within the budget left after one token for
     /// every decode behind it; proposals never cause a preemption (a sequence that cannot get
     /// their slots decodes without them), no sequence proposes in a step that runs
-    /// `disable_by_batch_size` sequences or more, and one whose proposals keep failing
-    /// proposes less and less often.
+    /// `disable_by_batch_size` sequences or more, and a sequence proposes about as many
+    /// tokens as it had accepted last time, less and less often while none are.
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
         let block_size = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
@@ -559,10 +564,16 @@ impl Scheduler {
         for position in 0..num_accepted {
             self.stats.num_accepted_tokens_per_pos[position] += 1;
         }
-        // NOTE: a sequence whose proposals keep failing backs off exponentially (1, 3, 7, ...
-        // decode steps without proposing, at most `MAX_SPEC_COOLDOWN`): on text that does not
-        // repeat, verification would cost more than it saves.
+        // NOTE: verifying a proposal costs compute whether or not it is accepted, so a
+        // sequence proposes about as far as it was right last time: one token more than it got
+        // accepted, or two more when all was (up to `k`). One whose proposals keep failing
+        // also backs off exponentially (1, 3, 7, ... decode steps without proposing, at most
+        // `MAX_SPEC_COOLDOWN`): on text that does not repeat, verification costs more than it
+        // saves.
+        let k = self.config.speculative.as_ref().map_or(0, |spec| spec.num_speculative_tokens);
         let seq = self.sequences.get_mut(id).expect("live");
+        seq.spec_len =
+            if num_accepted == drafts.len() { (num_accepted + 2).min(k) } else { num_accepted + 1 };
         if num_accepted == 0 {
             seq.num_spec_misses += 1;
             seq.spec_cooldown = ((1u32 << seq.num_spec_misses.min(16)) - 1).min(MAX_SPEC_COOLDOWN);
@@ -601,7 +612,7 @@ impl Scheduler {
             return;
         }
         let max_tokens = room
-            .min(spec.num_speculative_tokens)
+            .min(seq.spec_len)
             .min(seq.stop.max_tokens.saturating_sub(seq.num_output_tokens() + 1))
             .min(self.config.max_model_len.saturating_sub(seq.num_tokens + 1));
         let Some(drafter) = &mut seq.drafter else {

@@ -207,6 +207,9 @@ pub struct Sequence {
     pub(crate) num_spec_misses: u32,
     /// Decode steps it still sits out before proposing again (after misses).
     pub(crate) spec_cooldown: u32,
+    /// Most tokens it proposes next step: one more than it got accepted last time, growing
+    /// back towards `k` while whole proposals are accepted.
+    pub(crate) spec_len: usize,
 }
 
 impl Sequence {

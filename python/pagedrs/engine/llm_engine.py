@@ -140,7 +140,7 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_num_partial_prefills=config.max_num_partial_prefills,
             namespace=f"{self.model_name}|{self.dtype}",
-            **(self.speculative.scheduler_kwargs() if self.speculative is not None else {}),
+            **(self.speculative.scheduler_kwargs(self.device.type) if self.speculative is not None else {}),
         )
         self.parallel: TensorParallelGroup | None = None
         """The other tensor-parallel ranks (this engine is rank 0), when there are any."""

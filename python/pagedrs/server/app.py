@@ -3,6 +3,8 @@ request."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import hmac
 import logging
 import time
@@ -236,6 +238,7 @@ def build_app(
             "scheduling_policy": config.scheduling_policy,
             "tensor_parallel_size": config.tensor_parallel_size,
             "distributed_backend": inner.parallel.backend if inner.parallel is not None else None,
+            "speculative_config": dataclasses.asdict(inner.speculative) if inner.speculative is not None else None,
             "environment": environment(),
         }
 

@@ -22,7 +22,8 @@ class SpeculativeConfig:
 
     ``disable_by_batch_size``: no sequence speculates in a step running this many sequences
     or more (a big batch is compute-bound, and verifying proposals costs more than it
-    saves). ``None`` keeps the default, `DEFAULT_DISABLE_BY_BATCH_SIZE`; 0 never steps aside.
+    saves). ``None`` keeps the device's default (`default_disable_by_batch_size`); 0 never
+    steps aside.
     """
 
     method: str
@@ -104,12 +105,12 @@ class SpeculativeConfig:
             return (1, 4) if high is None else (high, high)
         return low, low if high is None else high
 
-    def scheduler_kwargs(self) -> dict[str, Any]:
-        """The core `Scheduler`'s speculative keyword arguments."""
+    def scheduler_kwargs(self, device_type: str = "cpu") -> dict[str, Any]:
+        """The core `Scheduler`'s speculative keyword arguments on a device of this type."""
         low, high = self.lookup_range()
         disable = self.disable_by_batch_size
         if disable is None:
-            disable = DEFAULT_DISABLE_BY_BATCH_SIZE
+            disable = default_disable_by_batch_size(device_type)
         return {
             "speculative_method": {"draft_model": "draft"}.get(self.method, self.method),
             "num_speculative_tokens": self.num_speculative_tokens,
@@ -126,6 +127,15 @@ class SpeculativeConfig:
 MAX_SPECULATIVE_TOKENS = 32
 """The core's limit on proposals per sequence and step."""
 
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-"""Sequences at which speculation steps aside unless the config says otherwise (measured on
-the default model on CPU: see docs/benchmarks.md, "Speculative decoding")."""
+
+
+def default_disable_by_batch_size(device_type: str) -> int:
+    """Running sequences at which speculation steps aside unless the config says otherwise.
+
+    On CPU, 4: verifying ``k`` proposals makes a step compute-bound (the default model's
+    forward takes 13 ms for 1 token, 24 ms for 5, 40 ms for 9), and from 4 sequences on,
+    speculation forced on is slower than none even on text it mostly guesses right (see
+    docs/benchmarks.md, "Speculative decoding"). On a GPU, 0 (never), as vLLM: a decode batch
+    stays memory-bound far longer there; not yet measured here.
+    """
+    return 4 if device_type == "cpu" else 0
