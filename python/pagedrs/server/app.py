@@ -4,7 +4,6 @@ request."""
 from __future__ import annotations
 
 import dataclasses
-
 import hmac
 import logging
 import time
