@@ -128,14 +128,13 @@ MAX_SPECULATIVE_TOKENS = 32
 """The core's limit on proposals per sequence and step."""
 
 
-
 def default_disable_by_batch_size(device_type: str) -> int:
     """Running sequences at which speculation steps aside unless the config says otherwise.
 
-    On CPU, 4: verifying ``k`` proposals makes a step compute-bound (the default model's
-    forward takes 13 ms for 1 token, 24 ms for 5, 40 ms for 9), and from 4 sequences on,
-    speculation forced on is slower than none even on text it mostly guesses right (see
-    docs/benchmarks.md, "Speculative decoding"). On a GPU, 0 (never), as vLLM: a decode batch
-    stays memory-bound far longer there; not yet measured here.
+    On CPU, 4: verifying proposals is compute there (the default model's forward takes 13 ms
+    for 1 token, 24 ms for 5, 40 ms for 9), and at 32 sequences of mixed traffic speculation
+    forced on costs 4-19%; the threshold is conservative (copy-heavy text still gains at 16:
+    docs/benchmarks.md, "Speculative decoding"). On a GPU, 0 (never steps aside), as vLLM: a
+    decode batch stays memory-bound far longer there; not yet measured here.
     """
     return 4 if device_type == "cpu" else 0
