@@ -136,16 +136,28 @@ def test_the_default_model_copies_with_fewer_steps_and_the_same_tokens(default_l
         speculative.shutdown()
 
 
-def test_sampled_speculation_is_reproducible_with_a_seed_and_logprobs_are_of_the_kept_token(tiny_llama):
+def test_sampled_speculation_reports_the_logprobs_of_the_kept_tokens(tiny_llama):
     spec = {**NGRAM, "prompt_lookup_min": 1}  # sampled text repeats less
     speculative = LLM(tiny_llama, kv_cache_memory="4MiB", speculative_config=spec)
-    params = SamplingParams(temperature=0.7, top_k=20, max_tokens=30, seed=5, logprobs=2, ignore_eos=True)
-    first = speculative.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
-    second = speculative.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
-    assert first.token_ids == second.token_ids and len(first.token_ids) == 30
-    assert speculative.engine.scheduler.stats().num_drafts_total > 0
-    for token, entry in zip(first.token_ids, first.logprobs):
-        assert token in entry and entry[token].logprob <= 0
+    params = SamplingParams(temperature=0.7, top_k=20, max_tokens=30, logprobs=2, ignore_eos=True)
+    output = speculative.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert len(output.token_ids) == 30 and speculative.engine.scheduler.stats().num_drafts_total > 0
+    raw = LLM(tiny_llama, kv_cache_memory="4MiB")
+    # The same tokens scored by a plain engine (prompt logprobs of prompt + output) agree.
+    scored = raw.generate(
+        [PROMPTS[0] + output.token_ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )[0].prompt_logprobs[len(PROMPTS[0]) :]
+    for token, entry, reference in zip(output.token_ids, output.logprobs, scored):
+        assert entry[token].logprob == pytest.approx(reference[token].logprob, abs=1e-4)
+
+
+def test_seeded_sampled_requests_do_not_speculate_and_stay_reproducible(tiny_llama):
+    speculative = LLM(tiny_llama, kv_cache_memory="4MiB", speculative_config={**NGRAM, "prompt_lookup_min": 1})
+    params = SamplingParams(temperature=0.7, max_tokens=20, seed=5, ignore_eos=True)
+    alone = speculative.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    batched = speculative.generate([PROMPTS[0], *PROMPTS[1:]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == batched
+    assert speculative.engine.scheduler.stats().num_drafts_total == 0
 
 
 def test_requests_with_rules_the_verifier_does_not_cover_do_not_speculate(tiny_llama):
@@ -178,11 +190,24 @@ def test_speculation_steps_aside_in_a_batch_at_the_disable_size(tiny_llama):
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "<="),
         ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown speculative config keys: typo"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
+        ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 300}, "at most 255"),
+        ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2}, r"\[0, 1\]"),
+        ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_spec_factor": 0}, "positive"),
     ],
 )
 def test_bad_speculative_configs_are_refused(value, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(value)
+
+
+def test_prompt_lookup_defaults_follow_vllm():
+    def lookup(**keys):
+        return SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, **keys}).lookup_range()
+
+    assert lookup() == (5, 5)
+    assert lookup(prompt_lookup_max=3) == (3, 3)
+    assert lookup(prompt_lookup_min=2) == (2, 2)
+    assert lookup(prompt_lookup_min=2, prompt_lookup_max=4) == (2, 4)
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
@@ -345,6 +370,7 @@ def test_the_server_speculates_and_exports_vllm_metrics(tiny_smol, tmp_path):
         assert text == expected.outputs[0].text
         info = server.request("GET", "/server_info")[1]["speculative_config"]
         assert info["method"] == "draft_model" and info["num_speculative_tokens"] == 3
+        assert info["disable_by_batch_size"] == 4  # the CPU default, filled in
         metrics = server.metrics()
         assert metrics["pagedrs:spec_decode_num_drafts_total"] > 0
         accepted = metrics["pagedrs:spec_decode_num_accepted_tokens_total"]

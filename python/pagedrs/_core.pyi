@@ -205,10 +205,10 @@ _UpdateRow = tuple[str, int, int | None, str | None]
 @final
 class StepUpdates:
     """What ``update_from_output`` did, as columns of ``k`` rows: first the sequences
-    ``schedule`` ended on its own (no token), then one row per sequence that got a token, in
-    logits-row order. Finishes the caller decided (``abort_request``, ``finish_request``)
-    are never reported. The engine reads the columns; ``to_list()`` is for tests and
-    debugging."""
+    ``schedule`` ended on its own (no token), then one row per token appended, in
+    logits-row order (a speculating sequence may get several rows, in order). Finishes the
+    caller decided (``abort_request``, ``finish_request``) are never reported. The engine
+    reads the columns; ``to_list()`` is for tests and debugging."""
 
     @property
     def request_ids(self) -> list[str]:

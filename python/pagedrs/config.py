@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedrs.memory import parse_bytes
+
+if TYPE_CHECKING:
+    from pagedrs.spec_decode import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +83,7 @@ class EngineConfig:
     """Where rank 0 listens for the rendezvous (``MASTER_ADDR``)."""
     master_port: int | None = None
     """Rendezvous port (``MASTER_PORT``); ``None`` picks a free one (one node only)."""
-    speculative_config: Any = None
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     """Speculative decoding, as vLLM's ``--speculative-config``: a dict, its JSON text or a
     `pagedrs.spec_decode.SpeculativeConfig` (see there). ``None``: off."""
 

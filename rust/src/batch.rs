@@ -36,8 +36,8 @@ use crate::block_pool::BlockId;
 use crate::kv_cache_manager::{BlockCopy, SequenceId};
 use crate::sequence::FinishReason;
 
-/// What happened to one sequence in `update_from_output` (or to a sequence the scheduler
-/// had to end on its own).
+/// One token appended to a sequence in `update_from_output` (a speculating sequence may get
+/// several, one update each, in order), or a sequence the scheduler had to end on its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SequenceUpdate {
     /// Handle of the caller's request (see `Scheduler::external_id`).
@@ -47,7 +47,7 @@ pub struct SequenceUpdate {
     pub num_cached_tokens: usize,
     /// Which of its `n` choices.
     pub choice_index: usize,
-    /// The token sampled for it this step, if any.
+    /// The token appended, if any.
     pub new_token_id: Option<u32>,
     /// The logits row (of the last schedule's `logits_indices`, and of the sampled tokens)
     /// that token came from; `None` when it got no token (ended by `schedule` itself).

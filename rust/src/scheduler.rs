@@ -358,7 +358,8 @@ impl Scheduler {
     /// With speculative decoding, a sequence decoding an output token also proposes up to
     /// `k` tokens after it (see `speculative`), within the budget left after one token for
     /// every decode behind it; proposals never cause a preemption (a sequence that cannot get
-    /// their slots decodes without them), no sequence proposes in a step that runs
+    /// their slots, or whose proposals would take the block a decode behind it needs,
+    /// decodes without them), no sequence proposes in a step that runs
     /// `disable_by_batch_size` sequences or more, and a sequence proposes about as many
     /// tokens as it had accepted last time, less and less often while none are.
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
@@ -397,11 +398,18 @@ impl Scheduler {
                 index += 1;
                 continue;
             }
+            drafts.clear();
             if speculating && is_decode {
-                let room = budget.saturating_sub(reserved + num_new);
-                self.propose(id, room, &mut drafts);
-            } else {
-                drafts.clear();
+                // Every decode behind still gets its token, and its block (`num_free_blocks`
+                // counts evictable ones): proposals take only what is left of both.
+                let room = budget.saturating_sub(num_new + num_decodes_behind);
+                self.propose(id, room, &mut drafts)?;
+                let end = start + num_new;
+                let num_draft_blocks =
+                    (end + drafts.len()).div_ceil(block_size) - end.div_ceil(block_size);
+                if num_draft_blocks + 1 + num_decodes_behind > self.kv.num_free_blocks() {
+                    drafts.clear();
+                }
             }
             let mut num_drafts = drafts.len();
             if !self.allocate_or_preempt(
@@ -495,6 +503,17 @@ impl Scheduler {
                 "expected {num_rows} sampled tokens (one per logits row of the last schedule), \
                  got {}",
                 sampled_token_ids.len()
+            )));
+        }
+        let external = matches!(
+            self.config.speculative.as_ref().map(|spec| &spec.method),
+            Some(SpeculativeMethod::External)
+        );
+        if external && draft_token_ids.is_none() && !self.last_drafts.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "the last schedule reserved {} slots for the caller's proposals (the draft \
+                 method): pass them as draft_token_ids",
+                self.last_drafts.len()
             )));
         }
         if let Some(drafts) = draft_token_ids {
@@ -596,33 +615,30 @@ impl Scheduler {
     /// Writes into `drafts` what running sequence `id` proposes after its last token: at most
     /// `room` tokens, `k`, what its `max_tokens` and `max_model_len` leave after the token it
     /// decodes anyway, and nothing unless it decodes an output token and speculates.
-    fn propose(&mut self, id: SequenceId, room: usize, drafts: &mut Vec<u32>) {
+    fn propose(&mut self, id: SequenceId, room: usize, drafts: &mut Vec<u32>) -> Result<()> {
         drafts.clear();
         let Some(spec) = &self.config.speculative else {
-            return;
+            return Ok(());
         };
-        let Some(seq) = self.sequences.get_mut(id) else {
-            return;
-        };
+        let seq = self.sequences.get_mut(id).expect("running");
         if seq.num_tokens <= seq.num_prompt_tokens || seq.num_pending_forks > 0 {
-            return;
+            return Ok(());
         }
         if seq.spec_cooldown > 0 {
             seq.spec_cooldown -= 1;
-            return;
+            return Ok(());
         }
         let max_tokens = room
             .min(seq.spec_len)
             .min(seq.stop.max_tokens.saturating_sub(seq.num_output_tokens() + 1))
             .min(self.config.max_model_len.saturating_sub(seq.num_tokens + 1));
         let Some(drafter) = &mut seq.drafter else {
-            return;
+            return Ok(());
         };
-        let Ok(token_ids) = self.kv.token_ids(id) else {
-            return;
-        };
+        let token_ids = self.kv.token_ids(id)?;
         let shared = self.suffix_cache.as_ref().map(|cache| &cache.trie);
         drafter.propose(&spec.method, token_ids, max_tokens, shared, drafts);
+        Ok(())
     }
 
     /// Whether a running sequence lacks exactly one token (a decode, or the last token of

@@ -260,6 +260,59 @@ fn proposals_fit_the_budget_and_never_pass_max_tokens() {
 }
 
 #[test]
+fn proposals_never_take_the_token_of_a_decode_behind() {
+    let config = SchedulerConfig {
+        num_blocks: 256,
+        block_size: 4,
+        max_num_batched_tokens: 8,
+        max_num_seqs: 4,
+        speculative: spec(SpeculativeMethod::External, 5),
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(config).unwrap();
+    for i in 0..4 {
+        s.add_request(&format!("r{i}"), &[1, 2], params_max(500)).unwrap();
+    }
+    let mut kv = KvStore::new();
+    let mut rng = SmallRng::seed_from_u64(1);
+    run_step(&mut s, &mut kv, &mut rng); // four prompts
+    for _ in 0..10 {
+        let before: Vec<usize> = ["r0", "r1", "r2", "r3"]
+            .iter()
+            .map(|id| s.kv.token_ids(s.live_choice(id, 0).unwrap()).unwrap().len())
+            .collect();
+        run_step(&mut s, &mut kv, &mut rng);
+        for (i, id) in ["r0", "r1", "r2", "r3"].iter().enumerate() {
+            let now = s.kv.token_ids(s.live_choice(id, 0).unwrap()).unwrap().len();
+            assert!(now > before[i], "{id} got no token this step");
+        }
+    }
+    assert!(s.stats().num_drafts_total > 0);
+}
+
+#[test]
+fn proposals_never_take_the_block_a_decode_behind_needs() {
+    // Two sequences of 5 tokens: each next token (position 4) needs a new block, and 2 are
+    // free. Proposals of the first (positions 5..8) would take both: the second would be
+    // preempted. They are dropped instead.
+    let config = SchedulerConfig {
+        num_blocks: 4,
+        block_size: 4,
+        speculative: spec(SpeculativeMethod::External, 4),
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request("a", &[1, 2, 3, 4], params_max(10)).unwrap();
+    s.add_request("b", &[5, 6, 7, 8], params_max(10)).unwrap();
+    s.schedule().unwrap();
+    s.update_from_output(&[9, 9]).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_draft_tokens, vec![0, 0]);
+    assert!(out.preempted.is_empty());
+    assert_eq!(out.num_scheduled_tokens, vec![1, 1]);
+}
+
+#[test]
 fn no_sequence_speculates_in_a_batch_at_the_disable_size() {
     let config = SchedulerConfig {
         num_blocks: 64,
@@ -345,6 +398,8 @@ fn caller_proposals_must_match_the_schedule() {
     s.schedule().unwrap();
     let err = s.update_from_output_with_drafts(&[1, 2, 3], Some(&[1])).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)));
+    let err = s.update_from_output(&[1, 2, 3]).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(message) if message.contains("draft_token_ids")));
     assert!(s.update_from_output_with_drafts(&[1, 2, 3], Some(&[1, 2])).is_ok());
 }
 
@@ -372,7 +427,7 @@ fn a_sequence_whose_proposals_keep_failing_backs_off_and_recovers_on_a_hit() {
         if step >= 40 && num_drafts > 0 {
             sampled[0] = 0;
         }
-        s.update_from_output(&sampled).unwrap();
+        s.update_from_output_with_drafts(&sampled, Some(&vec![0; num_drafts])).unwrap();
     }
     // Misses at 0, then after 1, 3, 7, 15, 15 ... steps of waiting.
     assert_eq!(&speculative_steps[..5], &[0, 2, 6, 14, 30], "{speculative_steps:?}");

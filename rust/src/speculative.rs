@@ -64,8 +64,9 @@ pub struct SpeculativeConfig {
     pub method: SpeculativeMethod,
     /// Most tokens proposed per sequence and step (`k`).
     pub num_speculative_tokens: usize,
-    /// No sequence speculates in a step that runs this many decoding sequences or more
-    /// (the batch is then compute-bound and verification would cost more than it saves).
+    /// No sequence speculates in a step that starts with this many running sequences or
+    /// more (the batch is then compute-bound and verification would cost more than it
+    /// saves).
     pub disable_by_batch_size: Option<usize>,
 }
 
@@ -243,8 +244,11 @@ impl NgramIndex {
 /// How far a suffix-trie proposal goes.
 #[derive(Debug, Clone, Copy)]
 struct SuffixRule {
+    /// Most tokens proposed.
     max_tokens: usize,
+    /// The path's estimated probability must stay at least this.
     min_token_prob: f64,
+    /// At most this many tokens per token of the matched suffix.
     max_spec_factor: f64,
 }
 
@@ -257,6 +261,10 @@ struct TrieNode {
     depth: u8,
     /// The child with the largest count, as `(token, node)`.
     best_child: Option<(u32, u32)>,
+    /// The node this one extends (the root's is itself).
+    parent: u32,
+    /// The token this one adds to its parent's path.
+    token: u32,
 }
 
 /// A suffix trie cut at `max_depth`: every path of at most `max_depth` tokens that occurs in
@@ -273,6 +281,8 @@ pub(crate) struct SuffixTrie {
     /// Children of each node (kept only by a trie that removes text, to re-find the best
     /// child when counts fall).
     children: Option<Vec<Vec<(u32, u32)>>>,
+    /// Nodes whose paths no longer occur, for reuse (a trie that removes text).
+    free_nodes: Vec<u32>,
     /// Nodes of the text's current suffixes, shortest first (depth 1, 2, ...).
     active: Vec<u32>,
     /// Tokens of the sequence indexed so far (a per-sequence trie).
@@ -290,6 +300,7 @@ impl SuffixTrie {
             nodes: vec![TrieNode::default()],
             edges: HashMap::default(),
             children: removable.then(|| vec![Vec::new()]),
+            free_nodes: Vec::new(),
             active: Vec::with_capacity(max_depth),
             num_indexed: 0,
         }
@@ -322,12 +333,23 @@ impl SuffixTrie {
         let child = match self.edges.get(&key) {
             Some(&child) => child,
             None => {
-                let child = self.nodes.len() as u32;
                 let depth = self.nodes[parent as usize].depth + 1;
-                self.nodes.push(TrieNode { count: 0, depth, best_child: None });
+                let node = TrieNode { count: 0, depth, best_child: None, parent, token };
+                let child = match self.free_nodes.pop() {
+                    Some(free) => {
+                        self.nodes[free as usize] = node;
+                        free
+                    }
+                    None => {
+                        self.nodes.push(node);
+                        if let Some(children) = &mut self.children {
+                            children.push(Vec::new());
+                        }
+                        (self.nodes.len() - 1) as u32
+                    }
+                };
                 self.edges.insert(key, child);
                 if let Some(children) = &mut self.children {
-                    children.push(Vec::new());
                     children[parent as usize].push((token, child));
                 }
                 child
@@ -350,7 +372,10 @@ impl SuffixTrie {
 
     /// Forgets one occurrence of each path of `text`'s suffixes (undoes `push` of `text` as
     /// a whole, for a trie built with `removable`).
+    /// Nodes whose count falls to 0 are unlinked and reused, so the trie holds only paths
+    /// of the text still indexed.
     fn remove_text(&mut self, text: &[u32]) {
+        let mut emptied = Vec::new();
         for start in 0..text.len() {
             let mut parent = 0u32;
             for &token in &text[start..text.len().min(start + self.max_depth)] {
@@ -359,12 +384,33 @@ impl SuffixTrie {
                 };
                 let node = &mut self.nodes[child as usize];
                 node.count = node.count.saturating_sub(1);
+                if node.count == 0 {
+                    emptied.push(child);
+                }
                 if self.nodes[parent as usize].best_child.map(|(_, best)| best) == Some(child) {
                     self.refresh_best_child(parent);
                 }
                 parent = child;
             }
         }
+        // NOTE: a path occurs no more often than its prefix, so an emptied node's children
+        // are emptied too (now or before): unlinking after the walk frees whole subtrees.
+        for node in emptied {
+            let TrieNode { parent, token, .. } = self.nodes[node as usize];
+            self.edges.remove(&edge_key(parent, token));
+            if let Some(children) = &mut self.children {
+                children[parent as usize].retain(|&(_, child)| child != node);
+                children[node as usize].clear();
+            }
+            self.nodes[node as usize].best_child = None;
+            self.free_nodes.push(node);
+        }
+    }
+
+    /// Nodes holding a path that occurs (the root included).
+    #[cfg(test)]
+    fn num_live_nodes(&self) -> usize {
+        self.nodes.len() - self.free_nodes.len()
     }
 
     fn refresh_best_child(&mut self, parent: u32) {

@@ -125,6 +125,26 @@ fn suffix_cache_counts_return_to_zero_when_every_output_is_forgotten() {
     }
     assert!(cache.trie.nodes[1..].iter().all(|node| node.count == 0));
     assert!(cache.trie.nodes.iter().all(|node| node.best_child.is_none()));
+    assert_eq!(cache.trie.num_live_nodes(), 1, "only the root is left");
+    assert!(cache.trie.edges.is_empty());
+}
+
+#[test]
+fn suffix_cache_memory_stays_bounded_by_the_outputs_it_keeps() {
+    let mut cache = SuffixCache::new(8, 4);
+    let mut peak = 0;
+    for i in 0..2000u32 {
+        // Distinct outputs: every one adds new paths.
+        let output: Vec<u32> = (0..30).map(|t| i * 31 + t).collect();
+        cache.insert(&output);
+        peak = peak.max(cache.trie.nodes.len());
+    }
+    // Four outputs of 30 tokens hold at most 4 * 30 * 8 paths.
+    assert!(peak <= 1 + 5 * 30 * 8, "{peak} nodes");
+    let mut drafter = Drafter::new(&suffix(8));
+    let mut out = Vec::new();
+    drafter.propose(&suffix(8), &[1999 * 31 + 2, 1999 * 31 + 3], 3, Some(&cache.trie), &mut out);
+    assert_eq!(out, vec![1999 * 31 + 4, 1999 * 31 + 5, 1999 * 31 + 6]);
 }
 
 #[test]

@@ -23,6 +23,7 @@ from pagedrs.server.launch import DEFAULT_MAX_REQUEST_BYTES
 from pagedrs.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagedrs.server.serving import APIError, ClientDisconnected, Serving, ToolSettings, error_body
+from pagedrs.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger("pagedrs.server")
 
@@ -237,7 +238,7 @@ def build_app(
             "scheduling_policy": config.scheduling_policy,
             "tensor_parallel_size": config.tensor_parallel_size,
             "distributed_backend": inner.parallel.backend if inner.parallel is not None else None,
-            "speculative_config": dataclasses.asdict(inner.speculative) if inner.speculative is not None else None,
+            "speculative_config": _speculative_info(inner.speculative, inner.device.type),
             "environment": environment(),
         }
 
@@ -268,3 +269,16 @@ def build_app(
         return {"prompt": await serving.tokenize(lambda tokenizer, tokens: tokenizer.decode(tokens), body.tokens)}
 
     return AccessMiddleware(BodyLimitMiddleware(app, max_request_bytes), api_key)
+
+
+def _speculative_info(speculative: SpeculativeConfig | None, device_type: str) -> dict[str, Any] | None:
+    """The speculative config in effect: defaults filled in (0: never steps aside)."""
+    if speculative is None:
+        return None
+    low, high = speculative.lookup_range()
+    return {
+        **dataclasses.asdict(speculative),
+        "prompt_lookup_min": low,
+        "prompt_lookup_max": high,
+        "disable_by_batch_size": speculative.effective_disable_by_batch_size(device_type) or 0,
+    }

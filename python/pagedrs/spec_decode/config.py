@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -20,10 +21,11 @@ class SpeculativeConfig:
     - ``{"model": PATH, "num_speculative_tokens": k}``: a draft model sharing the target's
       tokenizer (``"method": "draft_model"`` may be given or left out).
 
-    ``disable_by_batch_size``: no sequence speculates in a step running this many sequences
-    or more (a big batch is compute-bound, and verifying proposals costs more than it
-    saves). ``None`` keeps the device's default (`default_disable_by_batch_size`); 0 never
-    steps aside.
+    ``disable_by_batch_size``: no sequence speculates in a step that starts with this many
+    running sequences or more (a big batch is compute-bound, and verifying proposals costs
+    more than it saves). Unlike vLLM, where ``None`` never steps aside, ``None`` here keeps
+    the device's default (`default_disable_by_batch_size`: 4 on CPU) and 0 never steps
+    aside.
     """
 
     method: str
@@ -93,24 +95,44 @@ class SpeculativeConfig:
         if low > high:
             raise ValueError(f"speculative config: prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
         positive_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 2)
+        if self.suffix_decoding_max_tree_depth > 255:
+            raise ValueError(
+                "speculative config: suffix_decoding_max_tree_depth must be at most 255, "
+                f"got {self.suffix_decoding_max_tree_depth}"
+            )
         positive_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
+        probability = self.suffix_decoding_min_token_prob
+        if not _is_number(probability) or not 0 <= probability <= 1:
+            raise ValueError(
+                f"speculative config: suffix_decoding_min_token_prob must be in [0, 1], got {probability!r}"
+            )
+        factor = self.suffix_decoding_max_spec_factor
+        if not _is_number(factor) or not 0 < factor < math.inf:
+            raise ValueError(f"speculative config: suffix_decoding_max_spec_factor must be positive, got {factor!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative config: model must be a path, got {self.model!r}")
         if self.disable_by_batch_size is not None:
             positive_int("disable_by_batch_size", self.disable_by_batch_size, 0)
 
     def lookup_range(self) -> tuple[int, int]:
-        """``(prompt_lookup_min, prompt_lookup_max)``; as in vLLM, one given alone sets both
-        ends, and neither gives 1..4 here."""
+        """``(prompt_lookup_min, prompt_lookup_max)`` as vLLM fills them in: one given alone
+        sets both ends, neither gives 5..5."""
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None:
-            return (1, 4) if high is None else (high, high)
+            return (5, 5) if high is None else (high, high)
         return low, low if high is None else high
+
+    def effective_disable_by_batch_size(self, device_type: str) -> int | None:
+        """Running sequences at which speculation steps aside on this device (``None``:
+        never)."""
+        disable = self.disable_by_batch_size
+        if disable is None:
+            disable = default_disable_by_batch_size(device_type)
+        return disable or None
 
     def scheduler_kwargs(self, device_type: str = "cpu") -> dict[str, Any]:
         """The core `Scheduler`'s speculative keyword arguments on a device of this type."""
         low, high = self.lookup_range()
-        disable = self.disable_by_batch_size
-        if disable is None:
-            disable = default_disable_by_batch_size(device_type)
         return {
             "speculative_method": {"draft_model": "draft"}.get(self.method, self.method),
             "num_speculative_tokens": self.num_speculative_tokens,
@@ -120,12 +142,16 @@ class SpeculativeConfig:
             "suffix_min_token_prob": self.suffix_decoding_min_token_prob,
             "suffix_max_spec_factor": self.suffix_decoding_max_spec_factor,
             "suffix_max_cached_requests": self.suffix_decoding_max_cached_requests,
-            "spec_disable_by_batch_size": disable or None,
+            "spec_disable_by_batch_size": self.effective_disable_by_batch_size(device_type),
         }
 
 
 MAX_SPECULATIVE_TOKENS = 32
 """The core's limit on proposals per sequence and step."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def default_disable_by_batch_size(device_type: str) -> int:

@@ -3,7 +3,7 @@
 **Its KV cache shares the target's blocks.** The draft model keeps its own per-layer cache
 tensors, indexed by the same block ids and slots as the target's: one block id holds both
 models' keys and values for the same tokens, and the KV budget is split by their bytes per
-token (`draft_kv_bytes_per_token`). So the core allocates, forks, copies-on-write, preempts,
+token (`pagedrs.memory.kv_bytes_per_token` of each). So the core allocates, forks, copies-on-write, preempts,
 frees and prefix-caches once for both; nothing new to keep consistent.
 
 That needs one invariant: **the draft's KV is valid wherever the target's is.** Each step the
@@ -27,21 +27,19 @@ kept for the rejection rule (`pagedrs.spec_decode.verify`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 from pagedrs._core import SchedulerOutput
 from pagedrs.engine.model_runner import ModelRunner, StepArrays
-from pagedrs.sampler import SamplingRow
+from pagedrs.sampler import Sampler, SamplingRow
 from pagedrs.spec_decode.verify import draw, filtered_probs, uniforms
 
 
 class DraftModelProposer:
     """Runs the draft model's share of each step; see the module docstring."""
 
-    def __init__(self, runner: ModelRunner, sampler: Any):
+    def __init__(self, runner: ModelRunner, sampler: Sampler):
         self.runner = runner
         self.sampler = sampler
         """The target's `Sampler` (its generator draws the unseeded proposals)."""

@@ -15,7 +15,7 @@ the proposal is accepted**; the core then keeps the matching prefix plus one tok
   Chen et al. 2023).
 
 Sampling rules the verifier does not cover (penalties, bans before ``min_tokens``, structured
-outputs) keep their requests from speculating: see `speculates`.
+outputs) and seeded sampled requests do not speculate: see `speculates`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,13 @@ from pagedrs.sampling_params import SamplingParams
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request's choices may speculate: every rule of its sampling is one the
-    verifier applies to both distributions."""
-    return not (params.uses_penalties or params.min_tokens > 0 or params.structured_outputs is not None)
+    verifier applies to both distributions, and it is not a seeded sampled request (those
+    promise the same text in any batch, and how many proposals a sequence gets, hence how
+    many draws it makes, depends on the batch)."""
+    seeded_sampling = params.seed is not None and not params.is_greedy
+    return not (
+        params.uses_penalties or params.min_tokens > 0 or params.structured_outputs is not None or seeded_sampling
+    )
 
 
 @torch.inference_mode()
@@ -119,7 +124,8 @@ def verify_and_sample(
     ]
     if not verify:
         return sampler(logits, rows, banned, allowed)
-    plain = [i for i in range(len(rows)) if i not in set(verify)]
+    verified_rows = set(verify)
+    plain = [i for i in range(len(rows)) if i not in verified_rows]
     position = {row: index for index, row in enumerate(plain)}
     plain_out = None
     if plain:
