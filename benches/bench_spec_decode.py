@@ -196,7 +196,8 @@ def main() -> None:
         "max_tokens": args.max_tokens,
     }
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    sampled = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=0)
+    # Unseeded: seeded sampled requests do not speculate (their text must not depend on the batch).
+    sampled = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
     # NOTE: greedy first, then sampled, then greedy chat again: only the last asks a prompt the
     # suffix cache has seen (as the same request) before.
     sampled_chat_prompts = [chat(any_llm, text) for text in SAMPLED_CHAT_PROMPTS]

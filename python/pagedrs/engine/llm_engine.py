@@ -129,6 +129,14 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory is too small for one block of {capacity.bytes_per_block} bytes")
         model_max_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2**31)
         self.max_model_len = min(config.max_model_len or model_max_len, model_max_len)
+        draft_max_len = getattr(self.draft_hf_config, "max_position_embeddings", None)
+        if draft_max_len is not None and draft_max_len < self.max_model_len:
+            logger.warning(
+                "the draft model was trained on %d positions, fewer than max_model_len %d: past them its "
+                "proposals may be poor (the output stays exact)",
+                draft_max_len,
+                self.max_model_len,
+            )
         self.scheduler = Scheduler(
             capacity.num_blocks,
             config.block_size,
