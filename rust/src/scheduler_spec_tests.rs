@@ -230,14 +230,8 @@ fn every_method_gives_the_same_tokens_as_plain_decoding_with_preemption_and_pref
 
 #[test]
 fn proposals_fit_the_budget_and_never_pass_max_tokens() {
-    let config = SchedulerConfig {
-        num_blocks: 64,
-        block_size: 4,
-        max_num_batched_tokens: 8,
-        max_num_seqs: 4,
-        speculative: spec(SpeculativeMethod::External, 5),
-        ..Default::default()
-    };
+    let config =
+        SchedulerConfig { max_num_batched_tokens: 8, max_num_seqs: 4, ..external_config(64, 5) };
     let mut s = Scheduler::new(config).unwrap();
     for i in 0..3 {
         let p = RequestParams {
@@ -261,14 +255,8 @@ fn proposals_fit_the_budget_and_never_pass_max_tokens() {
 
 #[test]
 fn proposals_never_take_the_token_of_a_decode_behind() {
-    let config = SchedulerConfig {
-        num_blocks: 256,
-        block_size: 4,
-        max_num_batched_tokens: 8,
-        max_num_seqs: 4,
-        speculative: spec(SpeculativeMethod::External, 5),
-        ..Default::default()
-    };
+    let config =
+        SchedulerConfig { max_num_batched_tokens: 8, max_num_seqs: 4, ..external_config(256, 5) };
     let mut s = Scheduler::new(config).unwrap();
     for i in 0..4 {
         s.add_request(&format!("r{i}"), &[1, 2], params_max(500)).unwrap();
@@ -295,12 +283,7 @@ fn proposals_never_take_the_block_a_decode_behind_needs() {
     // Two sequences of 5 tokens: each next token (position 4) needs a new block, and 2 are
     // free. Proposals of the first (positions 5..8) would take both: the second would be
     // preempted. They are dropped instead.
-    let config = SchedulerConfig {
-        num_blocks: 4,
-        block_size: 4,
-        speculative: spec(SpeculativeMethod::External, 4),
-        ..Default::default()
-    };
+    let config = external_config(4, 4);
     let mut s = Scheduler::new(config).unwrap();
     s.add_request("a", &[1, 2, 3, 4], params_max(10)).unwrap();
     s.add_request("b", &[5, 6, 7, 8], params_max(10)).unwrap();
@@ -342,6 +325,16 @@ fn no_sequence_speculates_in_a_batch_at_the_disable_size() {
     assert!(s.stats().num_drafts_total > 0, "a alone speculates");
 }
 
+/// A small scheduler whose proposals come from the caller (`k` at most).
+fn external_config(num_blocks: usize, k: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        num_blocks,
+        block_size: 4,
+        speculative: spec(SpeculativeMethod::External, k),
+        ..Default::default()
+    }
+}
+
 fn params_max(max_tokens: usize) -> RequestParams {
     RequestParams {
         stop: StopConditions { max_tokens, ..Default::default() },
@@ -351,12 +344,7 @@ fn params_max(max_tokens: usize) -> RequestParams {
 
 #[test]
 fn rejected_proposals_release_their_blocks_and_are_never_cached() {
-    let config = SchedulerConfig {
-        num_blocks: 16,
-        block_size: 4,
-        speculative: spec(SpeculativeMethod::External, 6),
-        ..Default::default()
-    };
+    let config = external_config(16, 6);
     let mut s = Scheduler::new(config).unwrap();
     s.add_request("a", &[1, 2, 3, 4], params_max(20)).unwrap();
     s.schedule().unwrap();
@@ -385,12 +373,7 @@ fn rejected_proposals_release_their_blocks_and_are_never_cached() {
 
 #[test]
 fn caller_proposals_must_match_the_schedule() {
-    let config = SchedulerConfig {
-        num_blocks: 16,
-        block_size: 4,
-        speculative: spec(SpeculativeMethod::External, 2),
-        ..Default::default()
-    };
+    let config = external_config(16, 2);
     let mut s = Scheduler::new(config).unwrap();
     s.add_request("a", &[1, 2], params_max(20)).unwrap();
     s.schedule().unwrap();
@@ -405,12 +388,7 @@ fn caller_proposals_must_match_the_schedule() {
 
 #[test]
 fn a_sequence_whose_proposals_keep_failing_backs_off_and_recovers_on_a_hit() {
-    let config = SchedulerConfig {
-        num_blocks: 64,
-        block_size: 4,
-        speculative: spec(SpeculativeMethod::External, 2),
-        ..Default::default()
-    };
+    let config = external_config(64, 2);
     let mut s = Scheduler::new(config).unwrap();
     s.add_request("a", &[1, 2], params_max(200)).unwrap();
     s.schedule().unwrap();
