@@ -210,6 +210,29 @@ def test_prompt_lookup_defaults_follow_vllm():
     assert lookup(prompt_lookup_min=2, prompt_lookup_max=4) == (2, 4)
 
 
+def test_a_failing_draft_model_fails_its_batch_and_the_engine_goes_on(tiny_llama):
+    spec = {"model": tiny_llama, "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    llm = LLM(tiny_llama, kv_cache_memory="4MiB", speculative_config=spec)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = generate(llm, params, PROMPTS[:1])
+    forward = engine.drafter.runner.forward
+    calls = {"n": 0}
+
+    def failing(arrays):
+        calls["n"] += 1
+        if calls["n"] == 3:  # a step with proposals
+            raise RuntimeError("draft model failed")
+        return forward(arrays)
+
+    engine.drafter.runner.forward = failing
+    failed = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    assert failed.error is not None and "draft model failed" in failed.error
+    engine.drafter.runner.forward = forward
+    assert_all_blocks_free(llm)
+    assert generate(llm, params, PROMPTS[:1]) == expected
+
+
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
     import transformers
 

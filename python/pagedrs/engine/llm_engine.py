@@ -411,6 +411,10 @@ class LLMEngine:
         self._step_drafts = None
         sampled = self._execute(out, touched) if len(out) else None
         token_ids = sampled.token_ids if sampled is not None else np.zeros(len(out.logits_indices), np.int64)
+        if self.drafter is not None and self._step_drafts is None:
+            # The step failed before the draft model proposed: its requests have failed, and
+            # the core drops their rows; it still expects one proposal per reserved slot.
+            self._step_drafts = np.zeros(out.num_spec_tokens, np.int64)
         self._apply(self.scheduler.update_from_output(token_ids, self._step_drafts), sampled, touched)
         outputs = [request.to_output() for request in touched.values()]
         for request in touched.values():
