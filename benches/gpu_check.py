@@ -21,6 +21,8 @@ machine whose image has torch, nvcc and transformers but nothing of ours).
 6. Tensor parallelism's NCCL path (issue 13) with a world of one: the engine with
    ``distributed_backend="nccl"`` (rendezvous, NCCL group, the gloo step group, the step
    broadcast, the logits gather) generates exactly what the plain engine does.
+7. Speculative decoding (issue 15): greedy tokens with ngram, suffix and draft-model
+   proposals (the CUDA kernels verifying several tokens per sequence) equal plain decoding's.
 
 The Rust extension must be importable: carried as python/pagedrs/_core.abi3.so (built here by
 `make build`), or built there with `cargo build --release --features python` when a Rust
@@ -328,23 +330,31 @@ def fp8_weights() -> None:
     )
 
 
-def nccl_world_of_one() -> None:
+def _tiny_llama(seed: int, num_layers: int | None = None) -> str:
+    """Directory of a tiny random Llama (tests/conftest.py's shape) with clear greedy choices."""
     import tempfile
 
     import torch
     import transformers
 
     sys.path.insert(0, str(ROOT))
-    from pagedrs import LLM, SamplingParams
     from tests.conftest import TINY, save_word_tokenizer
 
-    torch.manual_seed(9)
-    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    torch.manual_seed(seed)
+    shape = {**TINY, **({"num_hidden_layers": num_layers} if num_layers else {})}
+    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
     with torch.no_grad():
         hf_model.lm_head.weight.mul_(8)
     directory = tempfile.mkdtemp()
     hf_model.save_pretrained(directory)
     save_word_tokenizer(directory, TINY["vocab_size"])
+    return directory
+
+
+def nccl_world_of_one() -> None:
+    from pagedrs import LLM, SamplingParams
+
+    directory = _tiny_llama(9)
     prompts = [[5, 17, 33, 2, 9], list(range(10, 47)), [7, 7, 7, 300, 12, 64, 19]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     settings = dict(device="cuda", dtype="float32", kv_cache_memory="64MiB")
@@ -366,6 +376,39 @@ def nccl_world_of_one() -> None:
     )
 
 
+def speculative_decoding(device: str = "cuda") -> None:
+    """Issue 15 on CUDA: greedy tokens with n-gram proposals and with a draft model (the
+    model itself: all accepted; another model: mostly rejected) equal plain decoding's. (The
+    tests run it on the CPU.)"""
+    from pagedrs import LLM, SamplingParams
+
+    directory, other = _tiny_llama(9), _tiny_llama(10, num_layers=1)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(10, 47)) * 2, [7, 7, 7, 300, 12, 64, 19]]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, n=2)
+    settings = dict(device=device, dtype="float32", kv_cache_memory="64MiB")
+    plain = [
+        [c.token_ids for c in o.outputs] for o in LLM(directory, **settings).generate(prompts, params, use_tqdm=False)
+    ]
+    configs = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        "suffix": {"method": "suffix", "num_speculative_tokens": 6},
+        "draft itself": {"model": directory, "num_speculative_tokens": 3},
+        "draft other": {"model": other, "num_speculative_tokens": 3},
+    }
+    for name, config in configs.items():
+        # Never stepping aside, on the CPU either (where the tests run this step).
+        llm = LLM(directory, speculative_config={**config, "disable_by_batch_size": 0}, **settings)
+        outputs = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.scheduler.stats()
+        row(
+            f"speculative decoding, {name}",
+            "ok" if outputs == plain and stats.num_drafts_total > 0 else "FAIL",
+            f"greedy identical to plain decoding: {outputs == plain}; proposed {stats.num_draft_tokens_total}, "
+            f"accepted {stats.num_accepted_tokens_total}",
+        )
+        del llm
+
+
 def main() -> int:
     ensure_core()
     import torch
@@ -374,7 +417,16 @@ def main() -> int:
         print("no CUDA device: nothing to check here (make test compiles the kernels)")
         return 2
     row("device", "ok", environment())
-    steps = [build_kernels, kernel_tests, bandwidth, end_to_end, step_overhead, fp8_weights, nccl_world_of_one]
+    steps = [
+        build_kernels,
+        kernel_tests,
+        bandwidth,
+        end_to_end,
+        step_overhead,
+        fp8_weights,
+        nccl_world_of_one,
+        speculative_decoding,
+    ]
     for step in steps:
         try:
             step()

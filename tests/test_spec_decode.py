@@ -373,6 +373,14 @@ def test_the_engine_samples_the_same_joint_distribution_with_speculation(sharp_p
     assert statistic < _chi_square_quantile(dof), (statistic, dof)
 
 
+def test_the_gpu_checks_speculative_step_runs_on_the_cpu():
+    from benches import gpu_check
+
+    gpu_check.rows.clear()
+    gpu_check.speculative_decoding("cpu")
+    assert [result for _, result, _ in gpu_check.rows] == ["ok"] * 4, gpu_check.rows
+
+
 # -- the server ---------------------------------------------------------------------------
 
 
