@@ -585,14 +585,19 @@ impl Scheduler {
         }
         // NOTE: verifying a proposal costs compute whether or not it is accepted, so a
         // sequence proposes about as far as it was right last time: one token more than it got
-        // accepted, or two more when all was (up to `k`). One whose proposals keep failing
+        // accepted, or at least two more when all was (up to `k`). One whose proposals keep failing
         // also backs off exponentially (1, 3, 7, ... decode steps without proposing, at most
         // `MAX_SPEC_COOLDOWN`): on text that does not repeat, verification costs more than it
         // saves.
         let k = self.config.speculative.as_ref().map_or(0, |spec| spec.num_speculative_tokens);
         let seq = self.sequences.get_mut(id).expect("live");
-        seq.spec_len =
-            if num_accepted == drafts.len() { (num_accepted + 2).min(k) } else { num_accepted + 1 };
+        // A proposal shorter than asked (its index knew no more) that was all accepted does
+        // not shrink the next one.
+        seq.spec_len = if num_accepted == drafts.len() {
+            seq.spec_len.max(num_accepted + 2).min(k)
+        } else {
+            num_accepted + 1
+        };
         if num_accepted == 0 {
             seq.num_spec_misses += 1;
             seq.spec_cooldown = ((1u32 << seq.num_spec_misses.min(16)) - 1).min(MAX_SPEC_COOLDOWN);

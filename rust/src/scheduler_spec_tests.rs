@@ -414,3 +414,30 @@ fn a_sequence_whose_proposals_keep_failing_backs_off_and_recovers_on_a_hit() {
     let first_hit = *speculative_steps.iter().find(|&&step| step >= 40).unwrap();
     assert!(speculative_steps.contains(&(first_hit + 1)), "{speculative_steps:?}");
 }
+
+#[test]
+fn proposal_length_follows_the_last_acceptance() {
+    let mut s = Scheduler::new(external_config(64, 6)).unwrap();
+    s.add_request("a", &[1, 2], params_max(200)).unwrap();
+    s.schedule().unwrap();
+    s.update_from_output(&[3]).unwrap();
+    // (proposals expected this step, how many of them are accepted)
+    let steps = [
+        (6, 2), // k at first; 2 of 6 accepted: next 3
+        (3, 3), // all accepted: next 3 + 2
+        (5, 5), // all accepted: next 7, capped at k
+        (6, 0), // none: next 1, after sitting out a step
+        (0, 0),
+        (1, 1), // all accepted: next at least 1 + 2
+        (3, 0),
+    ];
+    for (step, (expected, accepted)) in steps.into_iter().enumerate() {
+        let out = s.schedule().unwrap();
+        let num_drafts = out.num_draft_tokens[0] as usize;
+        assert_eq!(num_drafts, expected, "step {step}");
+        // Rows before `accepted` sample their placeholder 0 (accepted); the next samples 9.
+        let sampled: Vec<u32> =
+            (0..=num_drafts).map(|row| if row < accepted { 0 } else { 9 }).collect();
+        s.update_from_output_with_drafts(&sampled, Some(&vec![0; num_drafts])).unwrap();
+    }
+}
