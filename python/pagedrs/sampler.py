@@ -317,14 +317,14 @@ class Sampler:
             positions = batch.full_index[rows]
             logits = logits.clone()
             logits[rows] = (
-                _sort_filtered(logits[rows] / temperature[rows], batch.top_k[positions], batch.top_p[positions])
+                sort_filtered(logits[rows] / temperature[rows], batch.top_k[positions], batch.top_p[positions])
                 * temperature[rows]
             )
             top_p = top_p.clone()
             top_p[rows] = 1.0  # applied by the sort
         generators = batch.full_generators
         if self.fused:
-            uniforms = self._uniforms(range(len(logits)), generators, 1 + MAX_REJECTION_ROUNDS)
+            uniforms = self.uniforms(range(len(logits)), generators, 1 + MAX_REJECTION_ROUNDS)
             token_ids = cpu_sampling.sample_from_rows(
                 logits.contiguous(), temperature.squeeze(1), batch.full_min_p.squeeze(1), top_p, uniforms
             )
@@ -335,11 +335,10 @@ class Sampler:
             # Still rejected after every round (a tiny top_p over a flat distribution): sort.
             rows = _index(pending, logits.device)
             positions = batch.full_index[rows]
-            scaled = logits[rows] / temperature[rows]
-            filtered = _sort_filtered(scaled, batch.top_k[positions], batch.top_p[positions])
-            relative = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()
-            filtered = filtered.masked_fill(relative < batch.full_min_p[rows], float("-inf"))
-            token_ids[rows] = torch.multinomial(filtered.softmax(dim=-1), 1, generator=self.generator).squeeze(1)
+            probs = filtered_distribution(
+                logits[rows], temperature[rows], batch.top_k[positions], batch.top_p[positions], batch.full_min_p[rows]
+            )
+            token_ids[rows] = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         return token_ids
 
     def _draw_full_with_torch(
@@ -355,8 +354,8 @@ class Sampler:
         candidates = relative
         if batch.any_min_p:
             candidates = relative.masked_fill(relative < batch.full_min_p, 0.0)
-        sampler = _InverseCdf(candidates)
-        token_ids = sampler.draw(self._uniforms(range(len(candidates)), generators))
+        sampler = InverseCdf(candidates)
+        token_ids = sampler.draw(self.uniforms(range(len(candidates)), generators))
         pending = [row for row, by_rejection in enumerate(batch.full_rejection) if by_rejection]
         for _ in range(MAX_REJECTION_ROUNDS):
             if not pending:
@@ -371,10 +370,10 @@ class Sampler:
             rejected = (before >= row_top_p * row_relative.sum(dim=-1)).tolist()
             pending = [row for row, reject in zip(pending, rejected) if reject]
             if pending:
-                token_ids[_index(pending, logits.device)] = sampler.draw(self._uniforms(pending, generators), pending)
+                token_ids[_index(pending, logits.device)] = sampler.draw(self.uniforms(pending, generators), pending)
         return token_ids, pending
 
-    def _uniforms(
+    def uniforms(
         self, rows, generators: list[torch.Generator | None] | None, per_row: int | None = None
     ) -> torch.Tensor:
         """``U(0, 1)`` draws for each row (one, or ``[rows, per_row]``): the engine's
@@ -432,7 +431,7 @@ class Sampler:
         )
 
 
-class _InverseCdf:
+class InverseCdf:
     """Draws from rows of unnormalized probabilities ``[N, V]`` by inverse CDF in two
     levels: a cumulative sum over blocks of `BLOCK` tokens picks the block, one over the
     block's tokens picks the token, so no ``[N, V]`` cumulative sum is ever written."""
@@ -505,7 +504,20 @@ def _top_k(logits: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor,
     return values, columns.gather(1, positions)
 
 
-def _sort_filtered(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def filtered_distribution(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Each row's sampling distribution ``[R, V]``, by a full sort: temperature (``[R, 1]``),
+    top-k (``[R]``, 0: none), top-p over the top-k survivors (``[R]``), then min-p relative to
+    the most likely token (``[R, 1]``). For the rare row the windows do not serve, and for
+    speculative verification, which needs the whole distribution."""
+    scaled = logits / temperature
+    filtered = sort_filtered(scaled, top_k, top_p)
+    relative = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()
+    return filtered.masked_fill(relative < min_p, float("-inf")).softmax(dim=-1)
+
+
+def sort_filtered(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k and top-p by a full sort: for the rare row whose candidates do not fit a window."""
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)

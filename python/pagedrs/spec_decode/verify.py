@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pagedrs.sampler import Sampler, SamplerOutput, SamplingRow
+from pagedrs.sampler import InverseCdf, Sampler, SamplerOutput, SamplingRow, filtered_distribution
 from pagedrs.sampling_params import SamplingParams
 
 
@@ -42,46 +42,28 @@ def speculates(params: SamplingParams) -> bool:
 
 @torch.inference_mode()
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Each row's sampling distribution ``[R, V]`` (float32): softmax at the row's temperature,
-    then top-k, top-p over the top-k survivors, and min-p relative to the most likely token, as
-    the sampler applies them. Rows must not be greedy."""
-    device = logits.device
-    vocab = logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-    scaled = logits.float() / temperature
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
-    before = probs.cumsum(dim=-1) - probs
-    drop = (before >= top_p) & (ranks > 0)
-    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
-    drop |= (sorted_logits - sorted_logits[:, :1]).exp() < min_p
-    probs = probs.masked_fill(drop, 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(probs).scatter_(1, order, probs)
+    """Each row's sampling distribution ``[R, V]`` under its request's temperature, top-k, top-p
+    and min-p, as the sampler applies them (`pagedrs.sampler.filtered_distribution`). Rows must
+    not be greedy."""
+    device, vocab = logits.device, logits.shape[-1]
+    return filtered_distribution(
+        logits.float(),
+        torch.tensor([p.temperature for p in params], device=device).unsqueeze(1),
+        torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=device),
+        torch.tensor([p.top_p for p in params], device=device),
+        torch.tensor([p.min_p for p in params], device=device).unsqueeze(1),
+    )
 
 
 def uniforms(sampler: Sampler, rows: Sequence[SamplingRow], per_row: int) -> torch.Tensor:
-    """``[R, per_row]`` uniform draws: a seeded row's from its own generator, the others from the
-    sampler's (so a seeded request stays reproducible)."""
-    draws = torch.rand((len(rows), per_row), device=sampler.device, generator=sampler.generator)
-    for index, row in enumerate(rows):
-        if row.generator is not None:
-            draws[index] = torch.rand(per_row, device=sampler.device, generator=row.generator)
-    return draws
+    """``[R, per_row]`` uniform draws, as the sampler makes them (a seeded row's from its own
+    generator)."""
+    return sampler.uniforms(range(len(rows)), [row.generator for row in rows], per_row)
 
 
 def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs`` by inverse CDF with the given uniforms ``[R]``."""
-    cdf = probs.cumsum(dim=-1)
-    target = (uniform * cdf[:, -1]).unsqueeze(1)
-    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
-    # NOTE: rounding may land a draw on a zero-probability token; take the row's most likely.
-    zero = probs.gather(1, token_ids.unsqueeze(1)).squeeze(1) == 0
-    return torch.where(zero, probs.argmax(dim=-1), token_ids)
+    """One token per row of ``probs`` with the given uniforms ``[R]`` (the sampler's inverse CDF)."""
+    return InverseCdf(probs).draw(uniform)
 
 
 @torch.inference_mode()
@@ -116,22 +98,20 @@ def verify_and_sample(
     draft_ids: np.ndarray,
     draft_probs: dict[int, torch.Tensor] | None = None,
 ) -> SamplerOutput:
-    """The step's tokens: the plain sampler for greedy rows and rows without a proposal, the
-    rejection rule for sampled rows with one (``draft_probs``: ``q`` by logits row, from a draft
-    model). Logprobs, where asked, are of the token each row ends up with."""
+    """The step's tokens: the plain sampler for every row, then the rejection rule for the
+    sampled rows that verify a proposal (``draft_probs``: ``q`` by logits row, from a draft
+    model), whose tokens (and logprobs, where asked) it replaces.
+
+    NOTE: those rows are drawn twice. They belong to requests the plain sampler treats simply
+    (no penalties, bans, masks or seed: `speculates`), so the extra draw costs little, and it
+    keeps the sampler's row bookkeeping whole.
+    """
+    sampled = sampler(logits, rows, banned, allowed)
     verify = [
         i for i, (row, draft) in enumerate(zip(rows, draft_ids.tolist())) if draft >= 0 and not row.params.is_greedy
     ]
     if not verify:
-        return sampler(logits, rows, banned, allowed)
-    verified_rows = set(verify)
-    plain = [i for i in range(len(rows)) if i not in verified_rows]
-    position = {row: index for index, row in enumerate(plain)}
-    plain_out = None
-    if plain:
-        plain_banned = [(position[row], ids) for row, ids in banned]
-        plain_allowed = None if allowed is None else ([position[row] for row in allowed[0]], allowed[1])
-        plain_out = sampler(logits[plain], [rows[i] for i in plain], plain_banned, plain_allowed)
+        return sampled
     verify_rows = [rows[i] for i in verify]
     index = torch.tensor(verify, device=logits.device)
     target = filtered_probs(logits[index], [row.params for row in verify_rows])
@@ -140,30 +120,18 @@ def verify_and_sample(
     if draft_probs is not None:
         q = torch.stack([draft_probs[i] for i in verify]).to(target.device, torch.float32)
     verified = rejection_sample(target, drafts, q, uniforms(sampler, verify_rows, 2))
-    token_ids = np.zeros(len(rows), dtype=np.int64)
-    token_ids[verify] = verified.cpu().numpy()
-    if plain_out is not None:
-        token_ids[plain] = plain_out.token_ids
-    num_top = max((row.params.logprobs for row in rows if row.params.logprobs is not None), default=None)
-    if num_top is None:
-        return SamplerOutput(token_ids)
-    return _with_logprobs(sampler, logits, rows, token_ids, num_top)
-
-
-def _with_logprobs(
-    sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], token_ids: np.ndarray, num_top: int
-) -> SamplerOutput:
-    """Logprob columns of every row that asked, for the tokens chosen."""
-    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    index = torch.tensor(asked, device=logits.device)
-    columns = (
-        sampler.logprob_columns(logits[index], torch.from_numpy(token_ids[asked]).to(logits.device), num_top)
-        .cpu()
-        .numpy()
+    sampled.token_ids[verify] = verified.cpu().numpy()
+    asked = [i for i in verify if rows[i].params.logprobs is not None]
+    logprobs, ranks, top_ids, top_logprobs = (
+        sampled.logprobs,
+        sampled.ranks,
+        sampled.top_token_ids,
+        sampled.top_logprobs,
     )
-    num_rows = len(rows)
-    logprobs, ranks = np.zeros(num_rows), np.zeros(num_rows, dtype=np.int64)
-    top_ids, top_logprobs = np.zeros((num_rows, num_top), dtype=np.int64), np.zeros((num_rows, num_top))
-    logprobs[asked], ranks[asked] = columns[:, 0], columns[:, 1].astype(np.int64)
-    top_ids[asked], top_logprobs[asked] = columns[:, 2 : 2 + num_top].astype(np.int64), columns[:, 2 + num_top :]
-    return SamplerOutput(token_ids, logprobs, ranks, top_ids, top_logprobs)
+    if asked and logprobs is not None and ranks is not None and top_ids is not None and top_logprobs is not None:
+        num_top = top_ids.shape[1]
+        tokens = torch.from_numpy(sampled.token_ids[asked]).to(logits.device)
+        columns = sampler.logprob_columns(logits[asked], tokens, num_top).cpu().numpy()
+        logprobs[asked], ranks[asked] = columns[:, 0], columns[:, 1].astype(np.int64)
+        top_ids[asked], top_logprobs[asked] = columns[:, 2 : 2 + num_top].astype(np.int64), columns[:, 2 + num_top :]
+    return sampled
