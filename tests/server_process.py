@@ -52,6 +52,16 @@ class Server:
         except json.JSONDecodeError:
             return response.status, data
 
+    def stream_chat(self, model: str, messages: list[dict[str, str]], max_tokens: int) -> str:
+        """A greedy chat completion streamed through the official `openai` client; its text."""
+        import openai
+
+        client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0)
+        stream = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+        )
+        return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
     def metrics(self) -> dict[str, float]:
         """The unlabelled value of every ``pagedrs:`` sample (summed over labels)."""
         status, text = self.request("GET", "/metrics")

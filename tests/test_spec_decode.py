@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import openai
 import pytest
 import torch
 
@@ -393,12 +392,7 @@ def test_the_server_speculates_and_exports_vllm_metrics(tiny_smol, tmp_path):
     spec = {"model": tiny_smol, "num_speculative_tokens": 3}  # drafting for itself: always accepted
     server = start_server([*args, "--speculative-config", json.dumps(spec)], str(tmp_path / "server.log"))
     try:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-        stream = client.chat.completions.create(
-            model=tiny_smol, messages=question, max_tokens=24, temperature=0, stream=True
-        )
-        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-        assert text == expected.outputs[0].text
+        assert server.stream_chat(tiny_smol, question, max_tokens=24) == expected.outputs[0].text
         info = server.request("GET", "/server_info")[1]["speculative_config"]
         assert info["method"] == "draft_model" and info["num_speculative_tokens"] == 3
         assert info["disable_by_batch_size"] == 4  # the CPU default, filled in

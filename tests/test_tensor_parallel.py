@@ -180,12 +180,7 @@ def test_the_server_streams_a_chat_with_tp2_and_stops_its_workers_on_sigterm(tin
     server = start_server(_server_args(tiny_smol, "-tp", "2"), str(tmp_path / "server.log"))
     workers = _children(server.process.pid)
     try:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-        stream = client.chat.completions.create(
-            model=tiny_smol, messages=question, max_tokens=12, temperature=0, stream=True
-        )
-        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-        assert text == expected.outputs[0].text
+        assert server.stream_chat(tiny_smol, question, max_tokens=12) == expected.outputs[0].text
         status, info = server.request("GET", "/server_info")
         assert info["tensor_parallel_size"] == 2 and info["distributed_backend"] == "gloo"
         assert 'tensor_parallel_size="2"' in server.request("GET", "/metrics")[1]
