@@ -500,9 +500,11 @@ class LLMEngine:
         request_ids = updates.request_ids
         # A speculating choice may get several tokens (rows) in one update; the core may have
         # finished it at a later row than the one a stop string matches in.
-        finished_by_core = {
-            (request_ids[row], int(updates.choice_indices[row])) for row in np.flatnonzero(updates.finish_codes)
-        }
+        finished_by_core = set()
+        if self.speculative is not None:
+            finished_by_core = {
+                (request_ids[row], int(updates.choice_indices[row])) for row in np.flatnonzero(updates.finish_codes)
+            }
         columns = zip(
             updates.choice_indices.tolist(),
             updates.token_ids.tolist(),
