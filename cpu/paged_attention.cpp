@@ -34,6 +34,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -43,6 +45,8 @@
 #include <vector>
 
 namespace {
+
+using pagedrs_cpu::exp_nonpositive;
 
 constexpr int kRowTile = 8;   // prefill rows that share one pass over their context
 constexpr int kKeyTile = 64;  // keys scored before the softmax is brought up to date
@@ -203,24 +207,6 @@ struct Scratch {
         key_tile(static_cast<size_t>(kKeyTile) * head_size),
         value_tile(static_cast<size_t>(kKeyTile) * head_size) {}
 };
-
-// exp(x) for x <= 0 (a score minus its row's maximum) in a form the compiler vectorizes,
-// unlike std::exp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' polynomial (about
-// 1 ulp), 2^n by the exponent bits. Below -87 (2^n would be subnormal) it returns ~1e-38,
-// which weighs nothing against the row's maximum key, whose term is 1.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  return p * __builtin_bit_cast(float, (static_cast<int>(n) + 127) << 23);
-}
 
 // NOTE: a tile's rows lie in blocks scattered over the cache, which the hardware prefetcher
 // cannot foresee; asking for the next tile's rows while this one is computed keeps many loads
@@ -410,6 +396,10 @@ void check_index(const at::Tensor& t, int64_t dims, const char* name) {
   TORCH_CHECK(t.is_contiguous(), "pagedrs_cpu: ", name, " must be contiguous");
 }
 
+}  // namespace
+
+namespace pagedrs_cpu {
+
 // Reads the cache only: the step's new keys and values must already be written (the
 // runner's contract, rust/src/batch.rs).
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -483,11 +473,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   }
 }
 
-}  // namespace
+}  // namespace pagedrs_cpu
 
 TORCH_LIBRARY(pagedrs_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor cu_seqlens_q, Tensor context_lens, float scale, int sliding_window) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) { m.impl("paged_attention", &pagedrs_cpu::paged_attention); }

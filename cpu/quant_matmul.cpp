@@ -35,6 +35,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -219,7 +221,11 @@ void matmul(const float* x, const uint8_t* weight, float* out, int64_t num_token
   });
 }
 
-int64_t block_bytes(int64_t ggml_type) {
+}  // namespace
+
+namespace pagedrs_cpu {
+
+int64_t quant_block_bytes(int64_t ggml_type) {
   switch (ggml_type) {
     case kQ8_0: return Q8_0::kBytes;
     case kQ4_0: return Q4_0::kBytes;
@@ -230,12 +236,27 @@ int64_t block_bytes(int64_t ggml_type) {
   }
 }
 
+void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
+                      int64_t out_features, int64_t ggml_type) {
+  if (num_tokens == 0 || out_features == 0) return;
+  switch (ggml_type) {
+    case kQ8_0: matmul<Q8_0>(x, weight, out, num_tokens, in_features, out_features); break;
+    case kQ4_0: matmul<Q4_0>(x, weight, out, num_tokens, in_features, out_features); break;
+    case kQ4_1: matmul<Q4_1>(x, weight, out, num_tokens, in_features, out_features); break;
+    default: quant_block_bytes(ggml_type);  // fails with the list of supported types
+  }
+}
+
+}  // namespace pagedrs_cpu
+
+namespace {
+
 // y = x @ dequant(weight)^T (see the header for layouts).
 //   x:      float32, bfloat16 or float16 [num_tokens, in_features]
 //   weight: uint8 [out_features, in_features / 32 * block_bytes(ggml_type)]
 //   in_features is given, not inferred, so a weight of the wrong type or width fails loudly.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type, int64_t in_features) {
-  const int64_t bytes = block_bytes(ggml_type);
+  const int64_t bytes = pagedrs_cpu::quant_block_bytes(ggml_type);
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "pagedrs_cpu: quant_matmul needs CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "pagedrs_cpu: x must be float32, bfloat16 or float16, got ", x.scalar_type());
@@ -253,14 +274,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t g
   const at::Tensor x_float = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor out = at::empty({num_tokens, out_features}, x.options().dtype(at::kFloat));
   if (num_tokens == 0 || out_features == 0) return out.to(x.scalar_type());
-  const float* xs = x_float.data_ptr<float>();
-  const uint8_t* ws = weight.data_ptr<uint8_t>();
-  float* ys = out.data_ptr<float>();
-  switch (ggml_type) {
-    case kQ8_0: matmul<Q8_0>(xs, ws, ys, num_tokens, in_features, out_features); break;
-    case kQ4_0: matmul<Q4_0>(xs, ws, ys, num_tokens, in_features, out_features); break;
-    default: matmul<Q4_1>(xs, ws, ys, num_tokens, in_features, out_features); break;
-  }
+  pagedrs_cpu::quant_matmul_f32(x_float.data_ptr<float>(), weight.data_ptr<uint8_t>(), out.data_ptr<float>(),
+                                num_tokens, in_features, out_features, ggml_type);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 

@@ -1,4 +1,5 @@
-"""The CPU kernels in ``cpu/`` (paged attention, sampling): one extension built with
+"""The CPU kernels in ``cpu/`` (paged attention, sampling, quantized matmuls, the fused decoder
+stack): one extension built with
 `torch.utils.cpp_extension` on first use, cached under ``~/.cache/pagedrs`` by a hash of the
 sources, the compiler flags, torch's version and this machine's CPU (the build targets it with
 ``-march=native``), loaded once, used as ``torch.ops.pagedrs_cpu.*``. ``python -m
@@ -17,7 +18,8 @@ import sysconfig
 from pathlib import Path
 from types import ModuleType
 
-SOURCES = ("paged_attention.cpp", "sampling.cpp", "quant_matmul.cpp")
+SOURCES = ("paged_attention.cpp", "sampling.cpp", "quant_matmul.cpp", "decoder_stack.cpp")
+HEADERS = ("cpu_kernels.h",)
 
 
 def sources_dir() -> Path:
@@ -67,7 +69,7 @@ def build_version() -> str:
     import torch
 
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update((sources_dir() / name).read_bytes())
     for part in (*compile_flags(), torch.__version__, sys.version, _cpu_fingerprint()):
         digest.update(part.encode())

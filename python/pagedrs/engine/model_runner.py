@@ -12,6 +12,7 @@ from pagedrs.attention import metadata_class, select_backend
 from pagedrs.engine.staging import StagedInputs
 from pagedrs.layers.linear import TensorParallel
 from pagedrs.models import build_model
+from pagedrs.models.cpu_stack import CpuDecoderStack, why_unsupported
 from pagedrs.models.llama import LlamaFamilyForCausalLM
 from pagedrs.models.loader import load_config, resolve_model
 from pagedrs.quant.loading import load_weights
@@ -94,6 +95,8 @@ class ModelRunner:
             from pagedrs.attention.cuda_ops import load
 
             load()  # build the kernels now, not in the first request's step
+        if why_unsupported(model, device, self.attention_backend) is None:
+            model.cpu_stack = CpuDecoderStack(model)
         self.inputs = StagedInputs(device)
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,10 @@ from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, Tenso
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta
 from pagedrs.models.loader import WeightHandle
+
+if TYPE_CHECKING:
+    from pagedrs.attention.cpu_backend import CpuAttentionMetadata
+    from pagedrs.models.cpu_stack import CpuDecoderStack
 
 
 class Attention(nn.Module):
@@ -101,6 +105,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.num_heads = attn.num_heads
         self.head_dim = attn.head_dim
         self.sliding_window = getattr(config, "sliding_window", None) if self._uses_sliding_window(config) else None
+        self.cpu_stack: CpuDecoderStack | None = None
+        """The layers as one compiled call per step on the CPU, when the runner sets it up
+        (`pagedrs.models.cpu_stack`); ``None``: the Python layers below."""
 
     @staticmethod
     def _uses_sliding_window(config: Any) -> bool:
@@ -121,8 +128,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         """Runs the step's tokens; returns float32 logits of the ``logits_indices`` rows."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        if self.cpu_stack is not None:
+            self.cpu_stack(hidden, cos, sin, kv_caches, cast("CpuAttentionMetadata", meta), self.layers[0].self_attn.scale)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden = layer(hidden, cos, sin, kv_cache, meta)
         hidden = self.norm(hidden[logits_indices])
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return head.logits(hidden).float()

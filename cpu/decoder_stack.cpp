@@ -1,0 +1,389 @@
+// A Llama-family decoder stack (Llama, Mistral, Qwen2, Qwen3) run on the CPU in one call per
+// step. The Python layers (python/pagedrs/models/llama.py) issue ~140 small aten ops per layer
+// (norms, rotary, splits, views, the KV write, residual adds); at one token per step each costs
+// more to dispatch than to compute, and in a single-stream decode of a small model they took
+// as long as the matmuls. Here each layer is a few loops over float32 rows around the same
+// matmuls (the packed GGUF kernel of quant_matmul.cpp, or torch's for dense weights) and the
+// same paged attention (paged_attention.cpp, torch's SDPA for long prefill chunks, as
+// python/pagedrs/attention/cpu_backend.py splits them). Results equal the Python layers' up
+// to the order of float additions (and fused multiply-adds); tests/test_decoder_stack.py holds
+// the two side by side. Built with the other cpu/ kernels by python/pagedrs/attention/cpu_ops.py;
+// registered as torch.classes.pagedrs_cpu.DecoderStack, driven by python/pagedrs/models/cpu_stack.py.
+//
+// Dimensions:
+//   num_tokens          rows of the step (decodes and prefill chunks, flattened)
+//   hidden_size         H, the residual stream's width
+//   num_heads           query heads; num_kv_heads divides it
+//   num_kv_heads        key/value heads
+//   head_size           D, elements of one head
+//   intermediate_size   I, the MLP's width
+//   qkv_size            (num_heads + 2 * num_kv_heads) * head_size
+//
+// Weights (per layer, held by reference from the model's parameters, never copied):
+//   input_norm, post_norm   [H] float32
+//   q_norm, k_norm          [D] float32 (Qwen3) or absent
+//   qkv                     [qkv_size, H]: q rows, then k rows, then v rows
+//   o                       [H, num_heads * D]
+//   gate_up                 [2 * I, H]: gate rows, then up rows
+//   down                    [H, I]
+//   each linear is float32 (ggml type 0, `F32`) or packed blocks of a type quant_matmul.cpp
+//   multiplies (uint8 [out, in / 32 * block_bytes]); each bias, if any, is [out] float32.
+//
+// Per step (see DecoderStack::forward):
+//   hidden              [num_tokens, H] float32: the embeddings in, the last layer's output
+//                       out (written in place)
+//   cos, sin            [num_tokens, D] float32: the rotary factors of each row's position
+//   key/value caches    one pair per layer, [num_blocks, block_size, num_kv_heads, D] float32
+//   slot_mapping        [num_tokens] int64: the cache slot of each row's key and value
+//   the attention layout of CpuAttentionMetadata: the rows the kernel attends (all of them, or
+//   the listed ones) with their block tables, and the long prefill chunks SDPA attends.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+constexpr int64_t kF32 = 0;    // ggml's type id of float32: a dense weight
+constexpr int64_t kGrain = 16;  // rows per thread task in the row-wise loops
+
+// One linear: y = x W^T + b.
+struct Linear {
+  at::Tensor weight;
+  int64_t ggml_type;
+  std::optional<at::Tensor> bias;
+  int64_t in_features;
+  int64_t out_features;
+
+  // out [num_tokens, out_features] = x [num_tokens, in_features] W^T (+ b), the same ops as the
+  // Python layers: addmm / mm for dense weights, the packed kernel then a bias add.
+  void apply(const at::Tensor& x, at::Tensor& out) const {
+    if (ggml_type == kF32) {
+      if (bias) {
+        at::addmm_out(out, *bias, x, weight.t());
+      } else {
+        at::mm_out(out, x, weight.t());
+      }
+      return;
+    }
+    pagedrs_cpu::quant_matmul_f32(x.data_ptr<float>(), weight.data_ptr<uint8_t>(), out.data_ptr<float>(), x.size(0),
+                                  in_features, out_features, ggml_type);
+    if (bias) out.add_(*bias);
+  }
+};
+
+void check_float_vector(const at::Tensor& t, int64_t size, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "pagedrs_cpu: ", name,
+              " must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == size, "pagedrs_cpu: ", name, " must be [", size, "], got ", t.sizes());
+}
+
+Linear make_linear(const char* name, const at::Tensor& weight, int64_t ggml_type, const std::optional<at::Tensor>& bias,
+                   int64_t in_features, int64_t out_features) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous(), "pagedrs_cpu: ", name,
+              " must be a contiguous CPU tensor");
+  if (ggml_type == kF32) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat, "pagedrs_cpu: ", name, " (type F32) must be float32, got ",
+                weight.scalar_type());
+    TORCH_CHECK(weight.dim() == 2 && weight.size(0) == out_features && weight.size(1) == in_features, "pagedrs_cpu: ",
+                name, " must be [", out_features, ", ", in_features, "], got ", weight.sizes());
+  } else {
+    const int64_t bytes = pagedrs_cpu::quant_block_bytes(ggml_type);
+    TORCH_CHECK(weight.scalar_type() == at::kByte, "pagedrs_cpu: ", name, " (packed) must be uint8, got ",
+                weight.scalar_type());
+    TORCH_CHECK(in_features % 32 == 0 && weight.dim() == 2 && weight.size(0) == out_features &&
+                    weight.size(1) == in_features / 32 * bytes,
+                "pagedrs_cpu: ", name, " must be [", out_features, ", ", in_features / 32 * bytes, "] for ggml type ",
+                ggml_type, ", got ", weight.sizes());
+  }
+  if (bias) check_float_vector(*bias, out_features, name);
+  return Linear{weight, ggml_type, bias, in_features, out_features};
+}
+
+struct Layer {
+  at::Tensor input_norm;
+  at::Tensor post_norm;
+  std::optional<at::Tensor> q_norm;
+  std::optional<at::Tensor> k_norm;
+  Linear qkv;
+  Linear o;
+  Linear gate_up;
+  Linear down;
+};
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)) over n elements, as Hugging Face's RMSNorm in
+// float32 (the sum of squares in 16 lanes, so it vectorizes). out may be x.
+inline void rms_norm(const float* x, const float* __restrict__ weight, float eps, int64_t n, float* out) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += x[i + j] * x[i + j];
+  for (int j = 0; i < n; ++i, ++j) lanes[j] += x[i] * x[i];
+  float sum = 0.f;
+  for (float lane : lanes) sum += lane;
+  const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) out[k] = weight[k] * (x[k] * scale);
+}
+
+// The "rotate half" rotary embedding of one head, in place: x * cos + rotate_half(x) * sin.
+inline void rotate(float* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin, int64_t size) {
+  const int64_t half = size / 2;
+  float rotated[512];
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    rotated[j] = x[j] * cos[j] - x[j + half] * sin[j];
+    rotated[j + half] = x[j + half] * cos[j + half] + x[j] * sin[j + half];
+  }
+  std::copy(rotated, rotated + size, x);
+}
+
+// silu(gate) * up, with silu(g) = g / (1 + exp(-g)) written for an exp of non-positive
+// arguments (it vectorizes; std::exp does not).
+inline void silu_mul(const float* __restrict__ gate, const float* __restrict__ up, int64_t n, float* __restrict__ out) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float g = gate[j];
+    const float e = pagedrs_cpu::exp_nonpositive(-std::abs(g));  // exp(-|g|)
+    const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+    out[j] = g * sigmoid * up[j];
+  }
+}
+
+inline void add_rows(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) x[j] += y[j];
+}
+
+// Runs f(row) for rows [0, num_rows) over torch's threads (one thread for a decode's few rows).
+template <class F>
+void for_rows(int64_t num_rows, const F& f) {
+  at::parallel_for(0, num_rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) f(row);
+  });
+}
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  DecoderStack(int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+               int64_t intermediate_size, double eps)
+      : hidden_size_(hidden_size),
+        num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_size_(head_size),
+        intermediate_size_(intermediate_size),
+        eps_(static_cast<float>(eps)) {
+    TORCH_CHECK(hidden_size > 0 && num_heads > 0 && num_kv_heads > 0 && intermediate_size > 0,
+                "pagedrs_cpu: DecoderStack needs positive sizes");
+    TORCH_CHECK(num_heads % num_kv_heads == 0, "pagedrs_cpu: ", num_heads, " query heads do not group over ",
+                num_kv_heads, " KV heads");
+    TORCH_CHECK(head_size > 0 && head_size % 2 == 0 && head_size <= 512,
+                "pagedrs_cpu: DecoderStack takes an even head size up to 512, got ", head_size);
+  }
+
+  // Appends a layer (see the header for the weights' shapes).
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+                 std::optional<at::Tensor> k_norm, at::Tensor qkv, int64_t qkv_type, std::optional<at::Tensor> qkv_bias,
+                 at::Tensor o, int64_t o_type, std::optional<at::Tensor> o_bias, at::Tensor gate_up,
+                 int64_t gate_up_type, std::optional<at::Tensor> gate_up_bias, at::Tensor down, int64_t down_type,
+                 std::optional<at::Tensor> down_bias) {
+    check_float_vector(input_norm, hidden_size_, "input_norm");
+    check_float_vector(post_norm, hidden_size_, "post_norm");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "pagedrs_cpu: q_norm and k_norm come together");
+    if (q_norm) check_float_vector(*q_norm, head_size_, "q_norm");
+    if (k_norm) check_float_vector(*k_norm, head_size_, "k_norm");
+    const int64_t q_size = num_heads_ * head_size_, qkv_size = q_size + 2 * num_kv_heads_ * head_size_;
+    layers_.push_back(Layer{
+        input_norm,
+        post_norm,
+        q_norm,
+        k_norm,
+        make_linear("qkv", qkv, qkv_type, qkv_bias, hidden_size_, qkv_size),
+        make_linear("o", o, o_type, o_bias, q_size, hidden_size_),
+        make_linear("gate_up", gate_up, gate_up_type, gate_up_bias, hidden_size_, 2 * intermediate_size_),
+        make_linear("down", down, down_type, down_bias, intermediate_size_, hidden_size_),
+    });
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Runs every layer over the step's rows; `hidden` ends as the last layer's output.
+  //   kernel_rows, block_tables, cu_seqlens_q, context_lens: the rows the paged attention kernel
+  //     attends (kernel_rows: int64 [R] of the step's rows, absent for all of them) with their
+  //     sequences' int32 block tables [S, W], rows [S + 1] and contexts [S]; the block tables
+  //     absent when no row goes to the kernel.
+  //   chunk_bounds: (first row, end row, context length) of each long prefill chunk SDPA
+  //     attends; chunk_blocks: its blocks (int64 [W]); chunk_masks: its bool [L, C] mask of
+  //     the keys each row sees, absent for a whole prompt without a window (plain causal).
+  void forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> key_caches,
+               std::vector<at::Tensor> value_caches, at::Tensor slot_mapping, std::optional<at::Tensor> kernel_rows,
+               std::optional<at::Tensor> block_tables, std::optional<at::Tensor> cu_seqlens_q,
+               std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
+               std::vector<at::Tensor> chunk_blocks, c10::List<std::optional<at::Tensor>> chunk_masks, double scale,
+               int64_t sliding_window) const {
+    const int64_t num_tokens = hidden.size(0), num_layers = this->num_layers();
+    check_step(hidden, cos, sin, key_caches, value_caches, slot_mapping);
+    TORCH_CHECK(chunk_bounds.size() == 3 * chunk_blocks.size() && chunk_masks.size() == chunk_blocks.size(),
+                "pagedrs_cpu: each long chunk needs its (start, end, context length), blocks and mask");
+    if (num_tokens == 0) return;
+    const int64_t H = hidden_size_, D = head_size_, q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
+    const int64_t qkv_size = q_size + 2 * kv_size, I = intermediate_size_;
+    const auto options = hidden.options();
+    at::Tensor normed = at::empty({num_tokens, H}, options);
+    at::Tensor qkv = at::empty({num_tokens, qkv_size}, options);
+    at::Tensor attended = at::empty({num_tokens, num_heads_, D}, options);
+    at::Tensor projected = at::empty({num_tokens, H}, options);
+    at::Tensor gate_up = at::empty({num_tokens, 2 * I}, options);
+    at::Tensor activated = at::empty({num_tokens, I}, options);
+    // The query heads of each row, in place in the qkv rows (paged attention takes a row stride).
+    const at::Tensor query = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, D});
+    float* h = hidden.data_ptr<float>();
+    const float* cos_rows = cos.data_ptr<float>();
+    const float* sin_rows = sin.data_ptr<float>();
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const Layer& layer = layers_[l];
+      const float* input_norm = layer.input_norm.data_ptr<float>();
+      float* n = normed.data_ptr<float>();
+      for_rows(num_tokens, [&](int64_t t) { rms_norm(h + t * H, input_norm, eps_, H, n + t * H); });
+      layer.qkv.apply(normed, qkv);
+      // Per row: q/k norms (Qwen3), rotary on q and k, then k and v into their cache slot.
+      float* key_cache = key_caches[l].data_ptr<float>();
+      float* value_cache = value_caches[l].data_ptr<float>();
+      float* qkv_rows = qkv.data_ptr<float>();
+      const float* q_norm = layer.q_norm ? layer.q_norm->data_ptr<float>() : nullptr;
+      const float* k_norm = layer.k_norm ? layer.k_norm->data_ptr<float>() : nullptr;
+      for_rows(num_tokens, [&](int64_t t) {
+        float* row = qkv_rows + t * qkv_size;
+        const float* c = cos_rows + t * D;
+        const float* s = sin_rows + t * D;
+        for (int64_t head = 0; head < num_heads_ + num_kv_heads_; ++head) {
+          float* x = row + head * D;
+          const float* norm = head < num_heads_ ? q_norm : k_norm;
+          if (norm != nullptr) rms_norm(x, norm, eps_, D, x);
+          rotate(x, c, s, D);
+        }
+        std::copy(row + q_size, row + q_size + kv_size, key_cache + slots[t] * kv_size);
+        std::copy(row + q_size + kv_size, row + qkv_size, value_cache + slots[t] * kv_size);
+      });
+      attend(query, key_caches[l], value_caches[l], kernel_rows, block_tables, cu_seqlens_q, context_lens,
+             chunk_bounds, chunk_blocks, chunk_masks, scale, sliding_window, attended);
+      layer.o.apply(attended.view({num_tokens, q_size}), projected);
+      const float* p = projected.data_ptr<float>();
+      const float* post_norm = layer.post_norm.data_ptr<float>();
+      for_rows(num_tokens, [&](int64_t t) {
+        add_rows(h + t * H, p + t * H, H);
+        rms_norm(h + t * H, post_norm, eps_, H, n + t * H);
+      });
+      layer.gate_up.apply(normed, gate_up);
+      const float* g = gate_up.data_ptr<float>();
+      float* a = activated.data_ptr<float>();
+      for_rows(num_tokens, [&](int64_t t) { silu_mul(g + t * 2 * I, g + t * 2 * I + I, I, a + t * I); });
+      layer.down.apply(activated, projected);
+      for_rows(num_tokens, [&](int64_t t) { add_rows(h + t * H, p + t * H, H); });
+    }
+  }
+
+ private:
+  void check_step(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                  const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+                  const at::Tensor& slot_mapping) const {
+    TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() &&
+                    hidden.dim() == 2 && hidden.size(1) == hidden_size_,
+                "pagedrs_cpu: hidden must be contiguous float32 [num_tokens, ", hidden_size_, "], got ",
+                hidden.scalar_type(), " ", hidden.sizes());
+    const int64_t num_tokens = hidden.size(0);
+    for (const at::Tensor* t : {&cos, &sin}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == num_tokens &&
+                      t->size(1) == head_size_,
+                  "pagedrs_cpu: cos and sin must be contiguous float32 [", num_tokens, ", ", head_size_, "], got ",
+                  t->sizes());
+    }
+    TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(), "pagedrs_cpu: ",
+                layers_.size(), " layers need as many key and value caches, got ", key_caches.size(), " and ",
+                value_caches.size());
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      for (const at::Tensor* cache : {&key_caches[l], &value_caches[l]}) {
+        TORCH_CHECK(cache->scalar_type() == at::kFloat && cache->is_contiguous() && cache->dim() == 4 &&
+                        cache->size(2) == num_kv_heads_ && cache->size(3) == head_size_ &&
+                        cache->sizes() == key_caches[0].sizes(),
+                    "pagedrs_cpu: every cache must be contiguous float32 [num_blocks, block_size, ", num_kv_heads_,
+                    ", ", head_size_, "], got ", cache->sizes());
+      }
+    }
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1 &&
+                    slot_mapping.size(0) == num_tokens,
+                "pagedrs_cpu: slot_mapping must be contiguous int64 [", num_tokens, "]");
+    // The rows are written at these slots unchecked: none may fall outside the cache.
+    const int64_t num_slots = key_caches.empty() ? 0 : key_caches[0].size(0) * key_caches[0].size(1);
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "pagedrs_cpu: slot ", slots[t], " of row ", t,
+                  " is outside the cache's ", num_slots, " slots");
+    }
+  }
+
+  // attended [num_tokens, num_heads, D] = every query row over its sequence's paged context,
+  // split between the kernel and SDPA as CpuAttentionMetadata.attend splits it.
+  void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+              const std::optional<at::Tensor>& kernel_rows, const std::optional<at::Tensor>& block_tables,
+              const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& context_lens,
+              const std::vector<int64_t>& chunk_bounds, const std::vector<at::Tensor>& chunk_blocks,
+              const c10::List<std::optional<at::Tensor>>& chunk_masks, double scale, int64_t sliding_window,
+              at::Tensor& attended) const {
+    if (block_tables) {
+      TORCH_CHECK(cu_seqlens_q && context_lens, "pagedrs_cpu: the kernel's rows need cu_seqlens_q and context_lens");
+      if (kernel_rows) {
+        at::Tensor rows_query = query.index_select(0, *kernel_rows);
+        at::Tensor rows_out = at::empty_like(rows_query);
+        pagedrs_cpu::paged_attention(rows_out, rows_query, key_cache, value_cache, *block_tables, *cu_seqlens_q,
+                                     *context_lens, scale, sliding_window);
+        attended.index_copy_(0, *kernel_rows, rows_out);
+      } else {
+        pagedrs_cpu::paged_attention(attended, query, key_cache, value_cache, *block_tables, *cu_seqlens_q,
+                                     *context_lens, scale, sliding_window);
+      }
+    }
+    const int64_t group = num_heads_ / num_kv_heads_;
+    for (size_t c = 0; c < chunk_blocks.size(); ++c) {
+      const int64_t start = chunk_bounds[3 * c], end = chunk_bounds[3 * c + 1], context_len = chunk_bounds[3 * c + 2];
+      const std::optional<at::Tensor> mask = chunk_masks.get(c);
+      // [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].
+      const at::Tensor q = query.slice(0, start, end).transpose(0, 1).unflatten(0, {num_kv_heads_, group});
+      const at::Tensor keys =
+          key_cache.index_select(0, chunk_blocks[c]).flatten(0, 1).slice(0, 0, context_len).transpose(0, 1).unsqueeze(1);
+      const at::Tensor values = value_cache.index_select(0, chunk_blocks[c])
+                                    .flatten(0, 1)
+                                    .slice(0, 0, context_len)
+                                    .transpose(0, 1)
+                                    .unsqueeze(1);
+      const at::Tensor out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, !mask.has_value(), scale);
+      attended.slice(0, start, end).copy_(out.flatten(0, 1).transpose(0, 1).reshape({end - start, num_heads_, head_size_}));
+    }
+  }
+
+  int64_t hidden_size_;
+  int64_t num_heads_;
+  int64_t num_kv_heads_;
+  int64_t head_size_;
+  int64_t intermediate_size_;
+  float eps_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+// paged_attention.cpp's TORCH_LIBRARY defines the library; this fragment adds the stack.
+TORCH_LIBRARY_FRAGMENT(pagedrs_cpu, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward);
+}

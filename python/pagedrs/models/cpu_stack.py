@@ -1,0 +1,120 @@
+"""A Llama-family model's decoder layers on the CPU as one compiled call per step
+(``torch.classes.pagedrs_cpu.DecoderStack``, ``cpu/decoder_stack.cpp``).
+
+The Python layers (`pagedrs.models.llama`) issue ~140 small aten ops per layer; at one token
+per step each costs more to dispatch than to compute, and in a single-stream decode of the
+default model they took as long as the matmuls. The stack runs the same arithmetic (the same
+matmuls, the same paged attention and SDPA split as `CpuAttentionMetadata`) in C++ over the
+model's own parameters, which it holds by reference.
+
+It runs where everything it needs holds: float32 activations and caches, one rank (no
+all-reduce between the halves of a layer), the CPU attention backend, and every linear dense
+float32 or packed in a format the CPU matmul kernel takes (not FP8). `why_unsupported` says
+which part does not; the model then runs its Python layers, which stay the reference for
+every other case.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:
+    from pagedrs.attention.cpu_backend import CpuAttentionMetadata
+    from pagedrs.models.llama import LlamaFamilyForCausalLM
+
+F32 = 0
+"""ggml's type id of float32: how the stack is told a linear is a dense float32 weight."""
+
+
+def _linear_type(module: nn.Module) -> int | None:
+    """The stack's type id of a linear (F32 or a packed ggml type), or ``None`` if the stack
+    cannot multiply by it."""
+    from pagedrs.quant.layers import QuantColumnParallelLinear, QuantRowParallelLinear
+
+    if type(module) in (ColumnParallelLinear, RowParallelLinear):
+        return F32 if module.weight.dtype == torch.float32 else None
+    if isinstance(module, (QuantColumnParallelLinear, QuantRowParallelLinear)):
+        return int(module.ggml_type)
+    return None
+
+
+def _linears(model: LlamaFamilyForCausalLM) -> list[nn.Module]:
+    linears: list[nn.Module] = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return linears
+
+
+def why_unsupported(model: LlamaFamilyForCausalLM, device: torch.device, attention_backend: str) -> str | None:
+    """Why the stack cannot run this model's layers, or ``None`` when it can."""
+    if device.type != "cpu" or attention_backend != "cpu":
+        return f"it runs on the CPU attention backend (this model uses {attention_backend!r} on {device})"
+    if model.tp.size > 1:
+        return "tensor parallelism all-reduces inside each layer"
+    if model.norm.weight.dtype != torch.float32:
+        return f"it computes in float32 (the model is {model.norm.weight.dtype})"
+    for linear in _linears(model):
+        if _linear_type(linear) is None:
+            return f"a linear of type {type(linear).__name__} ({linear.weight.dtype})"
+    return None
+
+
+class CpuDecoderStack:
+    """Runs every decoder layer of ``model`` for a step, in place on the hidden states."""
+
+    def __init__(self, model: LlamaFamilyForCausalLM):
+        from pagedrs.attention import cpu_ops
+
+        cpu_ops.load()
+        config = model.config
+        first = model.layers[0]
+        self._stack: Any = torch.classes.pagedrs_cpu.DecoderStack(  # type: ignore[attr-defined]
+            config.hidden_size,
+            model.num_heads,
+            model.num_kv_heads,
+            model.head_dim,
+            config.intermediate_size,
+            float(first.input_layernorm.eps),
+        )
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = [attn.q_norm.weight, attn.k_norm.weight] if attn.q_norm is not None else [None, None]
+            args: list[Any] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *norms]
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                args += [linear.weight, _linear_type(linear), linear.bias]
+            self._stack.add_layer(*args)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: CpuAttentionMetadata,
+        scale: float,
+    ) -> None:
+        kernel = meta.kernel
+        chunks = meta.sdpa_chunks
+        self._stack.forward(
+            hidden,
+            cos,
+            sin,
+            [key for key, _ in kv_caches],
+            [value for _, value in kv_caches],
+            meta.slot_mapping,
+            None if kernel is None else kernel.rows,
+            None if kernel is None else kernel.block_tables,
+            None if kernel is None else kernel.cu_seqlens_q,
+            None if kernel is None else kernel.context_lens,
+            [bound for chunk in chunks for bound in (chunk.start, chunk.end, chunk.context_len)],
+            [chunk.blocks for chunk in chunks],
+            [chunk.mask for chunk in chunks],
+            scale,
+            meta.sliding_window,
+        )
