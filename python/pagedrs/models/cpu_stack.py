@@ -45,7 +45,7 @@ def _linear_type(module: nn.Module) -> int | None:
 
 def _linears(model: LlamaFamilyForCausalLM) -> list[nn.Module]:
     linears: list[nn.Module] = []
-    for layer in model.layers:
+    for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
         linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
     return linears
@@ -73,18 +73,18 @@ class CpuDecoderStack:
 
         cpu_ops.load()
         config = model.config
-        first = model.layers[0]
-        self._stack: Any = torch.classes.pagedrs_cpu.DecoderStack(  # type: ignore[attr-defined]
+        layers = model.decoder_layers()
+        self._stack: Any = torch.classes.pagedrs_cpu.DecoderStack(
             config.hidden_size,
             model.num_heads,
             model.num_kv_heads,
             model.head_dim,
             config.intermediate_size,
-            float(first.input_layernorm.eps),
+            float(layers[0].input_layernorm.eps),
         )
-        for layer in model.layers:
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            norms = [attn.q_norm.weight, attn.k_norm.weight] if attn.q_norm is not None else [None, None]
+            norms = [None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm)]
             args: list[Any] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *norms]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 args += [linear.weight, _linear_type(linear), linear.bias]

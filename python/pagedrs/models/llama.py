@@ -104,10 +104,14 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.num_kv_heads = attn.num_kv_heads
         self.num_heads = attn.num_heads
         self.head_dim = attn.head_dim
+        self.attention_scale = attn.scale
         self.sliding_window = getattr(config, "sliding_window", None) if self._uses_sliding_window(config) else None
         self.cpu_stack: CpuDecoderStack | None = None
         """The layers as one compiled call per step on the CPU, when the runner sets it up
         (`pagedrs.models.cpu_stack`); ``None``: the Python layers below."""
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.layers))  # ModuleList's stubs lose the element type
 
     @staticmethod
     def _uses_sliding_window(config: Any) -> bool:
@@ -129,7 +133,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         if self.cpu_stack is not None:
-            self.cpu_stack(hidden, cos, sin, kv_caches, cast("CpuAttentionMetadata", meta), self.layers[0].self_attn.scale)
+            self.cpu_stack(hidden, cos, sin, kv_caches, cast("CpuAttentionMetadata", meta), self.attention_scale)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden = layer(hidden, cos, sin, kv_cache, meta)
