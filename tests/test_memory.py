@@ -76,3 +76,37 @@ def test_sizes_and_dtypes_parse():
 def test_bad_input_raises_value_error(call):
     with pytest.raises(ValueError):
         call()
+
+
+def test_the_default_kv_budget_grows_as_the_weights_shrink(monkeypatch):
+    import torch
+
+    from pagedrs import config
+
+    ram = 16 * 2**30
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": ram // 4096}
+    monkeypatch.setattr(config.os, "sysconf", lambda name: pages[name])
+    cpu = torch.device("cpu")
+
+    def budget(weight_bytes: int) -> int:
+        return config.default_kv_cache_memory(cpu, weight_bytes)
+
+    assert budget(0) == int(ram * config.CPU_MEMORY_SHARE)
+    # Every byte the weights save goes to the cache...
+    assert budget(100 * 2**20) - budget(500 * 2**20) == 400 * 2**20
+    # ...and large weights keep the budget the rule gave before weights counted (5% of RAM).
+    assert budget(8 * 2**30) == int(ram * 0.05)
+
+
+def test_engine_and_pagedrs_memory_agree_on_the_default_budget(tiny_llama):
+    import torch
+
+    from pagedrs.cli import build_parser
+    from pagedrs.config import default_kv_cache_memory
+    from pagedrs.engine.llm_engine import LLMEngine
+    from pagedrs.memory_cli import predict
+
+    prediction = predict(build_parser().parse_args(["memory", "--model", tiny_llama, "--device", "cpu"]))
+    assert prediction["budget_bytes"] == default_kv_cache_memory(torch.device("cpu"), prediction["weight_bytes"])
+    engine = LLMEngine(model=tiny_llama, device="cpu")
+    assert engine.scheduler.num_blocks == prediction["num_blocks"]

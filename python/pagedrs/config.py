@@ -16,13 +16,40 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def default_kv_cache_memory(device: torch.device) -> int:
-    """A sensible KV budget: on CPU 5% of RAM, between 256 MiB and 4 GiB; on a GPU 30% of
-    its memory (the weights and activations need the rest)."""
+CPU_MEMORY_SHARE = 0.10
+"""Share of RAM the engine's weights and KV cache may take together by default on the CPU."""
+GPU_MEMORY_SHARE = 0.90
+"""Share of a GPU's memory the weights, KV cache and activations may take (vLLM's default
+``gpu_memory_utilization``)."""
+GPU_ACTIVATION_RESERVE = 2**30
+"""Bytes of that share kept for activations and the CUDA context."""
+
+
+def default_kv_cache_memory(device: torch.device, weight_bytes: int = 0) -> int:
+    """The KV budget when none is given. Weights and KV share the memory the engine may use,
+    so smaller (quantized) weights leave more room for the cache:
+
+    - CPU: `CPU_MEMORY_SHARE` of RAM minus the weights, never less than 5% of RAM (the budget
+      before the weights counted, so a large float model keeps the cache it had), within
+      256 MiB .. 4 GiB;
+    - GPU: 30% of its memory, or less where the weights leave less: `GPU_MEMORY_SHARE` of it
+      minus the weights and `GPU_ACTIVATION_RESERVE`. Weights that leave nothing are a
+      ValueError.
+
+    ``weight_bytes``: the weights this process holds (`pagedrs.quant.loading.predicted_weight_bytes`).
+    """
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory * 0.3)
+        total = torch.cuda.get_device_properties(device).total_memory
+        room = int(total * GPU_MEMORY_SHARE) - weight_bytes - GPU_ACTIVATION_RESERVE
+        if room <= 0:
+            raise ValueError(
+                f"the weights ({weight_bytes / 2**30:.1f} GiB) leave no room for a KV cache in "
+                f"{GPU_MEMORY_SHARE:.0%} of this GPU's {total / 2**30:.1f} GiB; set kv_cache_memory"
+            )
+        return min(int(total * 0.3), room)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(min(max(ram * 0.05, 256 * 2**20), 4 * 2**30))
+    budget = max(ram * CPU_MEMORY_SHARE - weight_bytes, ram * 0.05)
+    return int(min(max(budget, 256 * 2**20), 4 * 2**30))
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -92,7 +119,9 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def kv_cache_bytes(self, device: torch.device) -> int:
+    def kv_cache_bytes(self, device: torch.device, weight_bytes: int = 0) -> int:
+        """The KV budget: ``kv_cache_memory``, or `default_kv_cache_memory` for ``weight_bytes``
+        of weights in this process."""
         if self.kv_cache_memory is None:
-            return default_kv_cache_memory(device)
+            return default_kv_cache_memory(device, weight_bytes)
         return parse_bytes(self.kv_cache_memory)

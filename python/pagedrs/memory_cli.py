@@ -55,7 +55,7 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
     source = resolve_model(args.model)
     config = load_config(source)
     weight_bytes = predicted_weight_bytes(source, args.quantization, dtype, device)
-    budget = parse_bytes(args.budget) if args.budget is not None else default_kv_cache_memory(device)
+    budget = parse_bytes(args.budget) if args.budget is not None else default_kv_cache_memory(device, weight_bytes)
     capacity = kv_cache_capacity(config, budget, dtype, args.block_size)
     lengths = [int(item) for item in args.lengths.split(",") if item.strip()]
     slack = block_slack(lengths, args.block_size)

@@ -26,6 +26,7 @@ from pagedrs.memory import kv_bytes_per_token, kv_cache_capacity
 from pagedrs.models import architecture_of, build_model
 from pagedrs.models.loader import load_config, load_tokenizer, resolve_model
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrs.quant.loading import predicted_weight_bytes
 from pagedrs.sampler import Sampler, SamplerOutput, SamplingRow
 from pagedrs.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pagedrs.spec_decode import DraftModelProposer, SpeculativeConfig, speculates, verify_and_sample
@@ -113,9 +114,10 @@ class LLMEngine:
                 build_model(self.hf_config, self.dtype, TensorParallel(0, tp_size))
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         self.draft_hf_config = self._draft_config(self.speculative, tp_size)
-        capacity = kv_cache_capacity(
-            self.hf_config, config.kv_cache_bytes(self.device), self.dtype, config.block_size, tp_size
+        kv_cache_bytes = config.kv_cache_bytes(
+            self.device, self._weight_bytes(source) if config.kv_cache_memory is None else 0
         )
+        capacity = kv_cache_capacity(self.hf_config, kv_cache_bytes, self.dtype, config.block_size, tp_size)
         if self.draft_hf_config is not None:
             # The draft model's KV lives in the same blocks (`pagedrs.spec_decode.drafter`).
             bytes_per_token = capacity.bytes_per_token + kv_bytes_per_token(self.draft_hf_config, self.dtype)
@@ -123,7 +125,7 @@ class LLMEngine:
                 capacity,
                 bytes_per_token=bytes_per_token,
                 bytes_per_block=bytes_per_token * config.block_size,
-                num_blocks=config.kv_cache_bytes(self.device) // (bytes_per_token * config.block_size),
+                num_blocks=kv_cache_bytes // (bytes_per_token * config.block_size),
             )
         if capacity.num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for one block of {capacity.bytes_per_block} bytes")
@@ -207,6 +209,18 @@ class LLMEngine:
             config.block_size,
             capacity.num_tokens,
         )
+
+    def _weight_bytes(self, source: Any) -> int:
+        """The weights one process of this engine holds (its share of the target's under tensor
+        parallelism, plus a draft model's), predicted from the checkpoints, for the default KV
+        budget."""
+        config = self.config
+        total = predicted_weight_bytes(source, config.quantization, self.dtype, self.device)
+        total //= config.tensor_parallel_size
+        if self.speculative is not None and self.speculative.model is not None:
+            draft = resolve_model(self.speculative.model)
+            total += predicted_weight_bytes(draft, config.quantization, self.dtype, self.device)
+        return total
 
     def _draft_config(self, speculative: SpeculativeConfig | None, tp_size: int) -> Any:
         """The draft model's Hugging Face config, checked against the target's; ``None`` without

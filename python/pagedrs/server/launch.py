@@ -44,7 +44,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument(
         "--kv-cache-memory",
         default=None,
-        help="bytes for the KV cache, e.g. 2GiB (default: 5%% of RAM on CPU, 30%% of a GPU)",
+        help="bytes for the KV cache, e.g. 2GiB (default: 10%% of RAM minus the weights on CPU, at least 5%%; "
+        "30%% of a GPU, less where 90%% minus the weights leaves less)",
     )
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=256)
