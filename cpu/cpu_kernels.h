@@ -22,9 +22,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
                       int64_t out_features, int64_t ggml_type);
 
-// quant_matmul.cpp: bytes of one 32-weight block of a supported ggml type; fails loudly on
-// any other type.
+// quant_matmul.cpp: bytes and weights of one stored block of a supported ggml type (32
+// weights, 256 for the k-quants); both fail loudly on any other type.
 int64_t quant_block_bytes(int64_t ggml_type);
+int64_t quant_block_weights(int64_t ggml_type);
 
 // exp(x) for x <= 0 (a score minus its row's maximum) in a form the compiler vectorizes,
 // unlike std::exp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' polynomial (about

@@ -27,7 +27,7 @@
 //   gate_up                 [2 * I, H]: gate rows, then up rows
 //   down                    [H, I]
 //   each linear is float32 (ggml type 0, `F32`) or packed blocks of a type quant_matmul.cpp
-//   multiplies (uint8 [out, in / 32 * block_bytes]); each bias, if any, is [out] float32.
+//   multiplies (uint8 [out, in / block_weights * block_bytes]); each bias, if any, is [out] float32.
 //
 // Per step (see DecoderStack::forward):
 //   hidden              [num_tokens, H] float32: the embeddings in, the last layer's output
@@ -95,12 +95,13 @@ Linear make_linear(const char* name, const at::Tensor& weight, int64_t ggml_type
                 name, " must be [", out_features, ", ", in_features, "], got ", weight.sizes());
   } else {
     const int64_t bytes = pagedrs_cpu::quant_block_bytes(ggml_type);
+    const int64_t block_weights = pagedrs_cpu::quant_block_weights(ggml_type);
     TORCH_CHECK(weight.scalar_type() == at::kByte, "pagedrs_cpu: ", name, " (packed) must be uint8, got ",
                 weight.scalar_type());
-    TORCH_CHECK(in_features % 32 == 0 && weight.dim() == 2 && weight.size(0) == out_features &&
-                    weight.size(1) == in_features / 32 * bytes,
-                "pagedrs_cpu: ", name, " must be [", out_features, ", ", in_features / 32 * bytes, "] for ggml type ",
-                ggml_type, ", got ", weight.sizes());
+    TORCH_CHECK(in_features % block_weights == 0 && weight.dim() == 2 && weight.size(0) == out_features &&
+                    weight.size(1) == in_features / block_weights * bytes,
+                "pagedrs_cpu: ", name, " must be [", out_features, ", ", in_features / block_weights * bytes,
+                "] for ggml type ", ggml_type, ", got ", weight.sizes());
   }
   if (bias) check_float_vector(*bias, out_features, name);
   return Linear{weight, ggml_type, bias, in_features, out_features};

@@ -1,15 +1,17 @@
 // Weight-only quantized matmul on the CPU: y = x @ dequant(W)^T with W kept in a GGUF block
-// format (Q8_0, Q4_0, Q4_1: blocks of 32 weights along the input features, each with an fp16
-// scale, and for Q4_1 an fp16 minimum). A decode step of a small model is bound by reading its
+// format: Q8_0, Q4_0, Q4_1 (blocks of 32 weights along the input features, each with an fp16
+// scale, and for Q4_1 an fp16 minimum), and the k-quants Q4_K and Q6_K (superblocks of 256
+// weights: an fp16 scale (and Q4_K an fp16 minimum) refined by 6- or 8-bit scales of each
+// 32 (Q4_K) or 16 (Q6_K) weights; llama.cpp's Q4_K_M files mix the two). A decode step of a small model is bound by reading its
 // weights; reading the 4/8-bit blocks instead of a float32 copy reads 4-7x fewer bytes.
 // Built and loaded by python/pagedrs/attention/cpu_ops.py with the other cpu/ kernels;
 // registered as torch.ops.pagedrs_cpu.quant_matmul; layers in python/pagedrs/quant/.
 //
 // Dimensions:
 //   num_tokens      rows of activations (1 for a single-stream decode)
-//   in_features     K, a multiple of kBlockSize
+//   in_features     K, a multiple of the format's block (32 weights; 256 for the k-quants)
 //   out_features    N, rows of the weight (as GGUF stores them: one row per output feature)
-//   num_blocks      in_features / kBlockSize, blocks of one weight row
+//   num_blocks      in_features / Format::kWeights, stored blocks of one weight row
 //
 // Layouts (all contiguous, on the CPU):
 //   x               [num_tokens, in_features] float32, bfloat16 or float16 (the two 16-bit
@@ -17,11 +19,14 @@
 //   weight          [out_features, num_blocks * block_bytes] uint8; block_bytes: Q8_0 34
 //                   (fp16 d, int8 q[32]), Q4_0 18 (fp16 d, 16 bytes of nibbles), Q4_1 20 (fp16
 //                   d, fp16 m, 16 bytes of nibbles); byte j of the nibbles holds weight j in its
-//                   low half and weight j + 16 in its high half (ggml-common.h's layout)
+//                   low half and weight j + 16 in its high half (ggml-common.h's layout);
+//                   Q4_K 144 (fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums, 128
+//                   bytes of nibbles), Q6_K 210 (128 bytes of low nibbles, 64 of high 2-bit
+//                   pairs, 16 int8 scales, fp16 d); see Q4_K and Q6_K below
 //   returns         [num_tokens, out_features], x's dtype
 //
-// Values: Q8_0 w = d * q; Q4_0 w = d * (q - 8); Q4_1 w = d * q + m, exactly as gguf's
-// dequantize computes them in float32. Activations are never quantized (llama.cpp's Q8 trick
+// Values: Q8_0 w = d * q; Q4_0 w = d * (q - 8); Q4_1 w = d * q + m; Q4_K w = (d * sc) * q -
+// dmin * m; Q6_K w = (d * sc) * (q - 32); exactly as gguf's dequantize computes them in float32. Activations are never quantized (llama.cpp's Q8 trick
 // changes results): each block is dequantized in registers and multiplied in float32, so the
 // result equals "dequantize, then float matmul" up to the order of the additions.
 //
@@ -52,7 +57,7 @@
 
 namespace {
 
-constexpr int kBlockSize = 32;   // weights per block, along in_features
+constexpr int kBlockSize = 32;   // weights one dequant call makes: a block, or 1/8 of a k-quant superblock
 constexpr int kTokenTile = 8;    // tokens that share one dequantization of a weight block
 constexpr int kRowChunk = 64;    // weight rows walked by every token tile before the next rows
 
@@ -60,6 +65,8 @@ constexpr int kRowChunk = 64;    // weight rows walked by every token tile befor
 constexpr int64_t kQ4_0 = 2;
 constexpr int64_t kQ4_1 = 3;
 constexpr int64_t kQ8_0 = 8;
+constexpr int64_t kQ4_K = 12;
+constexpr int64_t kQ6_K = 14;
 
 inline float fp16_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -71,17 +78,20 @@ inline float fp16_to_float(const uint8_t* p) {
 #endif
 }
 
-// Each format: its block size in bytes, and how a block becomes 32 floats (scalar, always; and
-// as two 16-lane registers, weights 0..15 and 16..31, where AVX-512 is compiled in).
+// Each format: the weights (kWeights) and bytes (kBytes) of a stored block, and how weights
+// sub * 32 .. sub * 32 + 31 of a block become floats (scalar, always; and as two 16-lane
+// registers, weights 0..15 and 16..31 of the 32, where AVX-512 is compiled in). Formats with
+// 32-weight blocks take sub = 0 only.
 struct Q8_0 {
+  static constexpr int kWeights = 32;
   static constexpr int kBytes = 34;
-  static void dequant(const uint8_t* block, float* w) {
+  static void dequant(const uint8_t* block, int /*sub*/, float* w) {
     const float d = fp16_to_float(block);
     const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
     for (int j = 0; j < kBlockSize; ++j) w[j] = static_cast<float>(q[j]) * d;
   }
 #ifdef PAGEDRS_QUANT_AVX512
-  static void dequant(const uint8_t* block, __m512& lo, __m512& hi) {
+  static void dequant(const uint8_t* block, int /*sub*/, __m512& lo, __m512& hi) {
     const __m512 d = _mm512_set1_ps(fp16_to_float(block));
     const __m128i q_lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
     const __m128i q_hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
@@ -102,8 +112,9 @@ inline void unpack_nibbles(const uint8_t* qs, __m512i& lo, __m512i& hi) {
 #endif
 
 struct Q4_0 {
+  static constexpr int kWeights = 32;
   static constexpr int kBytes = 18;
-  static void dequant(const uint8_t* block, float* w) {
+  static void dequant(const uint8_t* block, int /*sub*/, float* w) {
     const float d = fp16_to_float(block);
     const uint8_t* qs = block + 2;
     for (int j = 0; j < kBlockSize / 2; ++j) {
@@ -112,7 +123,7 @@ struct Q4_0 {
     }
   }
 #ifdef PAGEDRS_QUANT_AVX512
-  static void dequant(const uint8_t* block, __m512& lo, __m512& hi) {
+  static void dequant(const uint8_t* block, int /*sub*/, __m512& lo, __m512& hi) {
     const __m512 d = _mm512_set1_ps(fp16_to_float(block));
     const __m512i eight = _mm512_set1_epi32(8);
     __m512i q_lo, q_hi;
@@ -124,8 +135,9 @@ struct Q4_0 {
 };
 
 struct Q4_1 {
+  static constexpr int kWeights = 32;
   static constexpr int kBytes = 20;
-  static void dequant(const uint8_t* block, float* w) {
+  static void dequant(const uint8_t* block, int /*sub*/, float* w) {
     const float d = fp16_to_float(block), m = fp16_to_float(block + 2);
     const uint8_t* qs = block + 4;
     for (int j = 0; j < kBlockSize / 2; ++j) {
@@ -134,13 +146,102 @@ struct Q4_1 {
     }
   }
 #ifdef PAGEDRS_QUANT_AVX512
-  static void dequant(const uint8_t* block, __m512& lo, __m512& hi) {
+  static void dequant(const uint8_t* block, int /*sub*/, __m512& lo, __m512& hi) {
     const __m512 d = _mm512_set1_ps(fp16_to_float(block));
     const __m512 m = _mm512_set1_ps(fp16_to_float(block + 2));
     __m512i q_lo, q_hi;
     unpack_nibbles(block + 4, q_lo, q_hi);
     lo = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q_lo)), m);
     hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q_hi)), m);
+  }
+#endif
+};
+
+// 16 bytes' low (shift 0) or high (shift 4) nibbles as 16 int32 lanes.
+#ifdef PAGEDRS_QUANT_AVX512
+inline __m512i nibbles_of(const uint8_t* bytes, int shift) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  return _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, shift), _mm_set1_epi8(0x0F)));
+}
+#endif
+
+// Q4_K: a 256-weight superblock of eight 32-weight sub-blocks, sub-block s weighing
+// (d * sc[s]) * q - dmin * m[s] with 6-bit sc and m packed in 12 bytes (ggml's
+// get_scale_min_k4); sub-blocks 2g and 2g + 1 take the low and high nibbles of bytes
+// 32g .. 32g + 31 of the quants. d * sc and dmin * m are exact in float32 (11 by 6 bits), and so
+// is their product with a 4-bit q, so one fused multiply-add rounds as gguf's d * q - dm does.
+struct Q4_K {
+  static constexpr int kWeights = 256;
+  static constexpr int kBytes = 144;
+  static void scale_min(const uint8_t* block, int sub, float& scale, float& min) {
+    const uint8_t* scales = block + 4;
+    int sc, m;
+    if (sub < 4) {
+      sc = scales[sub] & 63;
+      m = scales[sub + 4] & 63;
+    } else {
+      sc = (scales[sub + 4] & 0x0F) | ((scales[sub - 4] >> 6) << 4);
+      m = (scales[sub + 4] >> 4) | ((scales[sub] >> 6) << 4);
+    }
+    scale = fp16_to_float(block) * static_cast<float>(sc);
+    min = fp16_to_float(block + 2) * static_cast<float>(m);
+  }
+  static void dequant(const uint8_t* block, int sub, float* w) {
+    float scale, min;
+    scale_min(block, sub, scale, min);
+    const uint8_t* qs = block + 16 + 32 * (sub / 2);
+    const int shift = 4 * (sub % 2);
+    for (int j = 0; j < kBlockSize; ++j) w[j] = scale * static_cast<float>((qs[j] >> shift) & 0x0F) - min;
+  }
+#ifdef PAGEDRS_QUANT_AVX512
+  static void dequant(const uint8_t* block, int sub, __m512& lo, __m512& hi) {
+    float scale, min;
+    scale_min(block, sub, scale, min);
+    const __m512 d = _mm512_set1_ps(scale), neg_m = _mm512_set1_ps(-min);
+    const uint8_t* qs = block + 16 + 32 * (sub / 2);
+    const int shift = 4 * (sub % 2);
+    lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(nibbles_of(qs, shift)), neg_m);
+    hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(nibbles_of(qs + 16, shift)), neg_m);
+  }
+#endif
+};
+
+// Q6_K: a 256-weight superblock in two halves of 128; weight 32k + l of half n (k < 4, l < 32)
+// is q - 32 with q's low 4 bits from byte 64n + 32 (k % 2) + l of ql (low nibble for k < 2,
+// high for k >= 2) and its high 2 bits from bits 2k, 2k + 1 of byte 32n + l of qh, weighing
+// (d * sc) * (q - 32) with the int8 scale sc[(128n + 32k + l) / 16]. d * sc is exact in
+// float32 (11 by 8 bits); the product with q - 32 rounds once, as in gguf.
+struct Q6_K {
+  static constexpr int kWeights = 256;
+  static constexpr int kBytes = 210;
+  static int quant(const uint8_t* block, int sub, int l) {
+    const int n = sub / 4, k = sub % 4;
+    const int low = (block[64 * n + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0F;
+    const int high = (block[128 + 32 * n + l] >> (2 * k)) & 0x03;
+    return (low | (high << 4)) - 32;
+  }
+  static float scale(const uint8_t* block, int sub, int half) {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+    return fp16_to_float(block + 208) * static_cast<float>(scales[2 * sub + half]);
+  }
+  static void dequant(const uint8_t* block, int sub, float* w) {
+    for (int j = 0; j < kBlockSize; ++j) w[j] = scale(block, sub, j / 16) * static_cast<float>(quant(block, sub, j));
+  }
+#ifdef PAGEDRS_QUANT_AVX512
+  // Weights 16h .. 16h + 15 of sub-block sub.
+  static __m512 half_of(const uint8_t* block, int sub, int h) {
+    const int n = sub / 4, k = sub % 4;
+    const __m128i low_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 * n + 32 * (k % 2) + 16 * h));
+    const __m128i high_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 128 + 32 * n + 16 * h));
+    const __m128i low = _mm_and_si128(_mm_srl_epi16(low_bytes, _mm_cvtsi32_si128(4 * (k / 2))), _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_and_si128(_mm_srl_epi16(high_bytes, _mm_cvtsi32_si128(2 * k)), _mm_set1_epi8(0x03));
+    const __m128i q = _mm_or_si128(low, _mm_slli_epi16(high, 4));  // high <= 3: no bit crosses a byte
+    const __m512i centered = _mm512_sub_epi32(_mm512_cvtepu8_epi32(q), _mm512_set1_epi32(32));
+    return _mm512_mul_ps(_mm512_set1_ps(scale(block, sub, h)), _mm512_cvtepi32_ps(centered));
+  }
+  static void dequant(const uint8_t* block, int sub, __m512& lo, __m512& hi) {
+    lo = half_of(block, sub, 0);
+    hi = half_of(block, sub, 1);
   }
 #endif
 };
@@ -156,12 +257,14 @@ inline void dot_row(const float* __restrict__ x, int64_t x_stride, const uint8_t
   __m512 acc_lo[kTokens], acc_hi[kTokens];
   for (int t = 0; t < kTokens; ++t) acc_lo[t] = acc_hi[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    __m512 w_lo, w_hi;
-    Format::dequant(row + b * Format::kBytes, w_lo, w_hi);
-    const float* xb = x + b * kBlockSize;
-    for (int t = 0; t < kTokens; ++t) {
-      acc_lo[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + t * x_stride), w_lo, acc_lo[t]);
-      acc_hi[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + t * x_stride + 16), w_hi, acc_hi[t]);
+    for (int sub = 0; sub < Format::kWeights / kBlockSize; ++sub) {
+      __m512 w_lo, w_hi;
+      Format::dequant(row + b * Format::kBytes, sub, w_lo, w_hi);
+      const float* xb = x + b * Format::kWeights + sub * kBlockSize;
+      for (int t = 0; t < kTokens; ++t) {
+        acc_lo[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + t * x_stride), w_lo, acc_lo[t]);
+        acc_hi[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + t * x_stride + 16), w_hi, acc_hi[t]);
+      }
     }
   }
   for (int t = 0; t < kTokens; ++t) out[t * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[t], acc_hi[t]));
@@ -169,11 +272,13 @@ inline void dot_row(const float* __restrict__ x, int64_t x_stride, const uint8_t
   float acc[kTokens][kBlockSize] = {};
   float w[kBlockSize];
   for (int64_t b = 0; b < num_blocks; ++b) {
-    Format::dequant(row + b * Format::kBytes, w);
-    const float* xb = x + b * kBlockSize;
-    for (int t = 0; t < kTokens; ++t) {
+    for (int sub = 0; sub < Format::kWeights / kBlockSize; ++sub) {
+      Format::dequant(row + b * Format::kBytes, sub, w);
+      const float* xb = x + b * Format::kWeights + sub * kBlockSize;
+      for (int t = 0; t < kTokens; ++t) {
 #pragma omp simd
-      for (int j = 0; j < kBlockSize; ++j) acc[t][j] += xb[t * x_stride + j] * w[j];
+        for (int j = 0; j < kBlockSize; ++j) acc[t][j] += xb[t * x_stride + j] * w[j];
+      }
     }
   }
   for (int t = 0; t < kTokens; ++t) {
@@ -204,7 +309,7 @@ inline void dot_row_tokens(int num_tokens, const float* x, int64_t x_stride, con
 template <class Format>
 void matmul(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
             int64_t out_features) {
-  const int64_t num_blocks = in_features / kBlockSize;
+  const int64_t num_blocks = in_features / Format::kWeights;
   const int64_t row_bytes = num_blocks * Format::kBytes;
   // A range of at least 16 rows per thread: smaller ones cost more in scheduling than they save.
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
@@ -230,10 +335,19 @@ int64_t quant_block_bytes(int64_t ggml_type) {
     case kQ8_0: return Q8_0::kBytes;
     case kQ4_0: return Q4_0::kBytes;
     case kQ4_1: return Q4_1::kBytes;
+    case kQ4_K: return Q4_K::kBytes;
+    case kQ6_K: return Q6_K::kBytes;
     default:
-      TORCH_CHECK(false, "pagedrs_cpu: quant_matmul supports ggml types Q4_0 (2), Q4_1 (3) and Q8_0 (8), got ",
+      TORCH_CHECK(false,
+                  "pagedrs_cpu: quant_matmul supports ggml types Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) and Q6_K "
+                  "(14), got ",
                   ggml_type);
   }
+}
+
+int64_t quant_block_weights(int64_t ggml_type) {
+  quant_block_bytes(ggml_type);  // fails on an unsupported type
+  return ggml_type == kQ4_K || ggml_type == kQ6_K ? 256 : kBlockSize;
 }
 
 void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
@@ -243,6 +357,8 @@ void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t
     case kQ8_0: matmul<Q8_0>(x, weight, out, num_tokens, in_features, out_features); break;
     case kQ4_0: matmul<Q4_0>(x, weight, out, num_tokens, in_features, out_features); break;
     case kQ4_1: matmul<Q4_1>(x, weight, out, num_tokens, in_features, out_features); break;
+    case kQ4_K: matmul<Q4_K>(x, weight, out, num_tokens, in_features, out_features); break;
+    case kQ6_K: matmul<Q6_K>(x, weight, out, num_tokens, in_features, out_features); break;
     default: quant_block_bytes(ggml_type);  // fails with the list of supported types
   }
 }
@@ -253,22 +369,23 @@ namespace {
 
 // y = x @ dequant(weight)^T (see the header for layouts).
 //   x:      float32, bfloat16 or float16 [num_tokens, in_features]
-//   weight: uint8 [out_features, in_features / 32 * block_bytes(ggml_type)]
+//   weight: uint8 [out_features, in_features / block_weights * block_bytes] (of ggml_type)
 //   in_features is given, not inferred, so a weight of the wrong type or width fails loudly.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type, int64_t in_features) {
   const int64_t bytes = pagedrs_cpu::quant_block_bytes(ggml_type);
+  const int64_t block_weights = pagedrs_cpu::quant_block_weights(ggml_type);
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "pagedrs_cpu: quant_matmul needs CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "pagedrs_cpu: x must be float32, bfloat16 or float16, got ", x.scalar_type());
   TORCH_CHECK(weight.scalar_type() == at::kByte, "pagedrs_cpu: weight must be uint8 (packed blocks), got ",
               weight.scalar_type());
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "pagedrs_cpu: x and weight must be contiguous");
-  TORCH_CHECK(in_features > 0 && in_features % kBlockSize == 0, "pagedrs_cpu: in_features (", in_features,
-              ") must be a positive multiple of ", kBlockSize);
+  TORCH_CHECK(in_features > 0 && in_features % block_weights == 0, "pagedrs_cpu: in_features (", in_features,
+              ") must be a positive multiple of ", block_weights, " for ggml type ", ggml_type);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "pagedrs_cpu: x must be [num_tokens, ", in_features,
               "], got ", x.sizes());
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == in_features / kBlockSize * bytes,
-              "pagedrs_cpu: weight must be [out_features, ", in_features / kBlockSize * bytes, "] for type ",
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == in_features / block_weights * bytes,
+              "pagedrs_cpu: weight must be [out_features, ", in_features / block_weights * bytes, "] for type ",
               ggml_type, " and ", in_features, " input features, got ", weight.sizes());
   const int64_t num_tokens = x.size(0), out_features = weight.size(0);
   const at::Tensor x_float = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);

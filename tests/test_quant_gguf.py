@@ -20,6 +20,7 @@ from pagedrs.quant.layers import QuantColumnParallelLinear, QuantRowParallelLine
 from pagedrs.quant.loading import load_weights
 from tests.conftest import TINY
 from tests.test_model_oracle import NEW_TOKENS, PROMPTS, assert_same_or_near_tie, hf_greedy, run
+from tests.test_quant_matmul import K_QUANTS, random_k_blocks
 
 Q8_0, Q4_0, Q4_1, F32 = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, None)
 
@@ -42,6 +43,17 @@ TYPES = {
     "blk.1.ffn_gate": Q8_0,
     "blk.1.ffn_up": Q8_0,
     "blk.1.ffn_down": F32,
+}
+
+Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+# Like llama.cpp's Q4_K_M: Q4_K, with Q6_K for the head, the down projections and (in one
+# layer) the v projection, which makes that layer's fused q/k/v mixed (loaded dense); on a
+# model whose linears are whole 256-weight blocks.
+K_CONFIG = dict(TINY, hidden_size=256, intermediate_size=512)
+K_TYPES = {"token_embd": Q4_K, "output": Q6_K} | {
+    f"blk.{layer}.{part}": Q6_K if part == "ffn_down" or (layer == 1 and part == "attn_v") else Q4_K
+    for layer in (0, 1)
+    for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 }
 
 _HF_TO_GGUF = {
@@ -76,7 +88,9 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(path: str, model, types: dict) -> None:
-    """``model`` (a transformers Llama) as a GGUF file with a tiny SentencePiece vocabulary."""
+    """``model`` (a transformers Llama) as a GGUF file with a tiny SentencePiece vocabulary.
+    Tensors given a k-quant type hold random blocks instead (gguf.quants cannot quantize to
+    them): the oracle must then load the file itself."""
     config = model.config
     writer = GGUFWriter(path, "llama")
     writer.add_block_count(config.num_hidden_layers)
@@ -107,6 +121,9 @@ def write_gguf(path: str, model, types: dict) -> None:
         qtype = types.get(target.removesuffix(".weight")) if array.ndim == 2 else None
         if qtype is None:
             writer.add_tensor(target, array)
+        elif qtype in K_QUANTS:
+            blocks = random_k_blocks(qtype, *array.shape, seed=len(target), scale_range=(1e-4, 4e-4))
+            writer.add_tensor(target, blocks, raw_dtype=qtype)
         else:
             writer.add_tensor(target, quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -217,6 +234,27 @@ def test_greedy_with_packed_weights_matches_transformers_on_the_same_file(tiny_g
     path, hf_model = tiny_gguf
     llm = LLM(path, quantization="auto")
     assert isinstance(llm.engine.model.embed_tokens, QuantVocabEmbedding)
+    for prompt, tokens in zip(PROMPTS, run(llm, PROMPTS)):
+        assert len(tokens) == NEW_TOKENS
+        assert_same_or_near_tie(hf_model, prompt, tokens, hf_greedy(hf_model, prompt, NEW_TOKENS))
+
+
+def test_k_quants_stay_packed_and_match_transformers_on_the_same_file(tmp_path):
+    import transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**K_CONFIG, tie_word_embeddings=False)).eval()
+    path = str(tmp_path / "tiny-k.gguf")
+    write_gguf(path, model, K_TYPES)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="tiny-k.gguf", dtype=torch.float32
+    ).eval()
+    source = resolve_model(path)
+    packed = load_weights(build_model(load_config(source), torch.float32), source, "auto", torch.device("cpu"))
+    assert packed["embed_tokens"] == Q4_K and packed["lm_head"] == Q6_K
+    assert packed["layers.0.self_attn.qkv_proj"] == Q4_K and packed["layers.1.mlp.down_proj"] == Q6_K
+    assert "layers.1.self_attn.qkv_proj" not in packed  # q/k Q4_K, v Q6_K: one dense linear
+    llm = LLM(path, quantization="auto")
+    assert llm.engine.runner.model.cpu_stack is not None
     for prompt, tokens in zip(PROMPTS, run(llm, PROMPTS)):
         assert len(tokens) == NEW_TOKENS
         assert_same_or_near_tie(hf_model, prompt, tokens, hf_greedy(hf_model, prompt, NEW_TOKENS))

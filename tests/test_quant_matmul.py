@@ -1,14 +1,16 @@
 """The weight-only quantized matmul (``torch.ops.pagedrs_cpu.quant_matmul``) equals "dequantize
-with ``gguf.quants``, then ``F.linear``" up to the order of the additions, for every format,
+with ``gguf.quants``, then ``F.linear``" up to the order of the additions, for every format
+(the k-quants Q4_K and Q6_K on random blocks: gguf.quants cannot make them),
 odd token counts, output counts that are not a multiple of any tile, and float32, bfloat16 or
 float16 activations; the torch dequantizer and Q8_0 quantizer equal ``gguf.quants`` bit for bit."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from pagedrs.attention import cpu_ops
 from pagedrs.quant import formats
@@ -26,16 +28,54 @@ SHAPES = [  # (num_tokens, out_features, in_features)
 ]
 
 
+K_QUANTS = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K]
+K_SHAPES = [(1, 1, 256), (1, 97, 512), (3, 130, 768), (13, 71, 256), (33, 20, 512)]
+
+
+def random_k_blocks(
+    qtype, out_features: int, in_features: int, seed: int, scale_range: tuple[float, float] = (0.001, 0.02)
+) -> np.ndarray:
+    """Packed rows of random k-quant blocks with weights centred on zero: random quants; fp16
+    super-scales drawn from ``scale_range`` (random bytes there could be inf or NaN); Q6_K random
+    int8 sub-block scales; Q4_K sub-block scales ``sc`` in 1..8 with minimums ``round(7.5 sc)``
+    and ``dmin = d``, so that ``w = d sc q - d m`` is about ``d sc (q - 7.5)``."""
+    generator = np.random.default_rng(seed)
+    block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
+    num_blocks = out_features * in_features // block_weights
+    blocks = generator.integers(0, 256, (num_blocks, block_bytes), dtype=np.uint8)
+    d = generator.uniform(*scale_range, num_blocks).astype(np.float16).view(np.uint8).reshape(num_blocks, 2)
+    if qtype == GGMLQuantizationType.Q6_K:
+        blocks[:, 208:210] = d
+        return blocks.reshape(out_features, -1)
+    blocks[:, 0:2] = blocks[:, 2:4] = d
+    sc = generator.integers(1, 9, (num_blocks, 8)).astype(np.uint8)
+    m = np.round(sc * 7.5).astype(np.uint8)
+    # ggml's 12-byte packing of eight 6-bit scales and minimums (get_scale_min_k4's inverse).
+    scales = np.zeros((num_blocks, 12), dtype=np.uint8)
+    scales[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    blocks[:, 4:16] = scales
+    return blocks.reshape(out_features, -1)
+
+
 def packed_weight(qtype, out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed rows, their dequantized float32 values by gguf.quants)."""
+    if qtype in K_QUANTS:
+        packed = random_k_blocks(qtype, out_features, in_features, seed)
+        return torch.from_numpy(packed), torch.from_numpy(quants.dequantize(packed, qtype))
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator).numpy()
     packed = quants.quantize(weight, qtype)
     return torch.from_numpy(packed), torch.from_numpy(quants.dequantize(packed, qtype))
 
 
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    ("qtype", "shape"),
+    [(qtype, shape) for qtype in FORMATS for shape in SHAPES]
+    + [(qtype, shape) for qtype in K_QUANTS for shape in K_SHAPES],
+    ids=lambda value: value.name if isinstance(value, GGMLQuantizationType) else "x".join(map(str, value)),
+)
 def test_matches_dequantize_then_linear_in_float32(qtype, shape):
     num_tokens, out_features, in_features = shape
     packed, weight = packed_weight(qtype, out_features, in_features, seed=num_tokens * 1000 + out_features)
@@ -49,12 +89,12 @@ def test_matches_dequantize_then_linear_in_float32(qtype, shape):
     assert ((out.double() - expected).abs() <= bound + 1e-30).all()
 
 
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", FORMATS + K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_16_bit_activations_give_their_dtype_out_rounded_once(qtype, dtype):
-    packed, weight = packed_weight(qtype, 45, 128, seed=3)
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).to(dtype)
-    out = cpu_ops.load().quant_matmul(x, packed, int(qtype), 128)
+    packed, weight = packed_weight(qtype, 45, 256, seed=3)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = cpu_ops.load().quant_matmul(x, packed, int(qtype), 256)
     assert out.dtype == dtype
     expected = F.linear(x.double(), weight.double())
     # One rounding to the 16-bit dtype (half its epsilon: 2**-8 for bfloat16, 2**-11 for
@@ -93,7 +133,9 @@ def test_bad_inputs_are_refused():
     packed, _ = packed_weight(GGMLQuantizationType.Q8_0, 16, 64, seed=0)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="ggml types"):
-        op(x, packed, int(GGMLQuantizationType.Q6_K), 64)
+        op(x, packed, int(GGMLQuantizationType.Q5_K), 64)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        op(x, packed, int(GGMLQuantizationType.Q6_K), 64)  # k-quants take whole 256-weight blocks
     with pytest.raises(RuntimeError, match="weight must be"):
         op(x, packed, int(GGMLQuantizationType.Q4_0), 64)  # Q8_0 rows read as Q4_0: wrong width
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -108,9 +150,9 @@ def test_bad_inputs_are_refused():
         op(torch.randn(64, 2).T, packed, q8, 64)
 
 
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", FORMATS + K_QUANTS, ids=lambda t: t.name)
 def test_torch_dequantize_equals_gguf(qtype):
-    packed, weight = packed_weight(qtype, 7, 96, seed=9)
+    packed, weight = packed_weight(qtype, 7, 256, seed=9)
     assert torch.equal(formats.dequantize(packed, qtype), weight)
 
 

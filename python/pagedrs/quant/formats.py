@@ -1,42 +1,64 @@
-"""GGUF block formats the CPU kernel runs on (Q8_0, Q4_0, Q4_1): their sizes, and dequantize /
-quantize in torch, computing exactly what ``gguf.quants`` computes in float32.
+"""GGUF block formats the CPU kernel runs on (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K): their sizes, and
+dequantize / quantize in torch, computing exactly what ``gguf.quants`` computes in float32.
 
-A packed weight row of ``in_features`` weights is ``in_features / 32`` blocks; a block is an fp16
-scale ``d`` (Q4_1: and an fp16 minimum ``m``) then the 32 quants: Q8_0 int8 ``q`` (``w = d q``),
-Q4_0 and Q4_1 16 bytes of nibbles, weight ``j`` in the low half of byte ``j`` and weight ``j + 16``
-in its high half (``w = d (q - 8)``, ``w = d q + m``).
+A packed weight row of ``in_features`` weights is ``in_features / block_weights`` blocks. Q8_0,
+Q4_0 and Q4_1 blocks hold 32 weights: an fp16 scale ``d`` (Q4_1: and an fp16 minimum ``m``)
+then the 32 quants: Q8_0 int8 ``q`` (``w = d q``), Q4_0 and Q4_1 16 bytes of nibbles, weight
+``j`` in the low half of byte ``j`` and weight ``j + 16`` in its high half (``w = d (q - 8)``,
+``w = d q + m``). The k-quants Q4_K and Q6_K hold 256 weights a block, with scales of every 32
+or 16 (their layouts: ``cpu/quant_matmul.cpp``); they dequantize through ``gguf.quants``.
 """
 
 from __future__ import annotations
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 BLOCK_SIZE = 32
-"""Weights per block, along the input features."""
+"""Weights per block of Q8_0, Q4_0 and Q4_1, along the input features."""
 
-KERNEL_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+KERNEL_TYPES = (
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
+)
 """The formats ``torch.ops.pagedrs_cpu.quant_matmul`` multiplies by without dequantizing."""
+
+K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+
+
+def block_weights(ggml_type: GGMLQuantizationType) -> int:
+    """Weights of one block, along the input features (32; 256 for the k-quants)."""
+    return GGML_QUANT_SIZES[ggml_type][0]
 
 
 def block_bytes(ggml_type: GGMLQuantizationType) -> int:
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    if block_size != BLOCK_SIZE:
-        raise ValueError(f"{ggml_type.name} has blocks of {block_size}, not {BLOCK_SIZE}")
-    return type_size
+    return GGML_QUANT_SIZES[ggml_type][1]
+
+
+def fits_blocks(ggml_type: GGMLQuantizationType, in_features: int) -> bool:
+    """Whether ``in_features`` weights are whole blocks of ``ggml_type``."""
+    return in_features % block_weights(ggml_type) == 0
 
 
 def row_bytes(ggml_type: GGMLQuantizationType, in_features: int) -> int:
     """Bytes of one packed row of ``in_features`` weights."""
-    if in_features % BLOCK_SIZE != 0:
-        raise ValueError(f"{in_features} input features are not a multiple of the block size {BLOCK_SIZE}")
-    return in_features // BLOCK_SIZE * block_bytes(ggml_type)
+    if not fits_blocks(ggml_type, in_features):
+        raise ValueError(
+            f"{in_features} input features are not a multiple of {ggml_type.name}'s block of {block_weights(ggml_type)}"
+        )
+    return in_features // block_weights(ggml_type) * block_bytes(ggml_type)
 
 
 def dequantize(packed: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """float32 ``[rows, in_features]`` of packed uint8 rows ``[rows, row_bytes]``."""
     if ggml_type not in KERNEL_TYPES:
         raise ValueError(f"dequantize in torch supports {[t.name for t in KERNEL_TYPES]}, not {ggml_type.name}")
+    if ggml_type in K_QUANTS:
+        return torch.from_numpy(gguf_quants.dequantize(packed.numpy(), ggml_type))
     rows = packed.shape[0]
     blocks = packed.reshape(rows, -1, block_bytes(ggml_type))
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()

@@ -1,4 +1,4 @@
-"""Linears and the vocabulary embedding holding packed GGUF blocks (Q8_0, Q4_0, Q4_1) for this
+"""Linears and the vocabulary embedding holding packed GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) for this
 rank's shard, multiplied by ``torch.ops.pagedrs_cpu.quant_matmul`` without a float copy.
 
 Each is built from the dense layer the model code made (`pagedrs.layers.linear`), takes over its
@@ -8,7 +8,8 @@ tensor it quantizes to Q8_0 (``--quantization int8``).
 
 Sharding: a column-parallel shard is a row range of the packed weight (rows are output
 features, whole rows move); a row-parallel shard is a column range, a whole number of
-32-weight blocks of every row (`fits_row_shard` says whether a layer's shard is).
+blocks of every row (32 weights, 256 for the k-quants; `fits_row_shard` says whether a layer's
+shard is).
 """
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ class QuantColumnParallelLinear(ColumnShardBias, _Packed):
         return out + self.bias if self.bias is not None else out
 
 
-def fits_row_shard(dense: RowParallelLinear) -> bool:
-    """Whether a row-parallel layer's shard (a column range) is whole blocks."""
-    return dense.input_size % formats.BLOCK_SIZE == 0
+def fits_row_shard(dense: RowParallelLinear, ggml_type: GGMLQuantizationType) -> bool:
+    """Whether a row-parallel layer's shard (a column range) is whole blocks of ``ggml_type``."""
+    return formats.fits_blocks(ggml_type, dense.input_size)
 
 
 class QuantRowParallelLinear(ReplicatedBias, _Packed):
@@ -96,8 +97,10 @@ class QuantRowParallelLinear(ReplicatedBias, _Packed):
     all-reduced across ranks, the bias added once after."""
 
     def __init__(self, dense: RowParallelLinear, ggml_type: GGMLQuantizationType):
-        if not fits_row_shard(dense):
-            raise ValueError(f"a shard of {dense.input_size} input features is not whole {formats.BLOCK_SIZE}-blocks")
+        if not fits_row_shard(dense, ggml_type):
+            raise ValueError(
+                f"a shard of {dense.input_size} input features is not whole {formats.block_weights(ggml_type)}-blocks"
+            )
         super().__init__(dense.weight.shape[0], dense.input_size, ggml_type)
         self.tp: TensorParallel = dense.tp
         self.input_cols = dense.input_cols()  # the dense layer's rule for this rank's columns

@@ -111,15 +111,15 @@ def pack_linears(
             continue
         replacement: nn.Module
         if isinstance(module, ColumnParallelLinear):
-            if module.weight.shape[1] % formats.BLOCK_SIZE:
+            if not formats.fits_blocks(ggml_type, module.weight.shape[1]):
                 continue
             replacement = QuantColumnParallelLinear(module, ggml_type)
         elif isinstance(module, RowParallelLinear):
-            if not fits_row_shard(module):
+            if not fits_row_shard(module, ggml_type):
                 continue
             replacement = QuantRowParallelLinear(module, ggml_type)
         else:
-            if module.weight.shape[1] % formats.BLOCK_SIZE:
+            if not formats.fits_blocks(ggml_type, module.weight.shape[1]):
                 continue
             replacement = QuantVocabEmbedding(module, ggml_type)
         model.set_submodule(name, replacement)
@@ -217,7 +217,8 @@ def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, d
         for _, handle in GGUFCheckpoint(os.path.join(source.directory, source.gguf_file)):
             numel = int(np.prod(handle.shape))
             kept = packs and quantization == "auto" and handle.ggml_type in formats.KERNEL_TYPES
-            total += handle.nbytes if kept and len(handle.shape) == 2 else numel * element
+            kept = kept and len(handle.shape) == 2 and formats.fits_blocks(handle.ggml_type, handle.shape[1])
+            total += handle.nbytes if kept else numel * element
         return total
     import glob
 
