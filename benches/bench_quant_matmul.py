@@ -1,7 +1,8 @@
 """Weight-only quantized matmuls on this CPU, on the default model's linear shapes (SmolLM2-135M:
 hidden 576, intermediate 1536, 49,152-token head), against float32 and bfloat16 ``x @ w.T``.
 
-Kernels: pagedrs' own ``pagedrs_cpu.quant_matmul`` on GGUF blocks (Q8_0, Q4_1), and torch's
+Kernels: pagedrs' own ``pagedrs_cpu.quant_matmul`` on GGUF blocks (Q8_0, Q4_1; Q4_K and Q6_K on
+random superblocks where the input features are whole 256-weight blocks), and torch's
 ``aten._weight_int8pack_mm`` (int8 weights, per-channel scales) and
 ``aten._weight_int4pack_mm_for_cpu`` (int4, groups of 32), each on random weights of the right
 shape and dtype. Medians of 50 calls, microseconds, batch 1 (decode of one stream) and 32;
@@ -21,6 +22,7 @@ median of 3 runs, tokens per second over the whole request, prefill included).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -68,9 +70,17 @@ def kernels(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]
         for qtype in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1)
     }
     q8, q4 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1
+    k_quants: dict[str, Callable[[], object]] = {}
+    if in_features % 256 == 0:  # k-quants take whole 256-weight superblocks (random ones here)
+        from tests.test_quant_matmul import random_k_blocks
+
+        for qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+            blocks = torch.from_numpy(random_k_blocks(qtype, out_features, in_features, seed=0))
+            k_quants[f"pagedrs {qtype.name}"] = functools.partial(ops.quant_matmul, x, blocks, int(qtype), in_features)
     return {
         "pagedrs Q8_0": lambda: ops.quant_matmul(x, packed[q8], int(q8), in_features),
         "pagedrs Q4_1": lambda: ops.quant_matmul(x, packed[q4], int(q4), in_features),
+        **k_quants,
         "float32": lambda: x @ w.t(),
         "bfloat16": lambda: x_bf16 @ w_bf16.t(),
         "int8pack": lambda: torch.ops.aten._weight_int8pack_mm(x, w_int8, scales),

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 F32 = 0
 """ggml's type id of float32: how the stack is told a linear is a dense float32 weight."""
+MAX_HEAD_DIM = 512
+"""The largest head size the stack's rotary step takes (``cpu/decoder_stack.cpp``)."""
 
 
 def _linear_type(module: nn.Module) -> int | None:
@@ -57,6 +59,8 @@ def why_unsupported(model: LlamaFamilyForCausalLM, device: torch.device, attenti
         return f"it runs on the CPU attention backend (this model uses {attention_backend!r} on {device})"
     if model.tp.size > 1:
         return "tensor parallelism all-reduces inside each layer"
+    if model.head_dim % 2 or model.head_dim > MAX_HEAD_DIM:
+        return f"it rotates even head sizes up to {MAX_HEAD_DIM} (this model's is {model.head_dim})"
     if model.norm.weight.dtype != torch.float32:
         return f"it computes in float32 (the model is {model.norm.weight.dtype})"
     for linear in _linears(model):
