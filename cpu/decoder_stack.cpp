@@ -50,14 +50,15 @@
 
 namespace {
 
-constexpr int64_t kF32 = 0;    // ggml's type id of float32: a dense weight
-constexpr int64_t kGrain = 16;  // rows per thread task in the row-wise loops
+constexpr int64_t kF32 = 0;            // ggml's type id of float32: a dense weight (cpu_stack.py's F32)
+constexpr int64_t kGrain = 16;          // rows per thread task in the row-wise loops
+constexpr int64_t kMaxHeadSize = 512;   // the rotary step's scratch (cpu_stack.py's MAX_HEAD_DIM)
 
 // One linear: y = x W^T + b.
 struct Linear {
-  at::Tensor weight;
-  int64_t ggml_type;
-  std::optional<at::Tensor> bias;
+  at::Tensor weight;               // float32 [out_features, in_features], or the packed blocks
+  int64_t ggml_type;               // kF32, or the packed blocks' ggml type
+  std::optional<at::Tensor> bias;  // float32 [out_features]
   int64_t in_features;
   int64_t out_features;
 
@@ -107,15 +108,16 @@ Linear make_linear(const char* name, const at::Tensor& weight, int64_t ggml_type
   return Linear{weight, ggml_type, bias, in_features, out_features};
 }
 
+// One decoder layer's weights (shapes in the header).
 struct Layer {
-  at::Tensor input_norm;
-  at::Tensor post_norm;
-  std::optional<at::Tensor> q_norm;
+  at::Tensor input_norm;             // RMSNorm before attention
+  at::Tensor post_norm;              // RMSNorm before the MLP
+  std::optional<at::Tensor> q_norm;  // Qwen3's per-head norms of q and k, before rotary
   std::optional<at::Tensor> k_norm;
-  Linear qkv;
-  Linear o;
-  Linear gate_up;
-  Linear down;
+  Linear qkv;      // fused q, k, v projections
+  Linear o;        // attention output projection
+  Linear gate_up;  // fused gate and up projections
+  Linear down;     // MLP output projection
 };
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)) over n elements, as Hugging Face's RMSNorm in
@@ -136,7 +138,7 @@ inline void rms_norm(const float* x, const float* __restrict__ weight, float eps
 // The "rotate half" rotary embedding of one head, in place: x * cos + rotate_half(x) * sin.
 inline void rotate(float* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin, int64_t size) {
   const int64_t half = size / 2;
-  float rotated[512];
+  float rotated[kMaxHeadSize];
 #pragma omp simd
   for (int64_t j = 0; j < half; ++j) {
     rotated[j] = x[j] * cos[j] - x[j + half] * sin[j];
@@ -184,8 +186,8 @@ class DecoderStack : public torch::CustomClassHolder {
                 "pagedrs_cpu: DecoderStack needs positive sizes");
     TORCH_CHECK(num_heads % num_kv_heads == 0, "pagedrs_cpu: ", num_heads, " query heads do not group over ",
                 num_kv_heads, " KV heads");
-    TORCH_CHECK(head_size > 0 && head_size % 2 == 0 && head_size <= 512,
-                "pagedrs_cpu: DecoderStack takes an even head size up to 512, got ", head_size);
+    TORCH_CHECK(head_size > 0 && head_size % 2 == 0 && head_size <= kMaxHeadSize,
+                "pagedrs_cpu: DecoderStack takes an even head size up to ", kMaxHeadSize, ", got ", head_size);
   }
 
   // Appends a layer (see the header for the weights' shapes).
@@ -232,9 +234,10 @@ class DecoderStack : public torch::CustomClassHolder {
     check_step(hidden, cos, sin, key_caches, value_caches, slot_mapping);
     TORCH_CHECK(chunk_bounds.size() == 3 * chunk_blocks.size() && chunk_masks.size() == chunk_blocks.size(),
                 "pagedrs_cpu: each long chunk needs its (start, end, context length), blocks and mask");
+    check_chunks(num_tokens, key_caches.empty() ? 0 : key_caches[0].size(1), chunk_bounds, chunk_blocks);
     if (num_tokens == 0) return;
     const int64_t H = hidden_size_, D = head_size_, q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
-    const int64_t qkv_size = q_size + 2 * kv_size, I = intermediate_size_;
+    const int64_t qkv_size = q_size + 2 * kv_size, I = intermediate_size_;  // H, D, I: the header's names
     const auto options = hidden.options();
     at::Tensor normed = at::empty({num_tokens, H}, options);
     at::Tensor qkv = at::empty({num_tokens, qkv_size}, options);
@@ -244,54 +247,71 @@ class DecoderStack : public torch::CustomClassHolder {
     at::Tensor activated = at::empty({num_tokens, I}, options);
     // The query heads of each row, in place in the qkv rows (paged attention takes a row stride).
     const at::Tensor query = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, D});
-    float* h = hidden.data_ptr<float>();
+    float* hidden_rows = hidden.data_ptr<float>();
+    float* normed_rows = normed.data_ptr<float>();
+    const float* projected_rows = projected.data_ptr<float>();
+    const float* gate_up_rows = gate_up.data_ptr<float>();
+    float* activated_rows = activated.data_ptr<float>();
+    float* qkv_rows = qkv.data_ptr<float>();
     const float* cos_rows = cos.data_ptr<float>();
     const float* sin_rows = sin.data_ptr<float>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    for (int64_t l = 0; l < num_layers; ++l) {
-      const Layer& layer = layers_[l];
+    for (int64_t layer_index = 0; layer_index < num_layers; ++layer_index) {
+      const Layer& layer = layers_[layer_index];
       const float* input_norm = layer.input_norm.data_ptr<float>();
-      float* n = normed.data_ptr<float>();
-      for_rows(num_tokens, [&](int64_t t) { rms_norm(h + t * H, input_norm, eps_, H, n + t * H); });
+      for_rows(num_tokens, [&](int64_t t) {
+        rms_norm(hidden_rows + t * H, input_norm, eps_, H, normed_rows + t * H);
+      });
       layer.qkv.apply(normed, qkv);
       // Per row: q/k norms (Qwen3), rotary on q and k, then k and v into their cache slot.
-      float* key_cache = key_caches[l].data_ptr<float>();
-      float* value_cache = value_caches[l].data_ptr<float>();
-      float* qkv_rows = qkv.data_ptr<float>();
+      float* key_cache = key_caches[layer_index].data_ptr<float>();
+      float* value_cache = value_caches[layer_index].data_ptr<float>();
       const float* q_norm = layer.q_norm ? layer.q_norm->data_ptr<float>() : nullptr;
       const float* k_norm = layer.k_norm ? layer.k_norm->data_ptr<float>() : nullptr;
       for_rows(num_tokens, [&](int64_t t) {
         float* row = qkv_rows + t * qkv_size;
-        const float* c = cos_rows + t * D;
-        const float* s = sin_rows + t * D;
-        for (int64_t head = 0; head < num_heads_ + num_kv_heads_; ++head) {
+        for (int64_t head = 0; head < num_heads_ + num_kv_heads_; ++head) {  // q heads, then k heads
           float* x = row + head * D;
           const float* norm = head < num_heads_ ? q_norm : k_norm;
           if (norm != nullptr) rms_norm(x, norm, eps_, D, x);
-          rotate(x, c, s, D);
+          rotate(x, cos_rows + t * D, sin_rows + t * D, D);
         }
         std::copy(row + q_size, row + q_size + kv_size, key_cache + slots[t] * kv_size);
         std::copy(row + q_size + kv_size, row + qkv_size, value_cache + slots[t] * kv_size);
       });
-      attend(query, key_caches[l], value_caches[l], kernel_rows, block_tables, cu_seqlens_q, context_lens,
+      attend(query, key_caches[layer_index], value_caches[layer_index], kernel_rows, block_tables, cu_seqlens_q, context_lens,
              chunk_bounds, chunk_blocks, chunk_masks, scale, sliding_window, attended);
       layer.o.apply(attended.view({num_tokens, q_size}), projected);
-      const float* p = projected.data_ptr<float>();
       const float* post_norm = layer.post_norm.data_ptr<float>();
       for_rows(num_tokens, [&](int64_t t) {
-        add_rows(h + t * H, p + t * H, H);
-        rms_norm(h + t * H, post_norm, eps_, H, n + t * H);
+        add_rows(hidden_rows + t * H, projected_rows + t * H, H);
+        rms_norm(hidden_rows + t * H, post_norm, eps_, H, normed_rows + t * H);
       });
       layer.gate_up.apply(normed, gate_up);
-      const float* g = gate_up.data_ptr<float>();
-      float* a = activated.data_ptr<float>();
-      for_rows(num_tokens, [&](int64_t t) { silu_mul(g + t * 2 * I, g + t * 2 * I + I, I, a + t * I); });
+      for_rows(num_tokens, [&](int64_t t) {
+        const float* gate = gate_up_rows + t * 2 * I;
+        silu_mul(gate, gate + I, I, activated_rows + t * I);
+      });
       layer.down.apply(activated, projected);
-      for_rows(num_tokens, [&](int64_t t) { add_rows(h + t * H, p + t * H, H); });
+      for_rows(num_tokens, [&](int64_t t) { add_rows(hidden_rows + t * H, projected_rows + t * H, H); });
     }
   }
 
  private:
+  // SDPA reads a chunk's rows and keys through slices, which would clamp bounds silently.
+  static void check_chunks(int64_t num_tokens, int64_t block_size, const std::vector<int64_t>& chunk_bounds,
+                           const std::vector<at::Tensor>& chunk_blocks) {
+    for (size_t c = 0; c < chunk_blocks.size(); ++c) {
+      const int64_t start = chunk_bounds[3 * c], end = chunk_bounds[3 * c + 1], context_len = chunk_bounds[3 * c + 2];
+      TORCH_CHECK(0 <= start && start < end && end <= num_tokens, "pagedrs_cpu: long chunk ", c, " has rows ", start,
+                  "..", end, " of a step of ", num_tokens);
+      TORCH_CHECK(chunk_blocks[c].scalar_type() == at::kLong && chunk_blocks[c].dim() == 1 &&
+                      end - start <= context_len && context_len <= chunk_blocks[c].size(0) * block_size,
+                  "pagedrs_cpu: long chunk ", c, " needs int64 blocks covering its context of ", context_len,
+                  " tokens and at most that many rows");
+    }
+  }
+
   void check_step(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                   const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
                   const at::Tensor& slot_mapping) const {
@@ -301,7 +321,7 @@ class DecoderStack : public torch::CustomClassHolder {
                 hidden.scalar_type(), " ", hidden.sizes());
     const int64_t num_tokens = hidden.size(0);
     for (const at::Tensor* t : {&cos, &sin}) {
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == num_tokens &&
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == num_tokens &&
                       t->size(1) == head_size_,
                   "pagedrs_cpu: cos and sin must be contiguous float32 [", num_tokens, ", ", head_size_, "], got ",
                   t->sizes());
@@ -311,14 +331,16 @@ class DecoderStack : public torch::CustomClassHolder {
                 value_caches.size());
     for (size_t l = 0; l < layers_.size(); ++l) {
       for (const at::Tensor* cache : {&key_caches[l], &value_caches[l]}) {
-        TORCH_CHECK(cache->scalar_type() == at::kFloat && cache->is_contiguous() && cache->dim() == 4 &&
+        TORCH_CHECK(cache->device().is_cpu() && cache->scalar_type() == at::kFloat && cache->is_contiguous() &&
+                        cache->dim() == 4 &&
                         cache->size(2) == num_kv_heads_ && cache->size(3) == head_size_ &&
                         cache->sizes() == key_caches[0].sizes(),
                     "pagedrs_cpu: every cache must be contiguous float32 [num_blocks, block_size, ", num_kv_heads_,
                     ", ", head_size_, "], got ", cache->sizes());
       }
     }
-    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1 &&
+    TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                    slot_mapping.is_contiguous() && slot_mapping.dim() == 1 &&
                     slot_mapping.size(0) == num_tokens,
                 "pagedrs_cpu: slot_mapping must be contiguous int64 [", num_tokens, "]");
     // The rows are written at these slots unchecked: none may fall outside the cache.

@@ -31,7 +31,7 @@ def runner_for(directory: str, **config) -> ModelRunner:
 
 
 def step_arrays(seqs, vocab_size: int, seed: int) -> StepArrays:
-    """A step of ``seqs`` over blocks handed out shuffled; logits of each sequence's last row."""
+    """A step of ``seqs`` over blocks handed out shuffled; logits of every row."""
     generator = np.random.default_rng(seed)
     blocks_per_seq = [-(-context // BLOCK_SIZE) for context, _ in seqs]
     free_blocks = generator.permutation(64)
@@ -53,7 +53,7 @@ def step_arrays(seqs, vocab_size: int, seed: int) -> StepArrays:
         query_start_loc=np.array(query_start_loc, dtype=np.int32),
         context_lens=np.array([context for context, _ in seqs], dtype=np.int32),
         block_tables=block_tables,
-        logits_rows=np.array(query_start_loc[1:], dtype=np.int64) - 1,
+        logits_rows=np.arange(num_tokens, dtype=np.int64),
         block_copies=np.zeros((0, 2), dtype=np.int64),
     )
 
@@ -100,14 +100,18 @@ def test_a_mixed_step_matches_the_python_layers(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def biased_and_windowed(tmp_path_factory):
-    """A Llama with biases on every attention projection, and a Mistral with a sliding window
-    of 8 tokens (shorter than the step's contexts)."""
+    """A Llama with biases on every projection, a Mistral with a sliding window of 8 tokens
+    (shorter than the step's contexts), a Qwen3 whose heads are wider than its hidden size
+    divides (q/k/v rows of 128 and 64 against 64 hidden features), and a Qwen3 with heads too
+    wide for the stack."""
     import transformers
 
     directories = {}
     for name, config in (
         ("llama-bias", transformers.LlamaConfig(**TINY, attention_bias=True, mlp_bias=True)),
         ("mistral-window", transformers.MistralConfig(**TINY, sliding_window=8)),
+        ("qwen3-wide-heads", transformers.Qwen3Config(**TINY, head_dim=32)),
+        ("qwen3-too-wide", transformers.Qwen3Config(**TINY, head_dim=520)),
     ):
         torch.manual_seed(3)
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -122,29 +126,32 @@ def biased_and_windowed(tmp_path_factory):
     return directories
 
 
-@pytest.mark.parametrize("name", ["llama-bias", "mistral-window"])
-def test_biases_and_sliding_windows_match_the_python_layers(biased_and_windowed, name):
+@pytest.mark.parametrize("name", ["llama-bias", "mistral-window", "qwen3-wide-heads"])
+def test_biases_windows_and_wide_heads_match_the_python_layers(biased_and_windowed, name):
     runner = runner_for(biased_and_windowed[name])
     if name == "llama-bias":
         assert runner.model.layers[0].mlp.down_proj.bias is not None
-    else:
+    elif name == "mistral-window":
         assert runner.model.sliding_window == 8
+    else:
+        assert runner.model.num_heads * runner.model.head_dim == 2 * TINY["hidden_size"]
     assert_same_step(runner, MIXED)
 
 
-def test_packed_gguf_linears_match_the_python_layers(tmp_path):
+@pytest.mark.parametrize("kind", ["32-weight blocks", "k-quants"])
+def test_packed_gguf_linears_match_the_python_layers(tmp_path, kind):
     import transformers
-    from gguf import GGMLQuantizationType
+    from gguf import GGMLQuantizationType as Q
 
-    from tests.test_quant_gguf import TYPES, write_gguf
+    from tests.test_quant_gguf import K_CONFIG, K_TYPES, TYPES, write_gguf
 
     torch.manual_seed(5)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    config = transformers.LlamaConfig(**(TINY if kind == "32-weight blocks" else K_CONFIG))
     path = str(tmp_path / "tiny.gguf")
-    write_gguf(path, model, TYPES)
+    write_gguf(path, transformers.LlamaForCausalLM(config).eval(), TYPES if kind == "32-weight blocks" else K_TYPES)
     runner = runner_for(path)
-    packed = {int(module.ggml_type) for module in runner.model.modules() if hasattr(module, "ggml_type")}
-    assert packed & {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+    packed = {module.ggml_type for module in runner.model.modules() if hasattr(module, "ggml_type")}
+    assert packed == ({Q.Q4_0, Q.Q4_1, Q.Q8_0} if kind == "32-weight blocks" else {Q.Q4_K, Q.Q6_K})
     assert_same_step(runner, MIXED)
 
 
@@ -157,6 +164,11 @@ def test_the_stack_steps_aside_where_it_cannot_run(tiny_llama):
     assert bf16.model.cpu_stack is None
     fp8 = runner_for(tiny_llama, quantization="fp8")
     assert fp8.model.cpu_stack is None
+
+
+def test_heads_too_wide_for_the_stack_run_the_python_layers(biased_and_windowed):
+    runner = runner_for(biased_and_windowed["qwen3-too-wide"])
+    assert runner.model.head_dim == 520 and runner.model.cpu_stack is None
 
 
 def test_a_slot_outside_the_cache_is_refused_before_anything_is_written(tiny_llama):

@@ -96,6 +96,29 @@ def test_the_default_kv_budget_grows_as_the_weights_shrink(monkeypatch):
     assert budget(100 * 2**20) - budget(500 * 2**20) == 400 * 2**20
     # ...and large weights keep the budget the rule gave before weights counted (5% of RAM).
     assert budget(8 * 2**30) == int(ram * 0.05)
+    # Tensor-parallel ranks on the CPU share the RAM: each gets its share of the budget.
+    two_ranks = config.EngineConfig(tensor_parallel_size=2)
+    assert two_ranks.kv_cache_bytes(cpu, 100 * 2**20) == budget(100 * 2**20) // 2
+
+
+def test_the_default_kv_budget_on_a_gpu_leaves_room_for_the_weights(monkeypatch):
+    import types
+
+    import torch
+
+    from pagedrs import config
+
+    total = 80 * 2**30
+    properties = types.SimpleNamespace(total_memory=total)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    gpu = torch.device("cuda", 0)
+    assert config.default_kv_cache_memory(gpu, 2**30) == int(total * 0.3)  # small weights: 30%
+    room = int(total * config.GPU_MEMORY_SHARE) - 60 * 2**30 - config.GPU_ACTIVATION_RESERVE
+    assert config.default_kv_cache_memory(gpu, 60 * 2**30) == room  # large weights: what they leave
+    # Each rank of a tensor-parallel group holds its share of the weights on its own GPU.
+    assert config.EngineConfig(tensor_parallel_size=4).kv_cache_bytes(gpu, 240 * 2**30) == room
+    with pytest.raises(ValueError, match="leave no room"):
+        config.default_kv_cache_memory(gpu, 75 * 2**30)
 
 
 def test_engine_and_pagedrs_memory_agree_on_the_default_budget(tiny_llama):

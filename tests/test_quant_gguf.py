@@ -17,7 +17,7 @@ from pagedrs.models import build_model
 from pagedrs.models.loader import load_config, resolve_model
 from pagedrs.quant.gguf import GGUFCheckpoint, hf_name
 from pagedrs.quant.layers import QuantColumnParallelLinear, QuantRowParallelLinear, QuantVocabEmbedding
-from pagedrs.quant.loading import load_weights
+from pagedrs.quant.loading import load_weights, predicted_weight_bytes
 from tests.conftest import TINY
 from tests.test_model_oracle import NEW_TOKENS, PROMPTS, assert_same_or_near_tie, hf_greedy, run
 from tests.test_quant_matmul import K_QUANTS, random_k_blocks
@@ -122,7 +122,7 @@ def write_gguf(path: str, model, types: dict) -> None:
         if qtype is None:
             writer.add_tensor(target, array)
         elif qtype in K_QUANTS:
-            blocks = random_k_blocks(qtype, *array.shape, seed=len(target), scale_range=(1e-4, 4e-4))
+            blocks = random_k_blocks(qtype, *array.shape, seed=len(target), scale_range=(1e-4, 4e-4), centred=True)
             writer.add_tensor(target, blocks, raw_dtype=qtype)
         else:
             writer.add_tensor(target, quants.quantize(array, qtype), raw_dtype=qtype)
@@ -255,6 +255,9 @@ def test_k_quants_stay_packed_and_match_transformers_on_the_same_file(tmp_path):
     assert "layers.1.self_attn.qkv_proj" not in packed  # q/k Q4_K, v Q6_K: one dense linear
     llm = LLM(path, quantization="auto")
     assert llm.engine.runner.model.cpu_stack is not None
+    # What `pagedrs memory` predicts (the mixed q/k/v dense) is what loaded.
+    loaded = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    assert predicted_weight_bytes(source, "auto", torch.float32, torch.device("cpu")) == loaded
     for prompt, tokens in zip(PROMPTS, run(llm, PROMPTS)):
         assert len(tokens) == NEW_TOKENS
         assert_same_or_near_tie(hf_model, prompt, tokens, hf_greedy(hf_model, prompt, NEW_TOKENS))

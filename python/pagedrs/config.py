@@ -120,8 +120,14 @@ class EngineConfig:
         return torch.device(self.device)
 
     def kv_cache_bytes(self, device: torch.device, weight_bytes: int = 0) -> int:
-        """The KV budget: ``kv_cache_memory``, or `default_kv_cache_memory` for ``weight_bytes``
-        of weights in this process."""
+        """One rank's KV budget: ``kv_cache_memory``, or `default_kv_cache_memory` for the
+        model's ``weight_bytes`` (the whole model's, a draft model's included). Tensor-parallel
+        ranks on the CPU share one RAM, so they split the default between them (each rank's
+        cache holds its share of every token's KV: the token capacity stays that of one
+        process); on GPUs each rank has its own memory and holds its share of the weights."""
         if self.kv_cache_memory is None:
-            return default_kv_cache_memory(device, weight_bytes)
+            ranks = self.tensor_parallel_size
+            if device.type == "cpu":
+                return default_kv_cache_memory(device, weight_bytes) // ranks
+            return default_kv_cache_memory(device, weight_bytes // ranks)
         return parse_bytes(self.kv_cache_memory)

@@ -211,12 +211,10 @@ class LLMEngine:
         )
 
     def _weight_bytes(self, source: Any) -> int:
-        """The weights one process of this engine holds (its share of the target's under tensor
-        parallelism, plus a draft model's), predicted from the checkpoints, for the default KV
-        budget."""
+        """The weights of the model (and of a draft model), predicted from the checkpoints, for
+        the default KV budget."""
         config = self.config
         total = predicted_weight_bytes(source, config.quantization, self.dtype, self.device)
-        total //= config.tensor_parallel_size
         if self.speculative is not None and self.speculative.model is not None:
             draft = resolve_model(self.speculative.model)
             total += predicted_weight_bytes(draft, config.quantization, self.dtype, self.device)

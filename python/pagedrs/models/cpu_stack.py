@@ -46,6 +46,7 @@ def _linear_type(module: nn.Module) -> int | None:
 
 
 def _linears(model: LlamaFamilyForCausalLM) -> list[nn.Module]:
+    """Every decoder layer's four linears, in the stack's order."""
     linears: list[nn.Module] = []
     for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
@@ -103,6 +104,12 @@ class CpuDecoderStack:
         meta: CpuAttentionMetadata,
         scale: float,
     ) -> None:
+        """Runs every layer over the step's rows.
+
+        ``hidden``: ``float32 [num_tokens, hidden_size]``, the embeddings, overwritten with the
+        last layer's output; ``cos``/``sin``: ``float32 [num_tokens, head_dim]``; ``kv_caches``:
+        one ``[num_blocks, block_size, num_kv_heads, head_dim]`` pair per layer, this step's
+        keys and values written at ``meta.slot_mapping``; ``scale``: the attention scale."""
         kernel = meta.kernel
         chunks = meta.sdpa_chunks
         self._stack.forward(

@@ -111,6 +111,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         (`pagedrs.models.cpu_stack`); ``None``: the Python layers below."""
 
     def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder layers, typed."""
         return cast(list[DecoderLayer], list(self.layers))  # ModuleList's stubs lose the element type
 
     @staticmethod
@@ -133,6 +134,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         if self.cpu_stack is not None:
+            # NOTE: the stack overwrites `hidden` in place; the embedding lookups return a new
+            # tensor (never a view of the weights), so nothing else sees it change.
             self.cpu_stack(hidden, cos, sin, kv_caches, cast("CpuAttentionMetadata", meta), self.attention_scale)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):

@@ -3,7 +3,7 @@ handle under its Hugging Face name that reads (and dequantizes) only the slice a
 hands out its packed rows for the quantized linears.
 
 Orientation: a GGUF matrix of ``ne = [in, out]`` is stored as ``out`` rows of ``in`` weights (a
-quantized row is ``in / 32`` blocks), which is Hugging Face's ``[out, in]``: rows are output
+quantized row is ``in / block_weights`` blocks), which is Hugging Face's ``[out, in]``: rows are output
 features, and a row range of a packed weight is a row range of its bytes.
 
 NOTE: llama.cpp's converter permutes the rows of q and k of ``llama`` models (its rotary pairs
@@ -133,7 +133,7 @@ class GGUFTensor:
         return torch.from_numpy(self._stored(_rows_of(rows, self.shape[0])))
 
     def packed_cols(self, cols: slice) -> torch.Tensor:
-        """uint8 ``[rows, num_cols / 32 * block_bytes]``: the blocks of a column range of every
+        """uint8 ``[rows, num_cols / block_weights * block_bytes]``: the blocks of a column range of every
         row (the range must start and end on block boundaries)."""
         block_size, type_size = gguf_quants.GGML_QUANT_SIZES[self.ggml_type]
         span = _rows_of(cols, self.shape[1])

@@ -53,7 +53,7 @@ def _packed_slice(weight: Any, ggml_type: GGMLQuantizationType, rows: slice, col
 
 
 class _Packed(nn.Module):
-    """Holds ``weight``: uint8 ``[rows, in_features / 32 * block_bytes]``, the packed blocks.
+    """Holds ``weight``: uint8 ``[rows, in_features / block_weights * block_bytes]``, the packed blocks.
 
     NOTE: a parameter named ``weight`` like the dense layer's, so the model's loader still
     finds a checkpoint tensor missing, and parameter byte counts are the packed bytes."""

@@ -1,5 +1,5 @@
 """Which weights a model holds packed, decided by the loader (the model code asks for plain
-linears): ``quantization="auto"`` keeps a GGUF's Q8_0/Q4_0/Q4_1 tensors as stored, ``"none"``
+linears): ``quantization="auto"`` keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as stored, ``"none"``
 dequantizes everything to the model's dtype, ``"int8"`` quantizes a float checkpoint's linears
 and embedding to Q8_0 blocks at load time. Packed weights run on the CPU kernel only; on other
 devices ``auto`` is ``none``.
@@ -201,8 +201,9 @@ def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, d
     format of a 2-D GGUF tensor under ``auto``; a 2-D float weight as Q8_0 under ``int8``), one
     byte a weight plus a float32 scale a row where `use_fp8_linears` makes FP8 linears (an e4m3
     weight with per-channel or per-tensor scales under ``auto``, every linear's weight under
-    ``fp8``), ``dtype`` elsewhere (block-wise FP8 under ``auto`` loads dequantized). (A fused
-    q/k/v of mixed types, which loads dense, counts as packed.)"""
+    ``fp8``), ``dtype`` elsewhere (block-wise FP8 under ``auto`` loads dequantized, and so does
+    a fused q/k/v or gate/up whose parts are stored in different types). A ``.bin`` checkpoint
+    counts its files' size."""
     import os
 
     from pagedrs.attention import cpu_ops
@@ -214,10 +215,12 @@ def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, d
     if source.gguf_file is not None:
         from pagedrs.quant.gguf import GGUFCheckpoint
 
-        for _, handle in GGUFCheckpoint(os.path.join(source.directory, source.gguf_file)):
+        handles = dict(GGUFCheckpoint(os.path.join(source.directory, source.gguf_file)))
+        for name, handle in handles.items():
             numel = int(np.prod(handle.shape))
             kept = packs and quantization == "auto" and handle.ggml_type in formats.KERNEL_TYPES
             kept = kept and len(handle.shape) == 2 and formats.fits_blocks(handle.ggml_type, handle.shape[1])
+            kept = kept and len({handles[part].ggml_type for part in _fused_parts(name) if part in handles}) <= 1
             total += handle.nbytes if kept else numel * element
         return total
     import glob
@@ -226,10 +229,14 @@ def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, d
 
     from pagedrs.quant.fp8 import SCALE_SUFFIXES
 
+    safetensors = glob.glob(os.path.join(source.directory, "*.safetensors"))
+    if not safetensors:  # a pytorch_model*.bin checkpoint: its tensors' sizes on disk
+        bins = glob.glob(os.path.join(source.directory, "pytorch_model*.bin"))
+        return sum(os.path.getsize(path) for path in bins)
     scheme = checkpoint_scheme(source.directory)
     fp8_layers = makes_fp8_linears(quantization, scheme)
     q8_bytes_per_weight = formats.block_bytes(GGMLQuantizationType.Q8_0) / formats.BLOCK_SIZE
-    for path in sorted(glob.glob(os.path.join(source.directory, "*.safetensors"))):
+    for path in sorted(safetensors):
         with safe_open(path, framework="pt") as file:
             for name in file.keys():
                 if scheme is not None and name.endswith(SCALE_SUFFIXES):
@@ -247,6 +254,18 @@ def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, d
                 packed = packs and quantization == "int8" and len(shape) == 2 and shape[1] % formats.BLOCK_SIZE == 0
                 total += int(numel * q8_bytes_per_weight) if packed else numel * element
     return total
+
+
+def _fused_parts(name: str) -> tuple[str, ...]:
+    """The checkpoint names loaded into the same fused linear as ``name`` (itself included);
+    ``()`` for a tensor no fused linear holds."""
+    for parts in _FUSED.values():
+        for part in parts:
+            suffix = f".{part}.weight"
+            if name.endswith(suffix):
+                prefix = name.removesuffix(suffix)
+                return tuple(f"{prefix}.{other}.weight" for other in parts)
+    return ()
 
 
 def _is_linear_weight(name: str) -> bool:

@@ -44,8 +44,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument(
         "--kv-cache-memory",
         default=None,
-        help="bytes for the KV cache, e.g. 2GiB (default: 10%% of RAM minus the weights on CPU, at least 5%%; "
-        "30%% of a GPU, less where 90%% minus the weights leaves less)",
+        help="bytes for the KV cache, e.g. 2GiB (default: on CPU 10%% of RAM minus the weights, at least 5%%, "
+        "within 256 MiB..4 GiB; on a GPU 30%% of it, less where 90%% minus the weights and 1 GiB leaves less)",
     )
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=256)
