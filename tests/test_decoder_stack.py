@@ -16,6 +16,7 @@ from pagedrs.attention.cpu_ops import available
 from pagedrs.config import EngineConfig
 from pagedrs.engine.model_runner import ModelRunner, StepArrays, load_model_runner
 from tests.conftest import TINY, save_word_tokenizer
+from tests.test_cpu_attention import make_step
 
 pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernels do not build here")
 
@@ -31,28 +32,19 @@ def runner_for(directory: str, **config) -> ModelRunner:
 
 
 def step_arrays(seqs, vocab_size: int, seed: int) -> StepArrays:
-    """A step of ``seqs`` over blocks handed out shuffled; logits of every row."""
-    generator = np.random.default_rng(seed)
-    blocks_per_seq = [-(-context // BLOCK_SIZE) for context, _ in seqs]
-    free_blocks = generator.permutation(64)
-    block_tables = np.zeros((len(seqs), max(blocks_per_seq)), dtype=np.int32)
-    positions, slots, query_start_loc = [], [], [0]
-    taken = 0
-    for s, ((context, rows), num_blocks) in enumerate(zip(seqs, blocks_per_seq)):
-        block_tables[s, :num_blocks] = free_blocks[taken : taken + num_blocks]
-        taken += num_blocks
-        for position in range(context - rows, context):
-            positions.append(position)
-            slots.append(block_tables[s, position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
-        query_start_loc.append(query_start_loc[-1] + rows)
-    num_tokens = query_start_loc[-1]
+    """A step of ``seqs`` over blocks handed out shuffled (test_cpu_attention's layout), random
+    token ids; logits of every row."""
+    arrays, _, _ = make_step(
+        seqs, block_size=BLOCK_SIZE, num_heads=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, seed=seed
+    )
+    num_tokens = int(arrays["query_start_loc"][-1])
     return StepArrays(
-        input_token_ids=generator.integers(0, vocab_size, num_tokens).astype(np.int64),
-        positions=np.array(positions, dtype=np.int64),
-        slot_mapping=np.array(slots, dtype=np.int64),
-        query_start_loc=np.array(query_start_loc, dtype=np.int32),
-        context_lens=np.array([context for context, _ in seqs], dtype=np.int32),
-        block_tables=block_tables,
+        input_token_ids=np.random.default_rng(seed).integers(0, vocab_size, num_tokens).astype(np.int64),
+        positions=arrays["positions"],
+        slot_mapping=arrays["slot_mapping"],
+        query_start_loc=arrays["query_start_loc"],
+        context_lens=arrays["context_lens"],
+        block_tables=arrays["block_tables"],
         logits_rows=np.arange(num_tokens, dtype=np.int64),
         block_copies=np.zeros((0, 2), dtype=np.int64),
     )
