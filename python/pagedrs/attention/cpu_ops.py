@@ -1,8 +1,8 @@
 """The CPU kernels in ``cpu/`` (paged attention, sampling, quantized matmuls, the fused decoder
-stack): one extension built with
-`torch.utils.cpp_extension` on first use, cached under ``~/.cache/pagedrs`` by a hash of the
-sources, the compiler flags, torch's version and this machine's CPU (the build targets it with
-``-march=native``), loaded once, used as ``torch.ops.pagedrs_cpu.*``. ``python -m
+stack): one extension built with `torch.utils.cpp_extension` on first use, cached under
+``~/.cache/pagedrs`` by a hash of the sources, the compiler flags, torch's version and this
+machine's CPU (the build targets it with ``-march=native``), loaded once, used as
+``torch.ops.pagedrs_cpu.*`` and ``torch.classes.pagedrs_cpu.DecoderStack``. ``python -m
 pagedrs.attention.cpu_ops`` builds it ahead of use (``make cpu-kernels``, run by ``make
 test``), so no test or first request pays the compile."""
 
