@@ -148,13 +148,21 @@ class KVCapacity:
 
 
 def kv_cache_capacity(
-    config: Any, budget: int | str, dtype: Any = "bfloat16", block_size: int = 16, tensor_parallel_size: int = 1
+    config: Any,
+    budget: int | str,
+    dtype: Any = "bfloat16",
+    block_size: int = 16,
+    tensor_parallel_size: int = 1,
+    draft_config: Any = None,
 ) -> KVCapacity:
     """How many blocks of ``block_size`` tokens fit in ``budget`` bytes (or ``"4GiB"``) on
-    each rank."""
+    each rank. A draft model's (``draft_config``, one rank) KV lives in the same blocks, so
+    each token also holds its keys and values."""
     block_size = _positive_int(block_size, "block_size")
     budget_bytes = parse_bytes(budget)
     per_token = kv_bytes_per_token(config, dtype, tensor_parallel_size)
+    if draft_config is not None:
+        per_token += kv_bytes_per_token(draft_config, dtype)
     per_block = per_token * block_size
     return KVCapacity(
         bytes_per_token=per_token,

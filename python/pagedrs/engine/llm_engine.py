@@ -22,7 +22,7 @@ from pagedrs.engine.model_runner import load_model_runner
 from pagedrs.engine.parallel import TensorParallelError, TensorParallelGroup, check_parallel_config, launched_setup
 from pagedrs.errors import DuplicateRequestError
 from pagedrs.layers.linear import TensorParallel
-from pagedrs.memory import kv_bytes_per_token, kv_cache_capacity
+from pagedrs.memory import kv_cache_capacity
 from pagedrs.models import architecture_of, build_model
 from pagedrs.models.loader import load_config, load_tokenizer, resolve_model
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
@@ -117,16 +117,10 @@ class LLMEngine:
         kv_cache_bytes = config.kv_cache_bytes(
             self.device, self._weight_bytes(source) if config.kv_cache_memory is None else 0
         )
-        capacity = kv_cache_capacity(self.hf_config, kv_cache_bytes, self.dtype, config.block_size, tp_size)
-        if self.draft_hf_config is not None:
-            # The draft model's KV lives in the same blocks (`pagedrs.spec_decode.drafter`).
-            bytes_per_token = capacity.bytes_per_token + kv_bytes_per_token(self.draft_hf_config, self.dtype)
-            capacity = dataclasses.replace(
-                capacity,
-                bytes_per_token=bytes_per_token,
-                bytes_per_block=bytes_per_token * config.block_size,
-                num_blocks=kv_cache_bytes // (bytes_per_token * config.block_size),
-            )
+        # A draft model's KV lives in the same blocks (`pagedrs.spec_decode.drafter`).
+        capacity = kv_cache_capacity(
+            self.hf_config, kv_cache_bytes, self.dtype, config.block_size, tp_size, self.draft_hf_config
+        )
         if capacity.num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for one block of {capacity.bytes_per_block} bytes")
         model_max_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2**31)
