@@ -79,6 +79,7 @@ class CpuDecoderStack:
         cpu_ops.load()
         config = model.config
         layers = model.decoder_layers()
+        self._scale = layers[0].self_attn.scale
         self._stack: Any = torch.classes.pagedrs_cpu.DecoderStack(
             config.hidden_size,
             model.num_heads,
@@ -102,14 +103,13 @@ class CpuDecoderStack:
         sin: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: CpuAttentionMetadata,
-        scale: float,
     ) -> None:
         """Runs every layer over the step's rows.
 
         ``hidden``: ``float32 [num_tokens, hidden_size]``, the embeddings, overwritten with the
         last layer's output; ``cos``/``sin``: ``float32 [num_tokens, head_dim]``; ``kv_caches``:
         one ``[num_blocks, block_size, num_kv_heads, head_dim]`` pair per layer, this step's
-        keys and values written at ``meta.slot_mapping``; ``scale``: the attention scale."""
+        keys and values written at ``meta.slot_mapping``."""
         kernel = meta.kernel
         chunks = meta.sdpa_chunks
         self._stack.forward(
@@ -126,6 +126,6 @@ class CpuDecoderStack:
             [bound for chunk in chunks for bound in (chunk.start, chunk.end, chunk.context_len)],
             [chunk.blocks for chunk in chunks],
             [chunk.mask for chunk in chunks],
-            scale,
+            self._scale,
             meta.sliding_window,
         )

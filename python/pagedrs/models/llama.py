@@ -104,7 +104,6 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.num_kv_heads = attn.num_kv_heads
         self.num_heads = attn.num_heads
         self.head_dim = attn.head_dim
-        self.attention_scale = attn.scale
         self.sliding_window = getattr(config, "sliding_window", None) if self._uses_sliding_window(config) else None
         self.cpu_stack: CpuDecoderStack | None = None
         """The layers as one compiled call per step on the CPU, when the runner sets it up
@@ -136,7 +135,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         if self.cpu_stack is not None:
             # NOTE: the stack overwrites `hidden` in place; the embedding lookups return a new
             # tensor (never a view of the weights), so nothing else sees it change.
-            self.cpu_stack(hidden, cos, sin, kv_caches, cast("CpuAttentionMetadata", meta), self.attention_scale)
+            self.cpu_stack(hidden, cos, sin, kv_caches, cast("CpuAttentionMetadata", meta))
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden = layer(hidden, cos, sin, kv_cache, meta)
