@@ -9,6 +9,18 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run in Triton's interpreter (CPU tensors), which must be chosen
+# before Triton is first imported (torch does not import it).
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY = dict(
     vocab_size=320,
     hidden_size=64,

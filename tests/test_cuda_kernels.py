@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedrs.attention.torch_ref import AttentionMetadata, write_kv
+from pagedrs.attention.torch_ref import write_kv
+from tests.paged_batch import Batch
 
 if not torch.cuda.is_available():
     pytest.skip(
@@ -29,68 +30,6 @@ def ops():
     from pagedrs.attention.cuda_ops import load
 
     return load()
-
-
-class Batch:
-    """A scheduler-shaped step: sequences with context lengths, the last `query_lens` tokens of
-    each computed this step, scattered over a shuffled block pool."""
-
-    def __init__(self, context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        rng = np.random.default_rng(seed)
-        self.block_size, self.dtype = block_size, dtype
-        blocks_per_seq = [math.ceil(c / block_size) for c in context_lens]
-        num_blocks = sum(blocks_per_seq) + 5
-        pool = rng.permutation(num_blocks)
-        width = max(blocks_per_seq)
-        self.block_tables = np.zeros((len(context_lens), width), dtype=np.int32)
-        used = 0
-        for s, n in enumerate(blocks_per_seq):
-            self.block_tables[s, :n] = pool[used : used + n]
-            used += n
-        self.context_lens = np.asarray(context_lens, dtype=np.int32)
-        self.query_start_loc = np.zeros(len(context_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=self.query_start_loc[1:])
-        positions, slots = [], []
-        for s, (c, q) in enumerate(zip(context_lens, query_lens)):
-            for p in range(c - q, c):
-                positions.append(p)
-                slots.append(int(self.block_tables[s, p // block_size]) * block_size + p % block_size)
-        self.positions = np.asarray(positions, dtype=np.int64)
-        self.slot_mapping = np.asarray(slots, dtype=np.int64)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        rows = len(positions)
-
-        def rand(*size):
-            return torch.randn(*size, generator=gen).to(dtype).cuda()
-
-        self.key_cache, self.value_cache = rand(*shape), rand(*shape)
-        self.query = rand(rows, num_heads, head_dim)
-        self.key, self.value = rand(rows, num_kv_heads, head_dim), rand(rows, num_kv_heads, head_dim)
-        self.scale = head_dim**-0.5
-
-    def reference(self, sliding_window=None) -> torch.Tensor:
-        key_cache, value_cache = self.key_cache.clone(), self.value_cache.clone()
-        meta = AttentionMetadata.build(
-            positions=self.positions,
-            slot_mapping=self.slot_mapping,
-            query_start_loc=self.query_start_loc,
-            context_lens=self.context_lens,
-            block_tables=self.block_tables,
-            block_size=self.block_size,
-            sliding_window=sliding_window,
-            device=torch.device("cuda"),
-        )
-        return meta.attend(self.query, self.key, self.value, key_cache, value_cache, self.scale)
-
-    def write(self, ops) -> None:
-        ops.reshape_and_cache(
-            self.key, self.value, self.key_cache, self.value_cache, torch.from_numpy(self.slot_mapping).cuda()
-        )
-
-    def device_arrays(self):
-        cuda = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
-        return cuda(self.block_tables), cuda(self.query_start_loc), cuda(self.context_lens)
 
 
 def _assert_close(actual, expected, dtype):
