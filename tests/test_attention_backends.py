@@ -21,14 +21,18 @@ def test_select_backend():
         select_backend("cuda", cpu)
     with pytest.raises(ValueError, match="'cpu' runs on the CPU"):
         select_backend("cpu", gpu)
-    with pytest.raises(ValueError, match="one of auto, torch, cpu, cuda"):
-        select_backend("triton", cpu)
-    # Shapes the kernels do not take: auto falls back to the reference, a forced "cuda" says why.
-    assert select_backend("auto", gpu, head_dim=96, num_heads=32, num_kv_heads=32) == "torch"
-    assert select_backend("auto", gpu, head_dim=128, num_heads=32, num_kv_heads=1) == "torch"
-    assert select_backend("auto", gpu, head_dim=128, num_heads=32, num_kv_heads=2) == "cuda"
+    with pytest.raises(ValueError, match="one of auto, torch, cpu, cuda, triton"):
+        select_backend("flash", cpu)
+    # Shapes the CUDA kernels do not take: auto keeps the GPU backend while Triton takes them
+    # (any head size up to 256, any group, power-of-two blocks), a forced "cuda" says why.
+    assert select_backend("auto", gpu, head_dim=96, num_heads=32, num_kv_heads=32) == "cuda"
+    assert select_backend("auto", gpu, head_dim=128, num_heads=32, num_kv_heads=1) == "cuda"
+    assert select_backend("auto", gpu, head_dim=96, num_heads=8, num_kv_heads=8, block_size=24) == "torch"
+    assert select_backend("auto", gpu, head_dim=512, num_heads=8, num_kv_heads=8) == "torch"
     with pytest.raises(ValueError, match="head size 96"):
         select_backend("cuda", gpu, head_dim=96, num_heads=8, num_kv_heads=8)
+    with pytest.raises(ValueError, match="block size 24"):
+        select_backend("triton", gpu, head_dim=64, num_heads=8, num_kv_heads=8, block_size=24)
 
 
 def test_auto_falls_back_to_the_reference_when_the_cpu_kernel_cannot_build(monkeypatch, caplog):
@@ -96,3 +100,86 @@ def test_cuda_metadata_splits_decodes_and_prefill_chunks():
         device=torch.device("cpu"),
     )
     assert only.decodes.rows is None and only.prefills is None and only.sliding_window == 8
+
+
+def test_auto_plan_keeps_the_faster_kernel_per_phase():
+    """`choose_plan` times each usable kernel on a decode batch and a prefill chunk (here the
+    timer reads a table: the real one uses CUDA events) and keeps the faster per phase."""
+    from pagedrs.attention.kernel_choice import choose_plan, measure
+
+    timings = {("decode", "cuda"): 3.0, ("decode", "triton"): 2.0, ("prefill", "cuda"): 5.0, ("prefill", "triton"): 9.0}
+    calls = []
+
+    def fake_measure(kernels, *args):
+        calls.append(kernels)
+        return {key: s for key, s in timings.items() if key[1] in kernels}
+
+    import pagedrs.attention.kernel_choice as kernel_choice
+
+    original = kernel_choice.measure
+    kernel_choice.measure = fake_measure
+    try:
+        gpu = torch.device("cuda")
+        plan = choose_plan("auto", gpu, torch.bfloat16, 32, 8, 128, 16, timer=lambda fn: 0.0)
+        assert (plan.decode, plan.prefill) == ("triton", "cuda") and calls == [["cuda", "triton"]]
+        # Head size 96: only Triton takes it, nothing to time.
+        plan = choose_plan("auto", gpu, torch.bfloat16, 8, 8, 96, 16)
+        assert (plan.decode, plan.prefill) == ("triton", "triton") and len(calls) == 1
+        plan = choose_plan("cuda", gpu, torch.bfloat16, 8, 8, 96, 16)  # forced: as asked
+        assert (plan.decode, plan.prefill) == ("cuda", "cuda")
+    finally:
+        kernel_choice.measure = original
+    # The measurement itself, on CPU tensors through Triton's interpreter: one time per
+    # (phase, kernel), every launch run.
+    runs = []
+    seconds = measure(["triton"], torch.device("cpu"), torch.float32, 4, 2, 16, 16, lambda fn: runs.append(fn()) or 1.0)
+    assert seconds == {("decode", "triton"): 1.0, ("prefill", "triton"): 1.0}
+    assert [out.shape for out in runs] == [(32, 4, 16), (512, 4, 16)]
+
+
+def test_triton_metadata_tiles_each_phase():
+    from pagedrs.attention.cuda_backend import KernelPlan
+
+    plan = KernelPlan("triton", "cuda", 8, 2, 64)
+    meta = plan.build(
+        positions=np.array([19, 10, 11, 12, 39]),
+        slot_mapping=np.arange(5),
+        query_start_loc=np.array([0, 1, 4, 5], dtype=np.int32),
+        context_lens=np.array([20, 13, 40], dtype=np.int32),
+        block_tables=np.array([[5, 6, 0], [7, 0, 0], [1, 2, 3]], dtype=np.int32),
+        block_size=16,
+        sliding_window=None,
+        device=torch.device("cpu"),
+    )
+    assert meta.decodes.triton is not None and meta.prefills.triton is None and meta.cuda_writes
+    assert meta.decodes.triton.tile_seqs.tolist() == [0, 1] and meta.decodes.triton.tile_rows.tolist() == [0, 1]
+    assert meta.decodes.triton.config.block_m == 16 and meta.decodes.triton.num_segments == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs this in gpu_check's end-to-end step")
+def test_engine_on_the_triton_backend_matches_the_reference(tiny_llama):
+    """The whole engine with every attention row through the Triton kernels (interpreted on
+    the CPU): greedy tokens equal the torch reference's, over prefill chunks (a long prompt
+    chunked), prefix-cache hits and decode, with n > 1 sharing blocks."""
+    from pagedrs import LLM, SamplingParams
+
+    prompts = [list(range(3, 40)), list(range(3, 40)) + [7, 8], [11, 5, 200, 9]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            tiny_llama,
+            device="cpu",
+            dtype="float32",
+            attention_backend=backend,
+            kv_cache_memory="4MiB",
+            max_num_batched_tokens=32,
+            max_num_seqs=8,
+            enable_prefix_caching=True,
+        )
+        results[backend] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        if backend == "triton":
+            plan = llm.engine.runner.kernel_plan
+            assert (plan.decode, plan.prefill) == ("triton", "triton")
+            assert llm.engine.scheduler.stats().num_used_blocks == 0
+    assert results["triton"] == results["torch"]

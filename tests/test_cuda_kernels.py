@@ -6,9 +6,6 @@ sm_90 (`make cuda-check`), and `make gpu-check` runs this file on a GPU."""
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pytest
 import torch
 

@@ -1,7 +1,8 @@
 """Attention backends over the paged KV cache: the torch reference (every device; the oracle),
-the compiled CPU kernel and the CUDA kernels. `select_backend` picks one; all build per-step
-metadata with the same ``build(...)`` arguments and attend through ``meta.attend(q, k, v,
-key_cache, value_cache, scale)``."""
+the compiled CPU kernel and the GPU kernels (CUDA and Triton, chosen per phase by
+`pagedrs.attention.kernel_choice`). `select_backend` picks one; all build per-step metadata
+with the same ``build(...)`` arguments and attend through ``meta.attend(q, k, v, key_cache,
+value_cache, scale)``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from pagedrs.attention.torch_ref import AttentionMetadata as TorchAttentionMetadata
 
-BACKENDS = ("auto", "torch", "cpu", "cuda")
+BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
 
 
 class AttentionMetadata(Protocol):
@@ -60,18 +61,28 @@ def cuda_supports(head_dim: int, num_heads: int, num_kv_heads: int) -> str | Non
 
 
 def select_backend(
-    name: str, device: torch.device, head_dim: int = 64, num_heads: int = 1, num_kv_heads: int = 1
+    name: str,
+    device: torch.device,
+    head_dim: int = 64,
+    num_heads: int = 1,
+    num_kv_heads: int = 1,
+    block_size: int = 16,
 ) -> str:
-    """``"auto"``: on a CUDA device the CUDA kernels when they support the model's attention
-    shape; on the CPU the compiled CPU kernel when it builds here (any shape); the torch
-    reference otherwise. A forced ``"cpu"`` or ``"cuda"`` builds its kernels now, so a model
-    never starts on kernels that cannot run."""
+    """``"auto"``: on a CUDA device the GPU kernels (``"cuda"``: CUDA or Triton per phase, see
+    `pagedrs.attention.kernel_choice`) when one of them supports the model's attention shape;
+    on the CPU the compiled CPU kernel when it builds here (any shape); the torch reference
+    otherwise. A forced ``"cpu"`` or ``"cuda"`` builds its kernels now, so a model never
+    starts on kernels that cannot run. ``"triton"``: the Triton kernels for every phase (on a
+    CPU only under ``TRITON_INTERPRET=1``, which is how the tests run them)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     unsupported = cuda_supports(head_dim, num_heads, num_kv_heads)
     if name == "auto":
         if device.type == "cuda":
-            return "cuda" if unsupported is None else "torch"
+            from pagedrs.attention.kernel_choice import why_not
+
+            gpu_kernels = [why_not(k, head_dim, num_heads, num_kv_heads, block_size) for k in ("cuda", "triton")]
+            return "cuda" if None in gpu_kernels else "torch"
         if device.type == "cpu":
             from pagedrs.attention.cpu_ops import available
 
@@ -92,6 +103,15 @@ def select_backend(
         raise ValueError(f"attention_backend 'cuda' needs a CUDA device, the engine runs on {device}")
     if name == "cuda" and unsupported is not None:
         raise ValueError(f"attention_backend 'cuda' does not support {unsupported}; use 'torch'")
+    if name == "triton":
+        from pagedrs.attention import triton_attention
+        from pagedrs.attention.kernel_choice import why_not
+
+        if device.type != "cuda" and not (triton_attention.available() and triton_attention.interpreting()):
+            raise ValueError(f"attention_backend 'triton' needs a CUDA device, the engine runs on {device}")
+        why = why_not("triton", head_dim, num_heads, num_kv_heads, block_size)
+        if why is not None:
+            raise ValueError(f"attention_backend 'triton' does not support {why}; use 'torch'")
     return name
 
 
@@ -100,8 +120,8 @@ def metadata_class(backend: str) -> AttentionMetadataClass:
         from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 
         return CpuAttentionMetadata
-    if backend == "cuda":
+    if backend in ("cuda", "triton"):
         from pagedrs.attention.cuda_backend import CudaAttentionMetadata
 
-        return CudaAttentionMetadata
+        return CudaAttentionMetadata  # the runner builds through its KernelPlan instead
     return TorchAttentionMetadata

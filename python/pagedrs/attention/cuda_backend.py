@@ -1,19 +1,49 @@
-"""The CUDA PagedAttention backend: the same contract as the torch reference
-(`pagedrs.attention.torch_ref`), run by the kernels in ``cuda/``.
+"""The GPU PagedAttention backend: the same contract as the torch reference
+(`pagedrs.attention.torch_ref`), run by the CUDA kernels in ``cuda/`` or the Triton kernels
+of `pagedrs.attention.triton_attention`, chosen per phase (`KernelPlan`).
 
 Per step, `CudaAttentionMetadata.build` splits the scheduler's sequences into decodes (one
 query row each) and prefill chunks (several rows, causal, over a cached prefix) and moves
-their block tables and lengths to the GPU once; each layer then writes its new keys/values
-(``reshape_and_cache``) and runs at most two attention launches.
+their block tables and lengths (and, for a Triton launch, its query tiles) to the GPU once;
+each layer then writes its new keys/values and runs at most two attention launches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+
+from pagedrs.attention import triton_attention
+from pagedrs.attention.torch_ref import write_kv
+from pagedrs.attention.triton_attention import TileConfig
+
+KERNELS = ("cuda", "triton")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which kernels run each phase of a step (``"cuda"`` or ``"triton"``), and the model's
+    attention shape, which the Triton launches tile by."""
+
+    decode: str
+    prefill: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def uses(self, kernel: str) -> bool:
+        return kernel in (self.decode, self.prefill)
+
+    def tile_config(self, decode: bool) -> TileConfig:
+        return triton_attention.tile_config(self.num_heads // self.num_kv_heads, self.head_dim, decode)
+
+    def build(self, **step: Any) -> CudaAttentionMetadata:
+        """`CudaAttentionMetadata.build` under this plan (the runner's metadata class)."""
+        return CudaAttentionMetadata.build(**step, plan=self)
 
 
 @dataclass
@@ -30,6 +60,18 @@ class _Group:
     """``int32 [S]``"""
     max_context_len: int
     num_rows: int
+    triton: _TritonLaunch | None = None
+    """How the Triton kernel tiles this launch (``None``: the CUDA kernel runs it)."""
+
+
+@dataclass
+class _TritonLaunch:
+    config: TileConfig
+    tile_seqs: torch.Tensor
+    """``int32 [num_tiles]``"""
+    tile_rows: torch.Tensor
+    """``int32 [num_tiles]``"""
+    num_segments: int
 
 
 def _group_arrays(
@@ -57,7 +99,16 @@ def _group_arrays(
     return arrays, max_context, int(cu[-1])
 
 
-def _group(arrays: list[torch.Tensor], max_context_len: int, num_rows: int) -> _Group:
+def _group(
+    arrays: list[torch.Tensor], max_context_len: int, num_rows: int, tiling: tuple[TileConfig, int] | None
+) -> _Group:
+    """The launch from its uploaded arrays: ``[rows?, block tables, cu_seqlens_q, context
+    lens]``, then ``[tile_seqs, tile_rows]`` when Triton runs it (``tiling``: its tile config
+    and split-K parts)."""
+    triton = None
+    if tiling is not None:
+        triton = _TritonLaunch(tiling[0], arrays[-2], arrays[-1], tiling[1])
+        arrays = arrays[:-2]
     rows = arrays[0] if len(arrays) == 4 else None
     block_tables, cu_seqlens_q, context_lens = arrays[-3:]
     return _Group(
@@ -67,6 +118,7 @@ def _group(arrays: list[torch.Tensor], max_context_len: int, num_rows: int) -> _
         context_lens=context_lens,
         max_context_len=max_context_len,
         num_rows=num_rows,
+        triton=triton,
     )
 
 
@@ -76,6 +128,9 @@ class CudaAttentionMetadata:
     decodes: _Group | None
     prefills: _Group | None
     sliding_window: int
+    cuda_writes: bool = True
+    """Whether the CUDA extension writes the keys/values (else torch's ``index_copy_``: a
+    Triton-only plan needs no nvcc)."""
 
     @classmethod
     def build(
@@ -90,29 +145,47 @@ class CudaAttentionMetadata:
         sliding_window: int | None,
         device: torch.device,
         upload: Callable[..., list[torch.Tensor]] | None = None,
+        plan: KernelPlan | None = None,
     ) -> CudaAttentionMetadata:
+        """``plan``: which kernels run each phase (default: the CUDA kernels for both)."""
         del positions  # each row's position is implied: the chunk ends the context
         upload = upload or (lambda *arrays: [torch.from_numpy(array).to(device) for array in arrays])
         query_lens = np.diff(query_start_loc) if len(query_start_loc) else np.zeros(0, np.int32)
         num_tokens = int(query_start_loc[-1]) if len(query_start_loc) else 0
         args = (query_start_loc, context_lens, block_tables, block_size, num_tokens)
-        groups = [
-            _group_arrays(np.nonzero(query_lens == 1)[0], *args),
-            _group_arrays(np.nonzero(query_lens > 1)[0], *args),
-        ]
+        groups = []
+        tilings: list[tuple[TileConfig, int] | None] = []
+        for decode in (True, False):
+            group = _group_arrays(np.nonzero((query_lens == 1) if decode else (query_lens > 1))[0], *args)
+            tiling = None
+            if group is not None and plan is not None and (plan.decode if decode else plan.prefill) == "triton":
+                arrays, max_context_len, _ = group
+                config = plan.tile_config(decode)
+                tile_seqs, tile_rows = triton_attention.query_tiles(arrays[-2], config.tile_tokens)
+                segments = triton_attention.num_segments_for(
+                    len(tile_seqs), plan.num_kv_heads, max_context_len, config.block_n
+                )
+                arrays.extend((tile_seqs, tile_rows))
+                tiling = (config, segments)
+            groups.append(group)
+            tilings.append(tiling)
         # Every array of the step in one upload (one copy when the runner stages its inputs).
         tensors = upload(slot_mapping, *(array for group in groups if group is not None for array in group[0]))
         slot_mapping_tensor, rest = tensors[0], tensors[1:]
         built: list[_Group | None] = []
-        for group in groups:
+        for group, tiling in zip(groups, tilings):
             if group is None:
                 built.append(None)
                 continue
             arrays, max_context_len, num_rows = group
-            built.append(_group(rest[: len(arrays)], max_context_len, num_rows))
+            built.append(_group(rest[: len(arrays)], max_context_len, num_rows, tiling))
             rest = rest[len(arrays) :]
         return cls(
-            slot_mapping=slot_mapping_tensor, decodes=built[0], prefills=built[1], sliding_window=sliding_window or 0
+            slot_mapping=slot_mapping_tensor,
+            decodes=built[0],
+            prefills=built[1],
+            sliding_window=sliding_window or 0,
+            cuda_writes=plan is None or plan.uses("cuda"),
         )
 
     def attend(
@@ -127,8 +200,10 @@ class CudaAttentionMetadata:
         """Writes this step's keys/values, then attends every query row (``[T, H, D]``)."""
         from pagedrs.attention.cuda_ops import load
 
-        ops = load()
-        ops.reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping)
+        if self.cuda_writes:
+            load().reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping)
+        else:
+            write_kv(key, value, key_cache, value_cache, self.slot_mapping)
         query = query.contiguous()
         out = torch.empty_like(query)
         for group, decode in ((self.decodes, True), (self.prefills, False)):
@@ -136,8 +211,25 @@ class CudaAttentionMetadata:
                 continue
             q = query if group.rows is None else query.index_select(0, group.rows)
             o = out if group.rows is None else torch.empty_like(q)
-            if decode:
-                ops.paged_attention(
+            if group.triton is not None:
+                launch = group.triton
+                triton_attention.paged_attention(
+                    o,
+                    q,
+                    key_cache,
+                    value_cache,
+                    group.block_tables,
+                    group.cu_seqlens_q,
+                    group.context_lens,
+                    launch.tile_seqs,
+                    launch.tile_rows,
+                    scale,
+                    self.sliding_window,
+                    launch.config,
+                    launch.num_segments,
+                )
+            elif decode:
+                load().paged_attention(
                     o,
                     q,
                     key_cache,
@@ -149,7 +241,7 @@ class CudaAttentionMetadata:
                     self.sliding_window,
                 )
             else:
-                ops.paged_prefill_attention(
+                load().paged_prefill_attention(
                     o,
                     q,
                     key_cache,

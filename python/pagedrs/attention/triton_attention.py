@@ -37,6 +37,7 @@ float16; bfloat16 is checked on a GPU (``make gpu-check``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -156,11 +157,11 @@ def paged_attention(
         )
     attention, merge = triton_kernels.attention, triton_kernels.merge
     if num_segments > 1 and workspace is None:
-        float_options = dict(dtype=torch.float32, device=query.device)
+        shape = (num_rows, num_heads, num_segments)
         workspace = (
-            torch.empty(num_rows, num_heads, num_segments, head_dim, **float_options),  # type: ignore[arg-type]
-            torch.empty(num_rows, num_heads, num_segments, **float_options),  # type: ignore[arg-type]
-            torch.empty(num_rows, num_heads, num_segments, **float_options),  # type: ignore[arg-type]
+            torch.empty((*shape, head_dim), dtype=torch.float32, device=query.device),
+            torch.empty(shape, dtype=torch.float32, device=query.device),
+            torch.empty(shape, dtype=torch.float32, device=query.device),
         )
     target, maxes, sums = workspace if num_segments > 1 else (out, out, out)  # type: ignore[misc]
     head_pad = _next_power_of_2(head_dim)

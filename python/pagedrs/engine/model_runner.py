@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from pagedrs._core import SchedulerOutput
-from pagedrs.attention import metadata_class, select_backend
+from pagedrs.attention import AttentionMetadataClass, metadata_class, select_backend
+from pagedrs.attention.cuda_backend import KernelPlan
 from pagedrs.engine.staging import StagedInputs
 from pagedrs.layers.linear import TensorParallel
 from pagedrs.models import build_model
@@ -88,13 +89,22 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention_backend = select_backend(
-            attention_backend, device, model.head_dim, model.num_heads, model.num_kv_heads
+            attention_backend, device, model.head_dim, model.num_heads, model.num_kv_heads, block_size
         )
-        self._metadata = metadata_class(self.attention_backend)
-        if self.attention_backend == "cuda":
-            from pagedrs.attention.cuda_ops import load
+        self._metadata: AttentionMetadataClass = metadata_class(self.attention_backend)
+        self.kernel_plan: KernelPlan | None = None
+        """On the GPU backends: which kernels (CUDA, Triton) run decode and prefill."""
+        if self.attention_backend in ("cuda", "triton"):
+            from pagedrs.attention.kernel_choice import choose_plan
 
-            load()  # build the kernels now, not in the first request's step
+            self.kernel_plan = choose_plan(
+                attention_backend, device, dtype, model.num_heads, model.num_kv_heads, model.head_dim, block_size
+            )
+            self._metadata = self.kernel_plan
+            if self.kernel_plan.uses("cuda"):
+                from pagedrs.attention.cuda_ops import load
+
+                load()  # build the kernels now, not in the first request's step
         if why_unsupported(model, device, self.attention_backend) is None:
             model.cpu_stack = CpuDecoderStack(model)
         self.inputs = StagedInputs(device)
@@ -142,7 +152,7 @@ class ModelRunner:
             )
             copies = self.inputs.upload(out.block_copies)[0] if len(out.block_copies) else None
         if copies is not None:
-            if self.attention_backend == "cuda":
+            if self.kernel_plan is not None and self.kernel_plan.uses("cuda"):
                 from pagedrs.attention.cuda_backend import copy_blocks
 
                 copy_blocks(self.kv_caches, copies)

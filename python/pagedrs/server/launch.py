@@ -58,8 +58,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "torch", "cpu", "cuda"],
-        help="auto: the CUDA kernels on a GPU, the compiled CPU kernel on the CPU",
+        choices=["auto", "torch", "cpu", "cuda", "triton"],
+        help="auto: on a GPU the faster of the CUDA and Triton kernels per phase (measured at start), "
+        "the compiled CPU kernel on the CPU",
     )
     engine.add_argument(
         "--quantization",

@@ -1,0 +1,146 @@
+"""Which GPU kernels run a model's attention, per phase: `choose_plan`.
+
+``attention_backend="cuda"`` or ``"triton"`` forces one set of kernels; ``"auto"`` on a GPU
+times every kernel that supports the model's attention shape on a decode batch and on a
+prefill chunk of that shape (random cache, the model's dtype and block size) and keeps the
+faster per phase. The measurement takes well under a second at start-up and is logged, so
+the choice follows the GPU instead of a rule written for another one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedrs.attention import cuda_supports, triton_attention
+from pagedrs.attention.cuda_backend import KERNELS, CudaAttentionMetadata, KernelPlan
+
+logger = logging.getLogger(__name__)
+
+DECODE_SHAPE = (32, 1024)
+"""Decode batch timed by `choose_plan`: sequences x context tokens."""
+PREFILL_SHAPE = (512, 512)
+"""Prefill chunk timed by `choose_plan`: chunk tokens x cached prefix tokens."""
+
+Timer = Callable[[Callable[[], object]], float]
+
+
+def why_not(kernel: str, head_dim: int, num_heads: int, num_kv_heads: int, block_size: int) -> str | None:
+    """Why ``kernel`` cannot run this attention shape here, or ``None`` if it can."""
+    if kernel == "cuda":
+        return cuda_supports(head_dim, num_heads, num_kv_heads)
+    if not triton_attention.available():
+        return "Triton is not installed"
+    return triton_attention.supports(head_dim, block_size)
+
+
+def time_on_gpu(fn: Callable[[], object]) -> float:
+    """Median seconds of ``fn`` over 10 runs after a warm-up, by CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def _step(num_seqs: int, query_len: int, context: int, block_size: int) -> dict[str, Any]:
+    """Scheduler arrays of ``num_seqs`` sequences each computing its last ``query_len`` of
+    ``context`` tokens, their blocks laid out one after another."""
+    blocks_per_seq = math.ceil(context / block_size)
+    block_tables = np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, blocks_per_seq)
+    positions = np.tile(np.arange(context - query_len, context), num_seqs)
+    seq_of_row = np.repeat(np.arange(num_seqs), query_len)
+    slot_mapping = block_tables[seq_of_row, positions // block_size].astype(np.int64) * block_size
+    return dict(
+        positions=positions,
+        slot_mapping=slot_mapping + positions % block_size,
+        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32) * query_len,
+        context_lens=np.full(num_seqs, context, dtype=np.int32),
+        block_tables=block_tables,
+    )
+
+
+def measure(
+    kernels: list[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    timer: Timer,
+) -> dict[tuple[str, str], float]:
+    """Seconds per launch of each kernel on each phase: ``{(phase, kernel): seconds}``."""
+    if "cuda" in kernels:
+        from pagedrs.attention.cuda_ops import load
+
+        load()  # built before it is timed
+    results = {}
+    for phase, (num_seqs, query_len, context) in {
+        "decode": (DECODE_SHAPE[0], 1, DECODE_SHAPE[1]),
+        "prefill": (1, PREFILL_SHAPE[0], sum(PREFILL_SHAPE)),
+    }.items():
+        step = _step(num_seqs, query_len, context, block_size)
+        num_blocks = step["block_tables"].size
+        cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        key_cache = torch.randn(cache_shape, device=device).to(dtype)
+        value_cache = torch.randn(cache_shape, device=device).to(dtype)
+        rows = num_seqs * query_len
+        query = torch.randn(rows, num_heads, head_dim, device=device).to(dtype)
+        key = torch.randn(rows, num_kv_heads, head_dim, device=device).to(dtype)
+        value = torch.randn_like(key)
+        inputs = (query, key, value, key_cache, value_cache, head_dim**-0.5)
+        for kernel in kernels:
+            plan = KernelPlan(kernel, kernel, num_heads, num_kv_heads, head_dim)
+            meta = CudaAttentionMetadata.build(
+                **step, block_size=block_size, sliding_window=None, device=device, plan=plan
+            )
+            results[(phase, kernel)] = timer(functools.partial(meta.attend, *inputs))
+    return results
+
+
+def _seconds_of(seconds: dict[tuple[str, str], float], phase: str, kernel: str) -> float:
+    return seconds[(phase, kernel)]
+
+
+def choose_plan(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    timer: Timer | None = None,
+) -> KernelPlan:
+    """The kernels for each phase: ``requested`` ``"cuda"`` or ``"triton"`` for both, or
+    (``"auto"``) the faster of those that support the shape, measured with ``timer``."""
+    shape = (num_heads, num_kv_heads, head_dim)
+    if requested in KERNELS:
+        return KernelPlan(requested, requested, *shape)
+    usable = [k for k in KERNELS if why_not(k, head_dim, num_heads, num_kv_heads, block_size) is None]
+    if not usable:
+        raise ValueError("no GPU attention kernel supports this model: use attention_backend='torch'")
+    if len(usable) == 1:
+        return KernelPlan(usable[0], usable[0], *shape)
+    seconds = measure(usable, device, dtype, num_heads, num_kv_heads, head_dim, block_size, timer or time_on_gpu)
+    best = {phase: min(usable, key=functools.partial(_seconds_of, seconds, phase)) for phase in ("decode", "prefill")}
+    logger.info(
+        "attention kernels: decode %s, prefill %s (%s)",
+        best["decode"],
+        best["prefill"],
+        ", ".join(f"{phase} {kernel} {s * 1e6:.0f} us" for (phase, kernel), s in seconds.items()),
+    )
+    return KernelPlan(best["decode"], best["prefill"], *shape)
