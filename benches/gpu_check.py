@@ -173,9 +173,13 @@ def _pytest_all_pass(test_file: str) -> None:
     start = time.perf_counter()
     path = str(ROOT / "tests" / test_file)
     base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs"]
-    collected = subprocess.run([*base, "--collect-only", "-q", path], cwd=ROOT, capture_output=True, text=True)
+    # pagedrs from this checkout (nothing is installed on the GPU machine), tests.* from the root.
+    paths = [str(ROOT / "python"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    run = functools.partial(subprocess.run, cwd=ROOT, capture_output=True, text=True, env=env)
+    collected = run([*base, "--collect-only", "-q", path])
     expected = sum("::" in line for line in collected.stdout.splitlines())
-    result = subprocess.run([*base, "-q", path], cwd=ROOT, capture_output=True, text=True)
+    result = run([*base, "-q", path])
     print(result.stdout[-4000:], result.stderr[-2000:], flush=True)
     summary = (result.stdout.strip().splitlines() or ["no output"])[-1]
     passed = int(match.group(1)) if (match := re.search(r"(\d+) passed", summary)) else 0
