@@ -6,10 +6,11 @@ under ``--out`` (default ``$OUT``, else ``./gpu_check_out``), so a run cut off b
 limit still returns the finished stages. Stages:
 
 0. Preflight: versions, the CUDA headers the kernels include, ``import pagedrs._core``, Triton.
-1. Build the CUDA kernels (torch.utils.cpp_extension), then run tests/test_cuda_kernels.py and
-   tests/test_triton_attention.py (compiled Triton, bfloat16 included): each kernel against
-   the torch reference on fresh random inputs, outputs poisoned with NaN. A file passes only
-   if every test it collects passes (a silent skip fails).
+1. Build the CUDA kernels (torch.utils.cpp_extension), then run tests/test_cuda_kernels.py
+   (and, after stage 5, tests/test_triton_attention.py compiled, bfloat16 included: its many
+   variants take a while to compile): each kernel against the torch reference on fresh random
+   inputs, outputs poisoned with NaN. A file passes only if every test it collects passes (a
+   silent skip fails).
 2. Decode bandwidth of both kernels (bf16; Llama-8B heads 32/8 x 128 and SmolLM2 heads 9/3 x 64)
    at batch 64 x context 2048 and batch 8 x context 32768, as a fraction of the
    device-to-device copy bandwidth measured in the same run (targets: >= 80% and >= 70% for
@@ -17,8 +18,8 @@ limit still returns the finished stages. Stages:
 3. Prefill: a 2048-token chunk without a cached prefix, and 512 tokens over a 3584-token
    prefix, through both kernels against ``F.scaled_dot_product_attention`` (causal, bf16).
 4. The kernel plan ``attention_backend="auto"`` picks for each shape, with its timings.
-5. End to end: greedy tokens on the GPU (float32, the chosen kernels) equal those on the CPU
-   (torch reference, float32); bfloat16 on the GPU against float32 on the CPU: first-token
+5. End to end: greedy tokens on the GPU (float32; the auto plan, CUDA only, Triton only) equal
+   those on the CPU (torch reference, float32); bfloat16 on the GPU against float32 on the CPU: first-token
    log-prob error and greedy agreement.
 6. The engine's step (benches/bench_host_overhead.py, bf16, batch 64 / 256): greedy against
    sampled and logprobs requests, split into forward launches, sampler and host work. The
@@ -191,8 +192,11 @@ def _pytest_all_pass(test_file: str) -> None:
     )
 
 
-def kernel_tests() -> None:
+def cuda_kernel_tests() -> None:
     _pytest_all_pass("test_cuda_kernels.py")
+
+
+def triton_kernel_tests() -> None:
     _pytest_all_pass("test_triton_attention.py")
 
 
@@ -304,6 +308,7 @@ def prefill() -> None:
     (the best a dense kernel can do; the paged kernels also write the cache)."""
     import torch
     import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
 
     for name, heads, kv_heads, head_dim in SHAPES:
         for chunk, prefix in ((2048, 0), (512, 3584)):
@@ -311,13 +316,14 @@ def prefill() -> None:
             step, attend = _paged_inputs(1, context, chunk, heads, kv_heads, head_dim)
             times = {k: _kernel_seconds(k, step, attend, heads, kv_heads, head_dim) for k in ("cuda", "triton")}
             q = torch.randn(1, heads, chunk, head_dim, dtype=torch.bfloat16, device="cuda")
-            k = torch.randn(1, heads, context, head_dim, dtype=torch.bfloat16, device="cuda")
+            k = torch.randn(1, kv_heads, context, head_dim, dtype=torch.bfloat16, device="cuda")
             v = torch.randn_like(k)
-            # Causal over a prefix: row i sees keys [0, prefix + i].
-            mask = torch.ones(chunk, context, dtype=torch.bool, device="cuda").tril(prefix)
+            # Causal over a prefix: row i sees keys [0, prefix + i] (lower-right aligned), which
+            # SDPA's flash path takes without a dense mask.
+            mask = None if prefix == 0 else causal_lower_right(chunk, context)
             sdpa = _time_cuda(
-                lambda q=q, k=k, v=v, mask=mask, prefix=prefix: F.scaled_dot_product_attention(
-                    q, k, v, is_causal=prefix == 0, attn_mask=None if prefix == 0 else mask
+                lambda q=q, k=k, v=v, mask=mask: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
                 )
             )
             row(
@@ -385,12 +391,20 @@ def parity_model(allow_default: bool = True) -> tuple[str | None, str, list | No
 PARITY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
-def greedy_run(model: str | None, prompts: list, device: str, dtype: str, max_tokens: int = 32):
-    """(token ids per prompt, first-token top-5 log-probs per prompt, the kernel plan)."""
+def greedy_run(model: str | None, prompts: list, device: str, dtype: str, backend: str = "auto"):
+    """(token ids per prompt, first-token top-5 log-probs per prompt, the kernel plan): 32
+    tokens each, prompts over 512 tokens prefilled in chunks over their cached prefix."""
     from pagedrs import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
-    llm = LLM(model, device=device, dtype=dtype, kv_cache_memory="512MiB")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    llm = LLM(
+        model,
+        device=device,
+        dtype=dtype,
+        kv_cache_memory="512MiB",
+        attention_backend=backend,
+        max_num_batched_tokens=512,
+    )
     outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     runner = llm.engine.runner
     plan = runner.kernel_plan
@@ -408,13 +422,14 @@ def end_to_end(dry_run: bool = False) -> None:
     if dry_run:
         row("end to end: CPU half (fp32)", "dry", f"{what}: {len(cpu_tokens)} prompts x {len(cpu_tokens[0])} tokens")
         return
-    tokens, _, backend = greedy_run(model, prompts, "cuda", "float32")
-    matching = sum(a == b for a, b in zip(cpu_tokens, tokens))
-    row(
-        "end to end greedy GPU == CPU (fp32)",
-        "ok" if tokens == cpu_tokens else "FAIL",
-        f"{what}: {matching}/{len(cpu_tokens)} prompts x 32 tokens identical (GPU kernels: {backend})",
-    )
+    for requested in ("auto", "cuda", "triton"):
+        tokens, _, backend = greedy_run(model, prompts, "cuda", "float32", requested)
+        matching = sum(a == b for a, b in zip(cpu_tokens, tokens))
+        row(
+            f"end to end greedy GPU == CPU (fp32, {requested})",
+            "ok" if tokens == cpu_tokens else "FAIL",
+            f"{what}: {matching}/{len(cpu_tokens)} prompts x 32 tokens identical (GPU kernels: {backend})",
+        )
     bf16_tokens, bf16_first, _ = greedy_run(model, prompts, "cuda", "bfloat16")
     error = max(
         abs(lp - cpu[token]) for gpu, cpu in zip(bf16_first, cpu_first) for token, lp in gpu.items() if token in cpu
@@ -626,7 +641,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="record and log (default $OUT)")
     parser.add_argument("--dry-run", action="store_true", help="the CPU side only, without a GPU")
+    parser.add_argument(
+        "--stages", default="", help=f"comma-separated stages to run (default all, in order): {', '.join(STAGES)}"
+    )
     args = parser.parse_args(argv)
+    unknown = [name for name in args.stages.split(",") if name and name not in STAGES]
+    if unknown:
+        parser.error(f"unknown stages {', '.join(unknown)}; the stages are {', '.join(STAGES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record_path = out / "gpu_check.json"
@@ -635,12 +656,30 @@ def main(argv: list[str] | None = None) -> int:
     with open(out / "gpu_check.log", "w") as log:
         sys.stdout = _Tee(stdout, log)  # type: ignore[assignment]
         try:
-            return _stages(args.dry_run)
+            return _stages(args.dry_run, [name for name in args.stages.split(",") if name])
         finally:
             sys.stdout = stdout
 
 
-def _stages(dry_run: bool) -> int:
+# In order: what decides the kernels first, the long compiled Triton test file after the
+# measurements, so a run cut off by its time limit still returns the numbers.
+STAGES = [
+    "preflight",
+    "build_kernels",
+    "cuda_kernel_tests",
+    "bandwidth",
+    "prefill",
+    "kernel_plan",
+    "end_to_end",
+    "triton_kernel_tests",
+    "step_overhead",
+    "fp8_weights",
+    "nccl_world_of_one",
+    "speculative_decoding",
+]
+
+
+def _stages(dry_run: bool, only: list[str]) -> int:
     import torch
 
     if dry_run:
@@ -650,19 +689,7 @@ def _stages(dry_run: bool) -> int:
         return 2
     else:
         row("device", "ok", environment())
-        steps = [
-            preflight,
-            build_kernels,
-            kernel_tests,
-            bandwidth,
-            prefill,
-            kernel_plan,
-            end_to_end,
-            step_overhead,
-            fp8_weights,
-            nccl_world_of_one,
-            speculative_decoding,
-        ]
+        steps = [globals()[name] for name in STAGES if not only or name in only]
     for step in steps:
         try:
             step()

@@ -105,7 +105,7 @@ def test_cuda_metadata_splits_decodes_and_prefill_chunks():
 def test_auto_plan_keeps_the_faster_kernel_per_phase():
     """`choose_plan` times each usable kernel on a decode batch and a prefill chunk (here the
     timer reads a table: the real one uses CUDA events) and keeps the faster per phase."""
-    from pagedrs.attention.kernel_choice import choose_plan, measure
+    from pagedrs.attention.kernel_choice import choose_plan
 
     timings = {("decode", "cuda"): 3.0, ("decode", "triton"): 2.0, ("prefill", "cuda"): 5.0, ("prefill", "triton"): 9.0}
     calls = []
@@ -127,14 +127,35 @@ def test_auto_plan_keeps_the_faster_kernel_per_phase():
         assert (plan.decode, plan.prefill) == ("triton", "triton") and len(calls) == 1
         plan = choose_plan("cuda", gpu, torch.bfloat16, 8, 8, 96, 16)  # forced: as asked
         assert (plan.decode, plan.prefill) == ("cuda", "cuda")
+        # Triton within the margin of CUDA: CUDA stays (noise must not flip the choice).
+        timings[("decode", "triton")] = 2.9
+        plan = choose_plan("auto", gpu, torch.bfloat16, 32, 8, 128, 16)
+        assert (plan.decode, plan.prefill) == ("cuda", "cuda")
+        # A kernel that failed on this GPU is absent from the timings; none at all: the reference.
+        del timings[("decode", "cuda")], timings[("prefill", "cuda")]
+        plan = choose_plan("auto", gpu, torch.bfloat16, 32, 8, 128, 16)
+        assert (plan.decode, plan.prefill) == ("triton", "triton")
+        timings.clear()
+        assert choose_plan("auto", gpu, torch.bfloat16, 32, 8, 128, 16) is None
     finally:
         kernel_choice.measure = original
-    # The measurement itself, on CPU tensors through Triton's interpreter: one time per
-    # (phase, kernel), every launch run.
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors go through Triton's interpreter only without a GPU")
+def test_kernel_timing_runs_every_launch():
+    """The measurement itself, on CPU tensors through Triton's interpreter: one time per
+    (phase, kernel), every launch run; a kernel that raises is left out."""
+    from pagedrs.attention.kernel_choice import measure
+
     runs = []
     seconds = measure(["triton"], torch.device("cpu"), torch.float32, 4, 2, 16, 16, lambda fn: runs.append(fn()) or 1.0)
     assert seconds == {("decode", "triton"): 1.0, ("prefill", "triton"): 1.0}
     assert [out.shape for out in runs] == [(32, 4, 16), (512, 4, 16)]
+
+    def failing(fn):
+        raise RuntimeError("out of resources")
+
+    assert measure(["triton"], torch.device("cpu"), torch.float32, 4, 2, 16, 16, failing) == {}
 
 
 def test_triton_metadata_tiles_each_phase():
@@ -153,7 +174,7 @@ def test_triton_metadata_tiles_each_phase():
     )
     assert meta.decodes.triton is not None and meta.prefills.triton is None and meta.cuda_writes
     assert meta.decodes.triton.tile_seqs.tolist() == [0, 1] and meta.decodes.triton.tile_rows.tolist() == [0, 1]
-    assert meta.decodes.triton.config.block_m == 16 and meta.decodes.triton.num_segments == 1
+    assert meta.decodes.triton.config.block_m == 16 and meta.decodes.triton.num_segments == 1  # 40 tokens: too short
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs this in gpu_check's end-to-end step")

@@ -122,7 +122,13 @@ def test_segments_fill_the_gpu_only_for_small_launches():
     assert triton_attention.num_segments_for(4, 3, 200, 64) == 1  # too short to cut
     for args in [(3, 3, 5000, 64), (1, 1, 100000, 32), (7, 2, 700, 64)]:
         parts = triton_attention.num_segments_for(*args)
-        assert parts & (parts - 1) == 0 and 1 <= parts <= 64
+        assert parts & (parts - 1) == 0 and 1 <= parts <= 64 and parts * args[0] * args[1] <= 512
+
+
+def test_tiny_heads_are_padded_for_tl_dot():
+    """Head size 8: the dot's K padded to 16 (a GPU's least), the padding masked."""
+    batch = Batch([5, 40], [1, 1], 4, 2, 8, 16, torch.float32, seed=5, device=DEVICE)
+    _assert_close(_run(batch, decode=True), _reference(batch), torch.float32)
 
 
 def test_unsupported_shapes_are_named():

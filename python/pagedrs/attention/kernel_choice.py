@@ -3,8 +3,11 @@
 ``attention_backend="cuda"`` or ``"triton"`` forces one set of kernels; ``"auto"`` on a GPU
 times every kernel that supports the model's attention shape on a decode batch and on a
 prefill chunk of that shape (random cache, the model's dtype and block size) and keeps the
-faster per phase. The measurement takes well under a second at start-up and is logged, so
-the choice follows the GPU instead of a rule written for another one.
+faster per phase, the CUDA kernels unless Triton is more than `MARGIN` faster (so timing
+noise does not flip the choice between restarts). The measurement takes about a second at
+start-up (Triton compiles its variants then) and is logged, so the choice follows the GPU
+instead of a rule written for another one. A kernel that fails to build or run here is
+dropped with a warning; with none left the engine runs the torch reference.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ DECODE_SHAPE = (32, 1024)
 """Decode batch timed by `choose_plan`: sequences x context tokens."""
 PREFILL_SHAPE = (512, 512)
 """Prefill chunk timed by `choose_plan`: chunk tokens x cached prefix tokens."""
+
+MARGIN = 0.05
+"""How much faster (a fraction) Triton must measure to replace the CUDA kernels in a phase."""
 
 Timer = Callable[[Callable[[], object]], float]
 
@@ -82,11 +88,17 @@ def measure(
     block_size: int,
     timer: Timer,
 ) -> dict[tuple[str, str], float]:
-    """Seconds per launch of each kernel on each phase: ``{(phase, kernel): seconds}``."""
+    """Seconds per launch of each kernel on each phase: ``{(phase, kernel): seconds}``. Every
+    kernel is timed with the same key/value write (the CUDA one when CUDA is among them, as a
+    mixed plan runs it), so only the attention differs. A kernel that raises is left out."""
     if "cuda" in kernels:
         from pagedrs.attention.cuda_ops import load
 
-        load()  # built before it is timed
+        try:
+            load()  # built before it is timed
+        except Exception as error:  # noqa: BLE001 - nvcc missing or failing: say why, go on without it
+            logger.warning("attention kernels: the CUDA kernels are left out: %s", error)
+            kernels = [k for k in kernels if k != "cuda"]
     results = {}
     for phase, (num_seqs, query_len, context) in {
         "decode": (DECODE_SHAPE[0], 1, DECODE_SHAPE[1]),
@@ -107,12 +119,14 @@ def measure(
             meta = CudaAttentionMetadata.build(
                 **step, block_size=block_size, sliding_window=None, device=device, plan=plan
             )
-            results[(phase, kernel)] = timer(functools.partial(meta.attend, *inputs))
+            meta.cuda_writes = "cuda" in kernels
+            try:
+                results[(phase, kernel)] = timer(functools.partial(meta.attend, *inputs))
+            except Exception as error:  # noqa: BLE001 - a compile or launch failure on this GPU
+                logger.warning(
+                    "attention kernels: %s failed on the %s timing and is left out: %s", kernel, phase, error
+                )
     return results
-
-
-def _seconds_of(seconds: dict[tuple[str, str], float], phase: str, kernel: str) -> float:
-    return seconds[(phase, kernel)]
 
 
 def choose_plan(
@@ -124,9 +138,10 @@ def choose_plan(
     head_dim: int,
     block_size: int,
     timer: Timer | None = None,
-) -> KernelPlan:
+) -> KernelPlan | None:
     """The kernels for each phase: ``requested`` ``"cuda"`` or ``"triton"`` for both, or
-    (``"auto"``) the faster of those that support the shape, measured with ``timer``."""
+    (``"auto"``) the faster of those that support the shape, measured with ``timer``;
+    ``None`` when no kernel ran in the measurement (the caller uses the torch reference)."""
     shape = (num_heads, num_kv_heads, head_dim)
     if requested in KERNELS:
         return KernelPlan(requested, requested, *shape)
@@ -136,7 +151,15 @@ def choose_plan(
     if len(usable) == 1:
         return KernelPlan(usable[0], usable[0], *shape)
     seconds = measure(usable, device, dtype, num_heads, num_kv_heads, head_dim, block_size, timer or time_on_gpu)
-    best = {phase: min(usable, key=functools.partial(_seconds_of, seconds, phase)) for phase in ("decode", "prefill")}
+    best = {}
+    for phase in ("decode", "prefill"):
+        ran = {kernel: s for (p, kernel), s in seconds.items() if p == phase}
+        if not ran:
+            logger.warning("attention kernels: none ran on the %s timing; using the torch reference", phase)
+            return None
+        best[phase] = min(ran, key=ran.__getitem__)
+        if best[phase] == "triton" and "cuda" in ran and ran["triton"] > ran["cuda"] * (1 - MARGIN):
+            best[phase] = "cuda"
     logger.info(
         "attention kernels: decode %s, prefill %s (%s)",
         best["decode"],

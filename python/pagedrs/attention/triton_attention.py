@@ -36,6 +36,7 @@ float16; bfloat16 is checked on a GPU (``make gpu-check``).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,7 +117,10 @@ def query_tiles(cu_seqlens_q: np.ndarray, tile_tokens: int) -> tuple[np.ndarray,
 def num_segments_for(num_tiles: int, num_kv_heads: int, max_context_len: int, block_n: int) -> int:
     """Split-K parts for a launch: when tiles x KV heads are too few to fill a large GPU (512
     programs: ~4 per SM of an H100/H200), enough parts to get there, each at least two key
-    tiles long, at most 64; a power of two (the merge kernel's arange)."""
+    tiles of the longest context, at most 64; a power of two (the merge kernel's arange).
+    Each sequence cuts its own context into that many parts (short ones leave parts empty),
+    so a caller that needs one grid per batch size (a CUDA graph) may pass any fixed count
+    instead; each count is one compiled variant (at most 7)."""
     programs = num_tiles * num_kv_heads
     wanted = min(-(-512 // max(programs, 1)), max_context_len // (2 * block_n), 64)
     if wanted <= 1:
@@ -164,36 +168,39 @@ def paged_attention(
             torch.empty(shape, dtype=torch.float32, device=query.device),
         )
     target, maxes, sums = workspace if num_segments > 1 else (out, out, out)  # type: ignore[misc]
-    head_pad = _next_power_of_2(head_dim)
+    head_pad = max(16, _next_power_of_2(head_dim))  # tl.dot's least K on a GPU
     grid = (len(tile_seqs), num_kv_heads, num_segments)
-    attention[grid](
-        target,
-        maxes,
-        sums,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        cu_seqlens_q,
-        context_lens,
-        tile_seqs,
-        tile_rows,
-        scale,
-        sliding_window,
-        block_tables.shape[1],
-        num_heads,
-        num_kv_heads,
-        group,
-        HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size,
-        GROUP_PAD=config.group_pad,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        NUM_SEGMENTS=num_segments,
-        IEEE=query.dtype == torch.float32,
-    )
-    if num_segments > 1:
-        merge[(num_rows * num_heads,)](
-            out, target, maxes, sums, HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SEGMENTS=num_segments
+    # Triton launches on the current device: make it the tensors' (an engine on cuda:1).
+    device_scope = torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext()
+    with device_scope:
+        attention[grid](
+            target,
+            maxes,
+            sums,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            cu_seqlens_q,
+            context_lens,
+            tile_seqs,
+            tile_rows,
+            scale,
+            sliding_window,
+            block_tables.shape[1],
+            num_heads,
+            num_kv_heads,
+            group,
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            BLOCK_SIZE=block_size,
+            GROUP_PAD=config.group_pad,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            NUM_SEGMENTS=num_segments,
+            IEEE=query.dtype == torch.float32,
         )
+        if num_segments > 1:
+            merge[(num_rows * num_heads,)](
+                out, target, maxes, sums, HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SEGMENTS=num_segments
+            )

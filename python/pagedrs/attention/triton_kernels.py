@@ -12,7 +12,7 @@ import triton.language as tl
 NEG_LARGE: tl.constexpr = tl.constexpr(-1.0e30)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sliding_window", "max_blocks_per_seq"])
 def attention(
     out_ptr,  # [num_rows, num_heads, head_dim], or the segment workspace
     max_ptr,  # [num_rows, num_heads, num_segments] float32 (segments only)

@@ -100,8 +100,11 @@ class ModelRunner:
             self.kernel_plan = choose_plan(
                 attention_backend, device, dtype, model.num_heads, model.num_kv_heads, model.head_dim, block_size
             )
-            self._metadata = self.kernel_plan
-            if self.kernel_plan.uses("cuda"):
+            if self.kernel_plan is None:  # no GPU kernel ran here: the reference (choose_plan says why)
+                self.attention_backend = "torch"
+            else:
+                self._metadata = self.kernel_plan
+            if self.kernel_plan is not None and self.kernel_plan.uses("cuda"):
                 from pagedrs.attention.cuda_ops import load
 
                 load()  # build the kernels now, not in the first request's step
