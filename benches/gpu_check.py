@@ -201,20 +201,9 @@ def triton_kernel_tests() -> None:
 
 
 def _time_cuda(fn, repeats: int = 20) -> float:
-    import torch
+    from pagedrs.attention.kernel_choice import time_on_gpu
 
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    times.sort()
-    return times[len(times) // 2]
+    return time_on_gpu(fn, repeats)
 
 
 # Attention shapes timed: (name, query heads, KV heads, head size).

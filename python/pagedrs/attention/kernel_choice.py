@@ -46,12 +46,12 @@ def why_not(kernel: str, head_dim: int, num_heads: int, num_kv_heads: int, block
     return triton_attention.supports(head_dim, block_size)
 
 
-def time_on_gpu(fn: Callable[[], object]) -> float:
-    """Median seconds of ``fn`` over 10 runs after a warm-up, by CUDA events."""
+def time_on_gpu(fn: Callable[[], object], repeats: int = 10) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after a warm-up, by CUDA events."""
     fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(10):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
