@@ -211,37 +211,14 @@ SHAPES = [("Llama-8B", 32, 8, 128), ("SmolLM2", 9, 3, 64)]
 
 
 def _paged_inputs(batch: int, context: int, query_len: int, heads: int, kv_heads: int, head_dim: int):
-    """A bf16 step of ``batch`` sequences computing their last ``query_len`` of ``context``
-    tokens over a shuffled paged cache (block size 16): the arguments of the GPU metadata's
-    ``build`` and ``attend``."""
-    import numpy as np
+    """A bf16 step over a shuffled paged cache (block size 16): (``build``'s, ``attend``'s
+    arguments)."""
     import torch
 
-    block_size = 16
-    blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq
-    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda")
-    value_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda")
-    block_tables = np.random.default_rng(0).permutation(num_blocks).astype(np.int32).reshape(batch, blocks_per_seq)
-    positions = np.tile(np.arange(context - query_len, context), batch)
-    seq_of_row = np.repeat(np.arange(batch), query_len)
-    slots = block_tables[seq_of_row, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    step = dict(
-        positions=positions,
-        slot_mapping=slots,
-        query_start_loc=np.arange(batch + 1, dtype=np.int32) * query_len,
-        context_lens=np.full(batch, context, dtype=np.int32),
-        block_tables=block_tables,
-        block_size=block_size,
-        sliding_window=None,
-        device=torch.device("cuda"),
-    )
-    rows = batch * query_len
-    query = torch.randn(rows, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    key = torch.randn(rows, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    attend = (query, key, torch.randn_like(key), key_cache, value_cache, head_dim**-0.5)
-    return step, attend
+    from pagedrs.attention.kernel_choice import synthetic_step
+
+    device = torch.device("cuda")
+    return synthetic_step(batch, query_len, context, 16, heads, kv_heads, head_dim, torch.bfloat16, device, True)
 
 
 def _kernel_seconds(kernel: str, step: dict, attend: tuple, heads: int, kv_heads: int, head_dim: int) -> float:

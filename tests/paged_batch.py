@@ -75,3 +75,18 @@ class Batch:
             return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
         return put(self.block_tables), put(self.query_start_loc), put(self.context_lens)
+
+
+def mixed_step() -> dict:
+    """`build` arguments of a small step on the CPU: a decode (context 20), a prefill chunk of 3
+    over a 10-token prefix (context 13), a decode (context 40): rows 0 | 1 2 3 | 4."""
+    return dict(
+        positions=np.array([19, 10, 11, 12, 39]),
+        slot_mapping=np.arange(5),
+        query_start_loc=np.array([0, 1, 4, 5], dtype=np.int32),
+        context_lens=np.array([20, 13, 40], dtype=np.int32),
+        block_tables=np.array([[5, 6, 0], [7, 0, 0], [1, 2, 3]], dtype=np.int32),
+        block_size=16,
+        sliding_window=None,
+        device=torch.device("cpu"),
+    )

@@ -9,6 +9,7 @@ import torch
 
 from pagedrs.attention import cpu_ops, select_backend
 from pagedrs.attention.cuda_backend import CudaAttentionMetadata
+from tests.paged_batch import mixed_step
 
 
 def test_select_backend():
@@ -66,21 +67,9 @@ def test_engine_refuses_cuda_backend_without_a_gpu(tiny_llama):
 
 
 def test_cuda_metadata_splits_decodes_and_prefill_chunks():
-    # Sequences: decode (ctx 20), prefill chunk of 3 over a 10-token prefix (ctx 13), decode
-    # (ctx 40): rows 0 | 1 2 3 | 4.
-    query_start_loc = np.array([0, 1, 4, 5], dtype=np.int32)
-    context_lens = np.array([20, 13, 40], dtype=np.int32)
-    block_tables = np.array([[5, 6, 0], [7, 0, 0], [1, 2, 3]], dtype=np.int32)
-    meta = CudaAttentionMetadata.build(
-        positions=np.array([19, 10, 11, 12, 39]),
-        slot_mapping=np.arange(5),
-        query_start_loc=query_start_loc,
-        context_lens=context_lens,
-        block_tables=block_tables,
-        block_size=16,
-        sliding_window=None,
-        device=torch.device("cpu"),
-    )
+    step = mixed_step()  # rows 0 | 1 2 3 | 4: decode, a prefill chunk of 3, decode
+    block_tables = step["block_tables"]
+    meta = CudaAttentionMetadata.build(**step)
     decodes, prefills = meta.decodes, meta.prefills
     assert decodes.rows.tolist() == [0, 4] and decodes.cu_seqlens_q.tolist() == [0, 1, 2]
     assert decodes.context_lens.tolist() == [20, 40] and decodes.max_context_len == 40
@@ -162,16 +151,7 @@ def test_triton_metadata_tiles_each_phase():
     from pagedrs.attention.cuda_backend import KernelPlan
 
     plan = KernelPlan("triton", "cuda", 8, 2, 64)
-    meta = plan.build(
-        positions=np.array([19, 10, 11, 12, 39]),
-        slot_mapping=np.arange(5),
-        query_start_loc=np.array([0, 1, 4, 5], dtype=np.int32),
-        context_lens=np.array([20, 13, 40], dtype=np.int32),
-        block_tables=np.array([[5, 6, 0], [7, 0, 0], [1, 2, 3]], dtype=np.int32),
-        block_size=16,
-        sliding_window=None,
-        device=torch.device("cpu"),
-    )
+    meta = plan.build(**mixed_step())
     assert meta.decodes.triton is not None and meta.prefills.triton is None and meta.cuda_writes
     assert meta.decodes.triton.tile_seqs.tolist() == [0, 1] and meta.decodes.triton.tile_rows.tolist() == [0, 1]
     assert meta.decodes.triton.config.block_m == 16 and meta.decodes.triton.num_segments == 1  # 40 tokens: too short

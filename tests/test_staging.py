@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedrs.engine.staging import StagedInputs
+from tests.paged_batch import mixed_step
 
 
 def _arrays(step: int = 0):
@@ -64,17 +65,7 @@ def test_cuda_inputs_arrive_in_one_copy_into_reused_buffers():
 def test_cuda_metadata_staged_in_one_copy_equals_the_direct_build():
     from pagedrs.attention.cuda_backend import CudaAttentionMetadata
 
-    # decode (ctx 20) | prefill chunk of 3 over a 10-token prefix | decode (ctx 40)
-    kwargs = dict(
-        positions=np.array([19, 10, 11, 12, 39]),
-        slot_mapping=np.arange(5),
-        query_start_loc=np.array([0, 1, 4, 5], dtype=np.int32),
-        context_lens=np.array([20, 13, 40], dtype=np.int32),
-        block_tables=np.array([[5, 6, 0], [7, 0, 0], [1, 2, 3]], dtype=np.int32),
-        block_size=16,
-        sliding_window=None,
-        device=torch.device("cpu"),
-    )
+    kwargs = mixed_step()
     direct = CudaAttentionMetadata.build(**kwargs)
     staged = StagedInputs(torch.device("cpu"), stage=True)
     with staged.one_copy():

@@ -120,8 +120,8 @@ def metadata_class(backend: str) -> AttentionMetadataClass:
         from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 
         return CpuAttentionMetadata
-    if backend in ("cuda", "triton"):
+    if backend == "cuda":  # the CUDA kernels for both phases (the runner builds through its KernelPlan)
         from pagedrs.attention.cuda_backend import CudaAttentionMetadata
 
-        return CudaAttentionMetadata  # the runner builds through its KernelPlan instead
+        return CudaAttentionMetadata
     return TorchAttentionMetadata

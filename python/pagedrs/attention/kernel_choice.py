@@ -61,21 +61,50 @@ def time_on_gpu(fn: Callable[[], object], repeats: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _step(num_seqs: int, query_len: int, context: int, block_size: int) -> dict[str, Any]:
-    """Scheduler arrays of ``num_seqs`` sequences each computing its last ``query_len`` of
-    ``context`` tokens, their blocks laid out one after another."""
+def synthetic_step(
+    num_seqs: int,
+    query_len: int,
+    context: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    shuffle: bool = False,
+) -> tuple[dict[str, Any], tuple]:
+    """A step of ``num_seqs`` sequences each computing its last ``query_len`` of ``context``
+    tokens over a random paged cache (their blocks one after another, or in a random order
+    with ``shuffle``): (the metadata's ``build`` arguments, ``attend``'s arguments)."""
     blocks_per_seq = math.ceil(context / block_size)
-    block_tables = np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, blocks_per_seq)
+    num_blocks = num_seqs * blocks_per_seq
+    order = np.random.default_rng(0).permutation(num_blocks) if shuffle else np.arange(num_blocks)
+    block_tables = order.astype(np.int32).reshape(num_seqs, blocks_per_seq)
     positions = np.tile(np.arange(context - query_len, context), num_seqs)
     seq_of_row = np.repeat(np.arange(num_seqs), query_len)
     slot_mapping = block_tables[seq_of_row, positions // block_size].astype(np.int64) * block_size
-    return dict(
+    step = dict(
         positions=positions,
         slot_mapping=slot_mapping + positions % block_size,
         query_start_loc=np.arange(num_seqs + 1, dtype=np.int32) * query_len,
         context_lens=np.full(num_seqs, context, dtype=np.int32),
         block_tables=block_tables,
+        block_size=block_size,
+        sliding_window=None,
+        device=device,
     )
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    rows = num_seqs * query_len
+    key = torch.randn(rows, num_kv_heads, head_dim, device=device).to(dtype)
+    attend = (
+        torch.randn(rows, num_heads, head_dim, device=device).to(dtype),
+        key,
+        torch.randn_like(key),
+        torch.randn(cache_shape, device=device).to(dtype),
+        torch.randn(cache_shape, device=device).to(dtype),
+        head_dim**-0.5,
+    )
+    return step, attend
 
 
 def measure(
@@ -104,21 +133,12 @@ def measure(
         "decode": (DECODE_SHAPE[0], 1, DECODE_SHAPE[1]),
         "prefill": (1, PREFILL_SHAPE[0], sum(PREFILL_SHAPE)),
     }.items():
-        step = _step(num_seqs, query_len, context, block_size)
-        num_blocks = step["block_tables"].size
-        cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        key_cache = torch.randn(cache_shape, device=device).to(dtype)
-        value_cache = torch.randn(cache_shape, device=device).to(dtype)
-        rows = num_seqs * query_len
-        query = torch.randn(rows, num_heads, head_dim, device=device).to(dtype)
-        key = torch.randn(rows, num_kv_heads, head_dim, device=device).to(dtype)
-        value = torch.randn_like(key)
-        inputs = (query, key, value, key_cache, value_cache, head_dim**-0.5)
+        step, inputs = synthetic_step(
+            num_seqs, query_len, context, block_size, num_heads, num_kv_heads, head_dim, dtype, device
+        )
         for kernel in kernels:
             plan = KernelPlan(kernel, kernel, num_heads, num_kv_heads, head_dim)
-            meta = CudaAttentionMetadata.build(
-                **step, block_size=block_size, sliding_window=None, device=device, plan=plan
-            )
+            meta = CudaAttentionMetadata.build(**step, plan=plan)
             meta.cuda_writes = "cuda" in kernels
             try:
                 results[(phase, kernel)] = timer(functools.partial(meta.attend, *inputs))

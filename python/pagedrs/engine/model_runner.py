@@ -91,7 +91,6 @@ class ModelRunner:
         self.attention_backend = select_backend(
             attention_backend, device, model.head_dim, model.num_heads, model.num_kv_heads, block_size
         )
-        self._metadata: AttentionMetadataClass = metadata_class(self.attention_backend)
         self.kernel_plan: KernelPlan | None = None
         """On the GPU backends: which kernels (CUDA, Triton) run decode and prefill."""
         if self.attention_backend in ("cuda", "triton"):
@@ -102,12 +101,11 @@ class ModelRunner:
             )
             if self.kernel_plan is None:  # no GPU kernel ran here: the reference (choose_plan says why)
                 self.attention_backend = "torch"
-            else:
-                self._metadata = self.kernel_plan
-            if self.kernel_plan is not None and self.kernel_plan.uses("cuda"):
-                from pagedrs.attention.cuda_ops import load
+        self._metadata: AttentionMetadataClass = self.kernel_plan or metadata_class(self.attention_backend)
+        if self.kernel_plan is not None and self.kernel_plan.uses("cuda"):
+            from pagedrs.attention.cuda_ops import load
 
-                load()  # build the kernels now, not in the first request's step
+            load()  # build the kernels now, not in the first request's step
         if why_unsupported(model, device, self.attention_backend) is None:
             model.cpu_stack = CpuDecoderStack(model)
         self.inputs = StagedInputs(device)
