@@ -88,8 +88,12 @@ class EngineConfig:
     seed: int | None = 0
     """Seed of the generator used by requests without their own seed."""
     attention_backend: str = "auto"
-    """``"auto"`` (the CUDA kernels on a GPU, the compiled CPU kernel on the CPU, the torch
-    reference where neither can run), ``"torch"``, ``"cpu"`` or ``"cuda"``."""
+    """``"auto"`` (on a GPU the faster of the CUDA and Triton kernels per phase, measured at
+    start-up; the compiled CPU kernel on the CPU; the torch reference where none can run),
+    ``"torch"``, ``"cpu"``, ``"cuda"`` or ``"triton"``."""
+    enforce_eager: bool = False
+    """Never replay CUDA graphs: every decode step launches its kernels one by one. (By
+    default decode steps on a GPU replay graphs captured at start-up, `pagedrs.engine.cuda_graphs`.)"""
     quantization: str = "auto"
     """Weights as vLLM spells it: ``"auto"`` keeps a GGUF's own 4/8-bit blocks (run by the CPU
     kernel, `pagedrs.quant`) and an FP8 checkpoint's e4m3 linears (``torch._scaled_mm`` on

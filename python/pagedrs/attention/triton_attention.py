@@ -142,11 +142,10 @@ def paged_attention(
     sliding_window: int,
     config: TileConfig,
     num_segments: int = 1,
-    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Writes ``out`` (``[num_rows, num_heads, head_dim]``) for the rows the tiles cover.
-    ``workspace``: the split-K buffers (``parts [R, H, S, D]``, ``maxes``/``sums [R, H, S]``,
-    float32), allocated here when not given (a CUDA graph passes its own)."""
+    """Writes ``out`` (``[num_rows, num_heads, head_dim]``) for the rows the tiles cover. With
+    split-K, the parts go through a float32 workspace allocated here (inside a CUDA graph's
+    capture, from the graph's pool)."""
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -160,14 +159,12 @@ def paged_attention(
             "set before Triton is imported"
         )
     attention, merge = triton_kernels.attention, triton_kernels.merge
-    if num_segments > 1 and workspace is None:
+    target, maxes, sums = out, out, out  # unused without split-K
+    if num_segments > 1:
         shape = (num_rows, num_heads, num_segments)
-        workspace = (
-            torch.empty((*shape, head_dim), dtype=torch.float32, device=query.device),
-            torch.empty(shape, dtype=torch.float32, device=query.device),
-            torch.empty(shape, dtype=torch.float32, device=query.device),
-        )
-    target, maxes, sums = workspace if num_segments > 1 else (out, out, out)  # type: ignore[misc]
+        target = torch.empty((*shape, head_dim), dtype=torch.float32, device=query.device)
+        maxes = torch.empty(shape, dtype=torch.float32, device=query.device)
+        sums = torch.empty(shape, dtype=torch.float32, device=query.device)
     head_pad = max(16, _next_power_of_2(head_dim))  # tl.dot's least K on a GPU
     grid = (len(tile_seqs), num_kv_heads, num_segments)
     # Triton launches on the current device: make it the tensors' (an engine on cuda:1).

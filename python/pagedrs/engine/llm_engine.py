@@ -16,6 +16,7 @@ import torch
 
 from pagedrs._core import FINISH_REASONS, GrammarMatchers, Scheduler, SchedulerOutput, StepUpdates
 from pagedrs.config import EngineConfig, resolve_dtype
+from pagedrs.engine.cuda_graphs import GraphSettings
 from pagedrs.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pagedrs.engine.host_memory import retain_freed_host_memory
 from pagedrs.engine.model_runner import load_model_runner
@@ -93,6 +94,11 @@ class _Request:
         )
 
 
+def wants_decode_graphs(config: EngineConfig, device: torch.device, parallel: object) -> bool:
+    """CUDA graphs for decode: on a GPU, one rank, unless ``enforce_eager``."""
+    return device.type == "cuda" and parallel is None and not config.enforce_eager
+
+
 class LLMEngine:
     """The offline engine. Not thread-safe: one caller steps it."""
 
@@ -154,7 +160,15 @@ class LLMEngine:
             self.parallel = TensorParallelGroup(config, self.device, capacity.num_blocks, self.dtype)
         try:
             self.runner = load_model_runner(
-                config, self.dtype, self.device, capacity.num_blocks, size=tp_size, hf_config=self.hf_config
+                config,
+                self.dtype,
+                self.device,
+                capacity.num_blocks,
+                size=tp_size,
+                hf_config=self.hf_config,
+                graphs=GraphSettings(self.max_model_len, config.max_num_seqs)
+                if wants_decode_graphs(config, self.device, self.parallel)
+                else None,
             )
             if self.parallel is not None:
                 self.parallel.wait_until_loaded()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from pagedrs._core import SchedulerOutput
 from pagedrs.attention import AttentionMetadataClass, metadata_class, select_backend
 from pagedrs.attention.cuda_backend import KernelPlan
+from pagedrs.engine.cuda_graphs import DecodeGraphs, GraphSettings, capture_cuda_graph
 from pagedrs.engine.staging import StagedInputs
 from pagedrs.layers.linear import TensorParallel
 from pagedrs.models import build_model
@@ -54,6 +56,11 @@ class StepArrays(NamedTuple):
         )
 
 
+def _run_eagerly(forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """The CPU's stand-in for graph capture (tests): the forward itself, run at each replay."""
+    return forward
+
+
 def load_model_runner(
     config: EngineConfig,
     dtype: torch.dtype,
@@ -63,6 +70,7 @@ def load_model_runner(
     rank: int = 0,
     size: int = 1,
     hf_config: Any = None,
+    graphs: GraphSettings | None = None,
 ) -> ModelRunner:
     """Builds this rank's shard of the model, reads its slices of the checkpoint, and sets up
     its KV cache (its KV heads of ``num_blocks`` blocks)."""
@@ -70,7 +78,7 @@ def load_model_runner(
     model = build_model(hf_config or load_config(source), dtype, TensorParallel(rank, size))
     load_weights(model, source, config.quantization, device)  # packs linears where the weights call for it
     model = model.to(device).eval()
-    return ModelRunner(model, num_blocks, config.block_size, dtype, device, config.attention_backend)
+    return ModelRunner(model, num_blocks, config.block_size, dtype, device, config.attention_backend, graphs)
 
 
 class ModelRunner:
@@ -84,7 +92,10 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         attention_backend: str = "auto",
+        graphs: GraphSettings | None = None,
     ):
+        """``graphs``: capture decode steps as CUDA graphs (`pagedrs.engine.cuda_graphs`) on
+        the GPU backends; on a CPU (tests only) the same path runs eagerly."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -109,11 +120,28 @@ class ModelRunner:
         if why_unsupported(model, device, self.attention_backend) is None:
             model.cpu_stack = CpuDecoderStack(model)
         self.inputs = StagedInputs(device)
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        graphed = graphs is not None and self.kernel_plan is not None
+        # With graphs, one block past the scheduler's takes the padding rows' keys/values.
+        shape = (num_blocks + int(graphed), block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in model.layers
         ]
+        self.graphs: DecodeGraphs | None = None
+        """Captured decode steps, when asked for and the GPU backend runs."""
+        if graphs is not None and self.kernel_plan is not None:
+            capture = capture_cuda_graph(torch.cuda.graph_pool_handle()) if device.type == "cuda" else _run_eagerly
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    model,
+                    self.kv_caches,
+                    self.kernel_plan,
+                    graphs,
+                    block_size,
+                    scratch_slot=num_blocks * block_size,
+                    sliding_window=model.sliding_window,
+                    capture=capture,
+                )
         self.parallel: TensorParallelGroup | None = None
         """With tensor parallelism (on rank 0): the group each step is sent to first."""
 
@@ -135,6 +163,13 @@ class ModelRunner:
     def forward(self, out: StepArrays) -> torch.Tensor:
         """One step of this rank's shard; float32 logits of ``out.logits_rows`` (the whole
         vocabulary on rank 0)."""
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and self.parallel is None
+            and graphs.can_run(out.query_start_loc, out.logits_rows, out.block_tables, len(out.block_copies))
+        ):
+            return graphs.run(out.input_token_ids, out.positions, out.slot_mapping, out.context_lens, out.block_tables)
         # Everything the step reads on the device goes over in one copy (on CUDA).
         with self.inputs.one_copy():
             meta = self._metadata.build(

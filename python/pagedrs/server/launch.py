@@ -63,6 +63,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "the compiled CPU kernel on the CPU",
     )
     engine.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never replay CUDA graphs (by default decode steps on a GPU replay graphs captured at start)",
+    )
+    engine.add_argument(
         "--quantization",
         default="auto",
         choices=QUANTIZATION_CHOICES,
@@ -168,6 +173,7 @@ def engine_config(args: argparse.Namespace):
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         quantization=args.quantization,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
