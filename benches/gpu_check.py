@@ -18,9 +18,10 @@ limit still returns the finished stages. Stages:
 3. Prefill: a 2048-token chunk without a cached prefix, and 512 tokens over a 3584-token
    prefix, through both kernels against ``F.scaled_dot_product_attention`` (causal, bf16).
 4. The kernel plan ``attention_backend="auto"`` picks for each shape, with its timings.
-5. End to end: greedy tokens on the GPU (float32; the auto plan, CUDA only, Triton only) equal
-   those on the CPU (torch reference, float32); bfloat16 on the GPU against float32 on the CPU: first-token
-   log-prob error and greedy agreement.
+5. End to end: greedy tokens on the GPU (float32; the auto plan with CUDA graphs and eager,
+   CUDA only, Triton only) equal those on the CPU (torch reference, float32); bfloat16 on the
+   GPU against float32 on the CPU: first-token log-prob error and greedy agreement. Then
+   decode tok/s of SmolLM2's full shape (bf16) at 1 and 256 streams, graphs against eager.
 6. The engine's step (benches/bench_host_overhead.py, bf16, batch 64 / 256): greedy against
    sampled and logprobs requests, split into forward launches, sampler and host work. The
    default model when its wheel is installed, else a random-weight Llama with its shape (its
@@ -315,7 +316,7 @@ def kernel_plan() -> None:
         row(f"auto kernel plan {name}", "ok", f"decode {plan.decode}, prefill {plan.prefill} (timings in the log)")
 
 
-def parity_model(allow_default: bool = True) -> tuple[str | None, str, list | None]:
+def parity_model(allow_default: bool = True, num_layers: int = 6) -> tuple[str | None, str, list | None]:
     """(model, what it is, token prompts) for the end-to-end check: the default model when its
     wheel and gguf are installed (and allowed), else a random Llama with SmolLM2's shape (6
     layers), as on the GPU machine."""
@@ -337,7 +338,7 @@ def parity_model(allow_default: bool = True) -> tuple[str | None, str, list | No
         vocab_size=49152,
         hidden_size=576,
         intermediate_size=1536,
-        num_hidden_layers=6,
+        num_hidden_layers=num_layers,
         num_attention_heads=9,
         num_key_value_heads=3,
         max_position_embeddings=2048,
@@ -351,13 +352,16 @@ def parity_model(allow_default: bool = True) -> tuple[str | None, str, list | No
     save_word_tokenizer(model, config.vocab_size)
     generator = torch.Generator().manual_seed(1)
     token_prompts = [torch.randint(100, 49000, (n,), generator=generator).tolist() for n in (7, 100, 700)]
-    return model, "random Llama, SmolLM2's shape with 6 layers (default model not installed here)", token_prompts
+    what = f"random Llama, SmolLM2's shape with {num_layers} layers (default model not installed here)"
+    return model, what, token_prompts
 
 
 PARITY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
-def greedy_run(model: str | None, prompts: list, device: str, dtype: str, backend: str = "auto"):
+def greedy_run(
+    model: str | None, prompts: list, device: str, dtype: str, backend: str = "auto", enforce_eager: bool = False
+):
     """(token ids per prompt, first-token top-5 log-probs per prompt, the kernel plan): 32
     tokens each, prompts over 512 tokens prefilled in chunks over their cached prefix."""
     from pagedrs import LLM, SamplingParams
@@ -370,11 +374,14 @@ def greedy_run(model: str | None, prompts: list, device: str, dtype: str, backen
         kv_cache_memory="512MiB",
         attention_backend=backend,
         max_num_batched_tokens=512,
+        enforce_eager=enforce_eager,
     )
     outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     runner = llm.engine.runner
     plan = runner.kernel_plan
     backend = runner.attention_backend if plan is None else f"decode {plan.decode}, prefill {plan.prefill}"
+    if runner.graphs is not None:
+        backend += f", {runner.graphs.num_replays} graph replays"
     del llm
     tokens = [o.token_ids for o in outputs]
     first = [{t: lp.logprob for t, lp in o.logprobs[0].items()} for o in outputs]
@@ -388,11 +395,11 @@ def end_to_end(dry_run: bool = False) -> None:
     if dry_run:
         row("end to end: CPU half (fp32)", "dry", f"{what}: {len(cpu_tokens)} prompts x {len(cpu_tokens[0])} tokens")
         return
-    for requested in ("auto", "cuda", "triton"):
-        tokens, _, backend = greedy_run(model, prompts, "cuda", "float32", requested)
+    for requested, eager in (("auto", False), ("auto", True), ("cuda", False), ("triton", False)):
+        tokens, _, backend = greedy_run(model, prompts, "cuda", "float32", requested, eager)
         matching = sum(a == b for a, b in zip(cpu_tokens, tokens))
         row(
-            f"end to end greedy GPU == CPU (fp32, {requested})",
+            f"end to end greedy GPU == CPU (fp32, {requested}{', eager' if eager else ', graphs'})",
             "ok" if tokens == cpu_tokens else "FAIL",
             f"{what}: {matching}/{len(cpu_tokens)} prompts x 32 tokens identical (GPU kernels: {backend})",
         )
@@ -407,6 +414,39 @@ def end_to_end(dry_run: bool = False) -> None:
         f"first-token top-5 log-prob max error {error:.4f}; first token equal {same_first}/{len(cpu_tokens)}; "
         f"all 32 tokens equal {sum(a == b for a, b in zip(bf16_tokens, cpu_tokens))}/{len(cpu_tokens)}",
     )
+
+
+def decode_throughput() -> None:
+    """Decode tok/s of a random model of SmolLM2-135M's full shape (30 layers, bf16) with CUDA
+    graphs and with ``enforce_eager``: one stream (target >= 250 tok/s) and 256 streams (target
+    >= 40K tok/s), 16-token prompts, greedy, the prefill included."""
+    from pagedrs import LLM, SamplingParams
+
+    model, what, _ = parity_model(allow_default=False, num_layers=30)
+    for eager in (False, True):
+        llm = LLM(
+            model,
+            device="cuda",
+            dtype="bfloat16",
+            enforce_eager=eager,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            kv_cache_memory="8GiB",
+        )
+        llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        for batch, tokens, target in ((1, 256, 250), (256, 128, 40_000)):
+            prompts = [[100 + i % 1000, 200, 300, 400] * 4 for i in range(batch)]
+            params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            rate = batch * tokens / (time.perf_counter() - start)
+            judged = not eager
+            row(
+                f"decode tok/s b{batch} ({'eager' if eager else 'graphs'})",
+                "ok" if rate >= target or not judged else "BELOW",
+                f"{rate:,.0f} tok/s" + (f" (target >= {target:,})" if judged else "") + f"; {what}",
+            )
+        del llm
 
 
 def step_overhead() -> None:
@@ -637,6 +677,7 @@ STAGES = [
     "prefill",
     "kernel_plan",
     "end_to_end",
+    "decode_throughput",
     "triton_kernel_tests",
     "step_overhead",
     "fp8_weights",
