@@ -21,7 +21,8 @@ limit still returns the finished stages. Stages:
 5. End to end: greedy tokens on the GPU (float32; the auto plan with CUDA graphs and eager,
    CUDA only, Triton only) equal those on the CPU (torch reference, float32); bfloat16 on the
    GPU against float32 on the CPU: first-token log-prob error and greedy agreement. Then
-   decode tok/s of SmolLM2's full shape (bf16) at 1 and 256 streams, graphs against eager.
+   decode tok/s of SmolLM2's full shape (bf16) at 1 and 256 streams: graphs, eager, and
+   eager without the fused per-layer kernels.
 6. The engine's step (benches/bench_host_overhead.py, bf16, batch 64 / 256): greedy against
    sampled and logprobs requests, split into forward launches, sampler and host work. The
    default model when its wheel is installed, else a random-weight Llama with its shape (its
@@ -199,6 +200,7 @@ def cuda_kernel_tests() -> None:
 
 def triton_kernel_tests() -> None:
     _pytest_all_pass("test_triton_attention.py")
+    _pytest_all_pass("test_fused_ops.py")
 
 
 def _time_cuda(fn, repeats: int = 20) -> float:
@@ -421,9 +423,11 @@ def decode_throughput() -> None:
     graphs and with ``enforce_eager``: one stream (target >= 250 tok/s) and 256 streams (target
     >= 40K tok/s), 16-token prompts, greedy, the prefill included."""
     from pagedrs import LLM, SamplingParams
+    from pagedrs.layers import fused
 
     model, what, _ = parity_model(allow_default=False, num_layers=30)
-    for eager in (False, True):
+    for eager, fused_ops in ((False, True), (True, True), (True, False)):
+        fused.set_enabled(None if fused_ops else False)
         llm = LLM(
             model,
             device="cuda",
@@ -441,12 +445,14 @@ def decode_throughput() -> None:
             llm.generate(prompts, params, use_tqdm=False)
             rate = batch * tokens / (time.perf_counter() - start)
             judged = not eager
+            mode = ("eager" if eager else "graphs") + ("" if fused_ops else ", unfused")
             row(
-                f"decode tok/s b{batch} ({'eager' if eager else 'graphs'})",
+                f"decode tok/s b{batch} ({mode})",
                 "ok" if rate >= target or not judged else "BELOW",
                 f"{rate:,.0f} tok/s" + (f" (target >= {target:,})" if judged else "") + f"; {what}",
             )
         del llm
+    fused.set_enabled(None)
 
 
 def step_overhead() -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedrs.attention import AttentionMetadata
+from pagedrs.layers import fused
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta
@@ -67,7 +68,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, config.hidden_size, bias, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused.enabled(gate_up):
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -80,7 +84,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp, dtype)
 
     def forward(self, hidden, cos, sin, kv_cache, meta):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        if fused.enabled(hidden):  # the residual add and the norm after it in one kernel (GPU)
+            norm = self.post_attention_layernorm
+            hidden, normed = fused.add_rms_norm(hidden, attended, norm.weight, norm.eps)
+            return hidden + self.mlp(normed)
+        hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
