@@ -12,9 +12,11 @@ fixes every address and shape it touches, so:
   context of one token and write their key/value to a scratch block past the scheduler's
   blocks (the runner allocates it), so they never touch a sequence's cache.
 - The attention launch has the same grid for any contexts: block tables as wide as
-  ``max_model_len``, the CUDA kernel told ``max_model_len`` as its longest context (its
-  partitions past a row's context are empty), the Triton kernel a split-K count fixed per
-  bucket (each sequence cuts its own context into that many parts).
+  ``max_model_len`` (at most the whole pool), and the Triton kernel with a split-K count fixed
+  per bucket (each sequence cuts its own context into that many parts), whichever kernel the
+  eager plan picked for decode. Only where Triton cannot take the shape does the CUDA kernel
+  run, told the longest possible context; its empty partitions still cost a little each, so
+  that path slows with ``max_model_len``.
 
 Steps with prefill chunks, block copies, prompt-logprob rows or more sequences than the
 largest bucket run eagerly, as do all steps with ``enforce_eager`` (vLLM's name) and tensor
@@ -117,14 +119,15 @@ class DecodeGraphs:
         plan: KernelPlan,
         settings: GraphSettings,
         block_size: int,
-        scratch_slot: int,
+        num_blocks: int,
         sliding_window: int | None,
         capture: Capture,
     ):
+        """``num_blocks``: the scheduler's blocks; the cache has one more, the scratch block."""
         self.buckets = batch_buckets(settings.max_num_seqs)
-        self.scratch_slot = scratch_slot
+        self.scratch_slot = num_blocks * block_size
         largest = self.buckets[-1]
-        width = -(-settings.max_model_len // block_size)
+        width = min(-(-settings.max_model_len // block_size), num_blocks)
         device = kv_caches[0][0].device
         # NOTE: block tables last, so a step copies only up to its bucket's rows of them.
         self.fields = _Fields(
@@ -147,7 +150,7 @@ class DecodeGraphs:
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         for bucket in reversed(self.buckets):  # the largest first: the pool's size is set once
             launch = None
-            if plan.decode == "triton":
+            if triton_attention.supports(plan.head_dim, block_size) is None and triton_attention.available():
                 config = plan.tile_config(decode=True)
                 segments = triton_attention.num_segments_for(
                     bucket, plan.num_kv_heads, settings.max_model_len, config.block_n

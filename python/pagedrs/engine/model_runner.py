@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -59,6 +60,11 @@ class StepArrays(NamedTuple):
 def _run_eagerly(forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """The CPU's stand-in for graph capture (tests): the forward itself, run at each replay."""
     return forward
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` as the current CUDA device (nothing on a CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def load_model_runner(
@@ -131,14 +137,15 @@ class ModelRunner:
         """Captured decode steps, when asked for and the GPU backend runs."""
         if graphs is not None and self.kernel_plan is not None:
             capture = capture_cuda_graph(torch.cuda.graph_pool_handle()) if device.type == "cuda" else _run_eagerly
-            with torch.inference_mode():
+            # The capture's streams and pool belong to the current device: make it the model's.
+            with torch.inference_mode(), _on_device(device):
                 self.graphs = DecodeGraphs(
                     model,
                     self.kv_caches,
                     self.kernel_plan,
                     graphs,
                     block_size,
-                    scratch_slot=num_blocks * block_size,
+                    num_blocks=num_blocks,
                     sliding_window=model.sliding_window,
                     capture=capture,
                 )
@@ -169,7 +176,10 @@ class ModelRunner:
             and self.parallel is None
             and graphs.can_run(out.query_start_loc, out.logits_rows, out.block_tables, len(out.block_copies))
         ):
-            return graphs.run(out.input_token_ids, out.positions, out.slot_mapping, out.context_lens, out.block_tables)
+            with _on_device(self.device):
+                return graphs.run(
+                    out.input_token_ids, out.positions, out.slot_mapping, out.context_lens, out.block_tables
+                )
         # Everything the step reads on the device goes over in one copy (on CUDA).
         with self.inputs.one_copy():
             meta = self._metadata.build(

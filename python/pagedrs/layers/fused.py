@@ -36,6 +36,12 @@ def _block(width: int) -> int:
     return 1 << max(width - 1, 0).bit_length()
 
 
+def _warps(block: int) -> int:
+    """Warps for a row of ``block`` elements: about 8 elements a thread (wide rows spill
+    registers on the default 4 warps)."""
+    return min(max(block // 256, 4), 16)
+
+
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +65,7 @@ def add_rms_norm(
                 eps,
                 HAS_DELTA=delta is not None,
                 BLOCK=_block(hidden),
+                num_warps=_warps(_block(hidden)),
             )
     return residual, out
 
