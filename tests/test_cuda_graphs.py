@@ -21,7 +21,7 @@ def test_buckets_are_powers_of_two_up_to_the_largest_batch():
     assert batch_buckets(1) == [1]
 
 
-def _generate(tiny_llama, backend, graphs, monkeypatch, **kwargs):
+def _generate(tiny_llama, backend, graphs, monkeypatch):
     from pagedrs import LLM, SamplingParams
 
     monkeypatch.setattr(llm_engine, "wants_decode_graphs", lambda *args: graphs)
