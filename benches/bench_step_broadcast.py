@@ -24,8 +24,8 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from pagedrs.engine.model_runner import StepArrays
-from pagedrs.engine.parallel import HEADER_LEN, pack_step
+from pagedrs.engine.step_arrays import StepArrays
+from pagedrs.engine.tp_common import HEADER_LEN, pack_step
 
 SHM_BYTES = 1 << 22
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedrs.engine import llm_engine
+from pagedrs.engine import builder
 from pagedrs.engine.cuda_graphs import batch_buckets
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, gpu_check runs the captured graphs")
@@ -24,7 +24,7 @@ def test_buckets_are_powers_of_two_up_to_the_largest_batch():
 def _generate(tiny_llama, backend, graphs, monkeypatch):
     from pagedrs import LLM, SamplingParams
 
-    monkeypatch.setattr(llm_engine, "wants_decode_graphs", lambda *args: graphs)
+    monkeypatch.setattr(builder, "wants_decode_graphs", lambda *args: graphs)
     llm = LLM(
         tiny_llama,
         device="cpu",
@@ -62,10 +62,10 @@ def test_graphs_only_on_one_gpu_rank_without_enforce_eager(tiny_llama, monkeypat
     from pagedrs.config import EngineConfig
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    assert llm_engine.wants_decode_graphs(EngineConfig(), gpu, None)
-    assert not llm_engine.wants_decode_graphs(EngineConfig(enforce_eager=True), gpu, None)
-    assert not llm_engine.wants_decode_graphs(EngineConfig(), gpu, object())  # tensor parallel
-    assert not llm_engine.wants_decode_graphs(EngineConfig(), cpu, None)
+    assert builder.wants_decode_graphs(EngineConfig(), gpu, None)
+    assert not builder.wants_decode_graphs(EngineConfig(enforce_eager=True), gpu, None)
+    assert not builder.wants_decode_graphs(EngineConfig(), gpu, object())  # tensor parallel
+    assert not builder.wants_decode_graphs(EngineConfig(), cpu, None)
     _, runner = _generate(tiny_llama, "triton", False, monkeypatch)
     assert runner.graphs is None
 

@@ -17,8 +17,8 @@ import torch
 
 from pagedrs import LLM, SamplingParams
 from pagedrs.config import EngineConfig
-from pagedrs.engine.model_runner import StepArrays
-from pagedrs.engine.parallel import check_parallel_config, pack_step, unpack_step
+from pagedrs.engine.step_arrays import StepArrays
+from pagedrs.engine.tp_common import check_parallel_config, pack_step, unpack_step
 from pagedrs.memory import kv_bytes_per_token
 from tests.conftest import TINY, save_word_tokenizer
 from tests.server_process import free_port, start_server, wait_for

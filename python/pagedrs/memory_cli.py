@@ -10,7 +10,7 @@ import math
 import time
 from typing import Any
 
-from pagedrs.memory import block_slack, kv_cache_capacity, parse_bytes
+from pagedrs.memory import block_slack
 from pagedrs.quant import QUANTIZATION_CHOICES
 
 
@@ -46,17 +46,23 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def predict(args: argparse.Namespace) -> dict[str, Any]:
-    from pagedrs.config import EngineConfig, default_kv_cache_memory, resolve_dtype
+    from pagedrs.config import EngineConfig, resolve_dtype
+    from pagedrs.engine.builder import plan_kv_cache
     from pagedrs.models.loader import load_config, resolve_model
-    from pagedrs.quant.loading import predicted_weight_bytes
 
-    device = EngineConfig(device=args.device).torch_device()
-    dtype = resolve_dtype(args.dtype, device)
+    engine_config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        quantization=args.quantization,
+        kv_cache_memory=args.budget,
+    )
+    device = engine_config.torch_device()
+    dtype = resolve_dtype(engine_config.dtype, device)
     source = resolve_model(args.model)
-    config = load_config(source)
-    weight_bytes = predicted_weight_bytes(source, args.quantization, dtype, device)
-    budget = parse_bytes(args.budget) if args.budget is not None else default_kv_cache_memory(device, weight_bytes)
-    capacity = kv_cache_capacity(config, budget, dtype, args.block_size)
+    plan = plan_kv_cache(engine_config, source, load_config(source), device, dtype)
+    weight_bytes, budget, capacity = plan.weight_bytes, plan.budget_bytes, plan.capacity
     lengths = [int(item) for item in args.lengths.split(",") if item.strip()]
     slack = block_slack(lengths, args.block_size)
     fit, used = 0, 0

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pagedrs.engine.builder import EngineInfo
 from pagedrs.engine.llm_engine import LLMEngine
 from pagedrs.outputs import RequestOutput
 from pagedrs.sampling_params import SamplingParams
@@ -159,6 +160,16 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine serves (fixed at start-up: safe to read from any thread)."""
+        return self.engine.info
+
+    def broadcast_stats(self) -> dict[str, float] | None:
+        """With tensor parallelism: steps sent to the other ranks, their bytes and seconds."""
+        parallel = self.engine.parallel
+        return parallel.broadcast_stats() if parallel is not None else None
 
     def is_alive(self) -> bool:
         return not self._stopped and self._dead is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -14,6 +14,7 @@ from pagedrs.attention import AttentionMetadataClass, metadata_class, select_bac
 from pagedrs.attention.cuda_backend import KernelPlan
 from pagedrs.engine.cuda_graphs import DecodeGraphs, GraphSettings, capture_cuda_graph
 from pagedrs.engine.staging import StagedInputs
+from pagedrs.engine.step_arrays import StepArrays
 from pagedrs.layers.linear import TensorParallel
 from pagedrs.models import build_model
 from pagedrs.models.cpu_stack import CpuDecoderStack, why_unsupported
@@ -23,38 +24,6 @@ from pagedrs.quant.loading import load_weights
 
 if TYPE_CHECKING:
     from pagedrs.config import EngineConfig
-    from pagedrs.engine.parallel import TensorParallelGroup
-
-
-class StepArrays(NamedTuple):
-    """What a forward pass reads: `SchedulerOutput`'s arrays (see there), plus the rows whose
-    logits are wanted. Tensor-parallel rank 0 sends exactly these to the other ranks."""
-
-    input_token_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    context_lens: np.ndarray
-    block_tables: np.ndarray
-    logits_rows: np.ndarray
-    """Rows to sample from, then rows for prompt logprobs."""
-    block_copies: np.ndarray
-
-    @staticmethod
-    def of(out: SchedulerOutput, extra_rows: np.ndarray | None = None) -> StepArrays:
-        rows = out.logits_indices
-        if extra_rows is not None and len(extra_rows):
-            rows = np.concatenate([rows, extra_rows.astype(np.int64)])
-        return StepArrays(
-            out.input_token_ids,
-            out.positions,
-            out.slot_mapping,
-            out.query_start_loc,
-            out.context_lens,
-            out.block_tables,
-            rows,
-            out.block_copies,
-        )
 
 
 def _run_eagerly(forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -149,20 +118,13 @@ class ModelRunner:
                     sliding_window=model.sliding_window,
                     capture=capture,
                 )
-        self.parallel: TensorParallelGroup | None = None
-        """With tensor parallelism (on rank 0): the group each step is sent to first."""
 
     def execute(self, out: SchedulerOutput, extra_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy-on-write copies, then the forward pass (on every rank). Returns float32 logits
-        of the rows to sample (``[len(out.logits_indices), vocab]``) and of ``extra_rows``
-        (prompt logprobs)."""
-        arrays = StepArrays.of(out, extra_rows)
-        if self.parallel is None:
-            logits = self.forward(arrays)
-        else:
-            with self.parallel.guard():
-                self.parallel.send_step(arrays)
-                logits = self.forward(arrays)
+        """Copy-on-write copies, then the forward pass. Returns float32 logits of the rows to
+        sample (``[len(out.logits_indices), vocab]``) and of ``extra_rows`` (prompt logprobs).
+        (With tensor parallelism `pagedrs.engine.parallel.TensorParallelRunner` sends the
+        step to the other ranks first.)"""
+        logits = self.forward(StepArrays.of(out, extra_rows))
         num_sampled = len(out.logits_indices)
         return logits[:num_sampled], logits[num_sampled:]
 
@@ -171,10 +133,8 @@ class ModelRunner:
         """One step of this rank's shard; float32 logits of ``out.logits_rows`` (the whole
         vocabulary on rank 0)."""
         graphs = self.graphs
-        if (
-            graphs is not None
-            and self.parallel is None
-            and graphs.can_run(out.query_start_loc, out.logits_rows, out.block_tables, len(out.block_copies))
+        if graphs is not None and graphs.can_run(
+            out.query_start_loc, out.logits_rows, out.block_tables, len(out.block_copies)
         ):
             with _on_device(self.device):
                 return graphs.run(

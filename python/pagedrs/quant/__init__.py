@@ -2,7 +2,10 @@
 multiply by them without a float copy (``torch.ops.pagedrs_cpu.quant_matmul``), and int8 (Q8_0)
 quantization of a float checkpoint at load time."""
 
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "fp8")
-"""The ``quantization`` values (``LLM``, ``pagedrs serve --quantization``, ``pagedrs memory``);
-`pagedrs.quant.loading` says what each loads. Here, not there, so the command lines name them
-without importing torch."""
+from typing import get_args
+
+from pagedrs.config import Quantization
+
+QUANTIZATION_CHOICES: tuple[str, ...] = get_args(Quantization)
+"""The ``quantization`` values (`pagedrs.config.EngineConfig.quantization`); `pagedrs.quant.loading`
+says what each loads."""

@@ -19,10 +19,10 @@ from pagedrs.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFu
 from pagedrs.envinfo import environment, model_fingerprint
 from pagedrs.server.chat import create_chat_completion, render_chat
 from pagedrs.server.completions import create_completion
-from pagedrs.server.launch import DEFAULT_MAX_REQUEST_BYTES
 from pagedrs.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagedrs.server.serving import APIError, ClientDisconnected, Serving, ToolSettings, error_body
+from pagedrs.server.settings import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 from pagedrs.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger("pagedrs.server")
@@ -143,12 +143,13 @@ def build_app(
     served_model_name: str,
     metrics: ServerMetrics,
     api_key: str | None = None,
-    scheduling_policy: str = "fcfs",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     tool_settings: ToolSettings | None = None,
+    server_config: ServerConfig | None = None,
 ) -> Any:
-    """The ASGI application serving `engine` (started by the caller)."""
-    serving = Serving(engine, served_model_name, engine.engine.max_model_len, scheduling_policy, tool_settings)
+    """The ASGI application serving `engine` (started by the caller); ``server_config``, when
+    given, is reported by ``/server_info``."""
+    serving = Serving(engine, served_model_name, tool_settings)
     app = FastAPI(title="pagedrs", version=__version__)
     app.state.serving = serving
 
@@ -199,7 +200,7 @@ def build_app(
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "pagedrs",
-                    "root": engine.engine.model_name,
+                    "root": engine.info.model_name,
                     "parent": None,
                     "max_model_len": serving.max_model_len,
                 }
@@ -218,27 +219,23 @@ def build_app(
 
     @app.get("/server_info")
     async def server_info():
-        """What a benchmark record needs to say what was measured."""
-        inner = engine.engine
-        config = inner.config
+        """What a benchmark record needs to say what was measured: every engine setting
+        (`EngineConfig.to_dict`), then what they resolved to."""
+        info = engine.info
         return {
+            **info.config.to_dict(),
             "engine": "pagedrs",
             "served_model_name": served_model_name,
-            "model": inner.model_name,
-            "model_fingerprint": model_fingerprint(inner.model_name),
-            "architecture": inner.architecture,
-            "dtype": str(inner.dtype).removeprefix("torch."),
-            "device": str(inner.device),
-            "block_size": config.block_size,
+            "model": info.model_name,
+            "model_fingerprint": model_fingerprint(info.model_name),
+            "architecture": info.architecture,
+            "dtype": str(info.dtype).removeprefix("torch."),
+            "device": str(info.device),
             "num_kv_blocks": engine.stats.num_blocks,
-            "max_model_len": inner.max_model_len,
-            "max_num_seqs": config.max_num_seqs,
-            "max_num_batched_tokens": config.max_num_batched_tokens,
-            "enable_prefix_caching": config.enable_prefix_caching,
-            "scheduling_policy": config.scheduling_policy,
-            "tensor_parallel_size": config.tensor_parallel_size,
-            "distributed_backend": inner.parallel.backend if inner.parallel is not None else None,
-            "speculative_config": _speculative_info(inner.speculative, inner.device.type),
+            "max_model_len": info.max_model_len,
+            "distributed_backend": info.distributed_backend,
+            "speculative_config": _speculative_info(info.speculative),
+            "server_config": _public_server_config(server_config),
             "environment": environment(),
         }
 
@@ -271,7 +268,7 @@ def build_app(
     return AccessMiddleware(BodyLimitMiddleware(app, max_request_bytes), api_key)
 
 
-def _speculative_info(speculative: SpeculativeConfig | None, device_type: str) -> dict[str, Any] | None:
+def _speculative_info(speculative: SpeculativeConfig | None) -> dict[str, Any] | None:
     """The speculative config in effect: defaults filled in (0: never steps aside)."""
     if speculative is None:
         return None
@@ -280,5 +277,14 @@ def _speculative_info(speculative: SpeculativeConfig | None, device_type: str) -
         **dataclasses.asdict(speculative),
         "prompt_lookup_min": low,
         "prompt_lookup_max": high,
-        "disable_by_batch_size": speculative.effective_disable_by_batch_size(device_type) or 0,
+        "disable_by_batch_size": speculative.disable_by_batch_size or 0,
     }
+
+
+def _public_server_config(config: ServerConfig | None) -> dict[str, Any] | None:
+    """The server's settings, the API key left out (only whether one is required)."""
+    if config is None:
+        return None
+    settings = dataclasses.asdict(config)
+    settings["api_key"] = "required" if config.api_key else None
+    return settings

@@ -122,7 +122,7 @@ class _SchedulerCollector:
 
     def _speculative(self, stats):
         """Speculative decoding, with vLLM's names (only when it is on)."""
-        speculative = self.engine.engine.speculative
+        speculative = self.engine.info.speculative
         if speculative is None:
             return
         counter = CounterMetricFamily
@@ -145,18 +145,17 @@ class _SchedulerCollector:
     def _parallel(self):
         """The tensor-parallel layout (an info gauge, as vLLM's ``*_config_info``) and what
         sending each step to the other ranks costs rank 0."""
-        inner = self.engine.engine
-        group = inner.parallel
         info = GaugeMetricFamily(
             "pagedrs:parallel_config_info",
             "Tensor-parallel layout (value 1; the labels say).",
             labels=[*self.labels, "tensor_parallel_size", "backend"],
         )
-        backend = group.backend if group is not None else "none"
-        info.add_metric([*self.labels.values(), str(inner.config.tensor_parallel_size), backend], 1)
+        engine_info = self.engine.info
+        backend = engine_info.distributed_backend or "none"
+        info.add_metric([*self.labels.values(), str(engine_info.config.tensor_parallel_size), backend], 1)
         yield info
-        if group is not None:
-            sent = group.broadcast_stats()
+        sent = self.engine.broadcast_stats()
+        if sent is not None:
             counter = CounterMetricFamily
             yield self._family(
                 counter, "pagedrs:tp_step_broadcast_seconds", "Rank 0's time sending steps.", sent["seconds"]

@@ -131,15 +131,13 @@ class Serving:
         self,
         engine: AsyncLLMEngine,
         served_model_name: str,
-        max_model_len: int,
-        scheduling_policy: str,
         tool_settings: ToolSettings | None = None,
     ):
         self.engine = engine
         self.tool_settings = tool_settings or ToolSettings()
         self.served_model_name = served_model_name
-        self.max_model_len = max_model_len
-        self.scheduling_policy = scheduling_policy
+        self.max_model_len = engine.info.max_model_len
+        self.scheduling_policy = engine.info.config.scheduling_policy
         # NOTE: a fast tokenizer refuses concurrent use from two threads, so each thread has
         # its own copy: the engine thread's, the event loop's (`tokenizer`: decoding single
         # tokens for streams and logprobs), and one per tokenizer thread.
@@ -194,8 +192,9 @@ class Serving:
             logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
         if body.priority != 0 and self.scheduling_policy != "priority":
             raise APIError(400, "priority needs the server started with --scheduling-policy priority", param="priority")
-        if body.n > self.engine.engine.config.max_num_seqs:
-            raise APIError(400, f"n must be at most max_num_seqs ({self.engine.engine.config.max_num_seqs})", param="n")
+        max_num_seqs = self.engine.info.config.max_num_seqs
+        if body.n > max_num_seqs:
+            raise APIError(400, f"n must be at most max_num_seqs ({max_num_seqs})", param="n")
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         if "structured_outputs" not in extra:

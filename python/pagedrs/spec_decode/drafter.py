@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from pagedrs._core import SchedulerOutput
-from pagedrs.engine.model_runner import ModelRunner, StepArrays
+from pagedrs.engine.model_runner import ModelRunner
+from pagedrs.engine.step_arrays import StepArrays
 from pagedrs.sampler import Sampler, SamplingRow
 from pagedrs.spec_decode.verify import draw, filtered_probs, uniforms
 

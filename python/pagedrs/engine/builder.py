@@ -1,0 +1,271 @@
+"""Building an engine's parts from an `EngineConfig`, in the order that fails cheapest first.
+
+- `load_engine_parts`: model config and tokenizer, the KV plan, the Rust scheduler, then the
+  tensor-parallel ranks, the weights and a draft model: everything that can be refused is
+  refused before a weight loads or a rank starts.
+- `plan_kv_cache`: one rank's KV budget and block count, shared with ``pagedrs memory``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedrs._core import Scheduler
+from pagedrs.config import EngineConfig, resolve_dtype
+from pagedrs.engine.cuda_graphs import GraphSettings
+from pagedrs.engine.model_runner import ModelRunner, load_model_runner
+from pagedrs.engine.parallel import TensorParallelGroup, TensorParallelRunner
+from pagedrs.engine.tp_common import check_parallel_config, launched_setup
+from pagedrs.layers.linear import TensorParallel
+from pagedrs.memory import KVCapacity, kv_cache_capacity
+from pagedrs.models import architecture_of, build_model
+from pagedrs.models.loader import ModelSource, load_config, load_tokenizer, resolve_model
+from pagedrs.quant.loading import predicted_weight_bytes
+from pagedrs.sampler import Sampler
+from pagedrs.spec_decode import SpeculativeConfig
+from pagedrs.spec_decode.drafter import DraftModelProposer
+
+logger = logging.getLogger("pagedrs")
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """One rank's KV cache, as planned before anything loads."""
+
+    weight_bytes: int
+    """The weights this process will hold (a draft model's included), predicted from the
+    checkpoints."""
+    budget_bytes: int
+    """``kv_cache_memory``, or the default for those weights."""
+    capacity: KVCapacity
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine is serving, for the server and its metrics (read-only)."""
+
+    model_name: str
+    architecture: str
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    num_blocks: int
+    config: EngineConfig
+    speculative: SpeculativeConfig | None
+    """In effect: ``disable_by_batch_size`` resolved for the device (0: never steps aside)."""
+    distributed_backend: str | None
+    """The tensor-parallel ranks' ``torch.distributed`` backend, when there are ranks."""
+
+
+@dataclass
+class EngineParts:
+    """Everything `LLMEngine` runs with."""
+
+    info: EngineInfo
+    hf_config: Any
+    tokenizer: Any
+    scheduler: Scheduler
+    runner: ModelRunner | TensorParallelRunner
+    sampler: Sampler
+    drafter: DraftModelProposer | None
+    parallel: TensorParallelGroup | None
+    """The other tensor-parallel ranks (this engine is rank 0), when there are any."""
+
+
+def wants_decode_graphs(config: EngineConfig, device: torch.device, parallel: object) -> bool:
+    """CUDA graphs for decode: on a GPU, one rank, unless ``enforce_eager``."""
+    return device.type == "cuda" and parallel is None and not config.enforce_eager
+
+
+@dataclass(frozen=True)
+class _Draft:
+    source: ModelSource
+    hf_config: Any
+
+
+def plan_kv_cache(
+    config: EngineConfig,
+    source: ModelSource,
+    hf_config: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    draft: _Draft | None = None,
+) -> KVCachePlan:
+    """One rank's KV budget and blocks: a draft model's KV lives in the same blocks
+    (`pagedrs.spec_decode.drafter`), and its weights count against the default budget."""
+    weight_bytes = predicted_weight_bytes(source, config.quantization, dtype, device)
+    if draft is not None:
+        weight_bytes += predicted_weight_bytes(draft.source, config.quantization, dtype, device)
+    budget = config.kv_cache_bytes(device, weight_bytes)
+    capacity = kv_cache_capacity(
+        hf_config,
+        budget,
+        dtype,
+        config.block_size,
+        config.tensor_parallel_size,
+        draft.hf_config if draft is not None else None,
+    )
+    return KVCachePlan(weight_bytes, budget, capacity)
+
+
+def load_engine_parts(config: EngineConfig) -> EngineParts:
+    """Builds an engine's parts (see the module docstring for the order)."""
+    config.validate()
+    device = config.torch_device()
+    dtype = resolve_dtype(config.dtype, device)
+    check_parallel_config(config, device)
+    source = resolve_model(config.model)
+    hf_config = load_config(source)
+    architecture = architecture_of(hf_config)
+    tokenizer = load_tokenizer(source)
+    tp_size = config.tensor_parallel_size
+    if tp_size > 1:
+        with torch.device("meta"):  # an indivisible head count fails here, before any rank starts
+            build_model(hf_config, dtype, TensorParallel(0, tp_size))
+    speculative = config.speculative_config
+    draft = _load_draft_config(speculative, hf_config, tp_size)
+    plan = plan_kv_cache(config, source, hf_config, device, dtype, draft)
+    num_blocks = plan.capacity.num_blocks
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory is too small for one block of {plan.capacity.bytes_per_block} bytes")
+    max_model_len = _max_model_len(config, hf_config, draft)
+    if speculative is not None:
+        speculative = dataclasses.replace(
+            speculative, disable_by_batch_size=speculative.effective_disable_by_batch_size(device.type) or 0
+        )
+    scheduler = _TEMP_scheduler(
+        config,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        namespace=f"{source.name}|{dtype}",
+        speculative=speculative,
+    )
+    parallel: TensorParallelGroup | None = None
+    # NOTE: an explicit backend with one rank also goes through torch.distributed (the GPU
+    # check proves the NCCL path initializes on one device this way).
+    if tp_size > 1 or config.distributed_backend is not None or launched_setup(config, device) is not None:
+        parallel = TensorParallelGroup(config, device, num_blocks, dtype)
+    try:
+        runner = load_model_runner(
+            config,
+            dtype,
+            device,
+            num_blocks,
+            size=tp_size,
+            hf_config=hf_config,
+            graphs=GraphSettings(max_model_len, config.max_num_seqs)
+            if wants_decode_graphs(config, device, parallel)
+            else None,
+        )
+        if parallel is not None:
+            parallel.wait_until_loaded()
+    except BaseException:
+        if parallel is not None:
+            parallel.shutdown(graceful=False)
+        raise
+    sampler = Sampler(hf_config.vocab_size, config.seed, device)
+    drafter = None
+    if draft is not None and speculative is not None:
+        draft_runner = load_model_runner(
+            dataclasses.replace(config, model=speculative.model), dtype, device, num_blocks, hf_config=draft.hf_config
+        )
+        drafter = DraftModelProposer(draft_runner, sampler)
+    info = EngineInfo(
+        model_name=source.name,
+        architecture=architecture,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        config=config,
+        speculative=speculative,
+        distributed_backend=parallel.backend if parallel is not None else None,
+    )
+    _log_start(info, plan)
+    return EngineParts(
+        info=info,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        scheduler=scheduler,
+        runner=runner if parallel is None else TensorParallelRunner(runner, parallel),
+        sampler=sampler,
+        drafter=drafter,
+        parallel=parallel,
+    )
+
+
+def _load_draft_config(speculative: SpeculativeConfig | None, hf_config: Any, tp_size: int) -> _Draft | None:
+    """The draft model's checkpoint and Hugging Face config, checked against the target's;
+    ``None`` without a draft model."""
+    if speculative is None or speculative.model is None:
+        return None
+    if tp_size > 1:
+        raise ValueError("a draft model runs with tensor_parallel_size 1 (ngram and suffix speculation run with any)")
+    source = resolve_model(speculative.model)
+    draft_config = load_config(source)
+    architecture_of(draft_config)  # an unsupported draft architecture fails here
+    if draft_config.vocab_size != hf_config.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft_config.vocab_size} tokens) differs from the target's "
+            f"({hf_config.vocab_size}): it must share the target's tokenizer"
+        )
+    return _Draft(source, draft_config)
+
+
+def _max_model_len(config: EngineConfig, hf_config: Any, draft: _Draft | None) -> int:
+    """``max_model_len`` within the model's positions (a draft model trained on fewer only
+    warns: its proposals may be poor, the output stays exact)."""
+    model_max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 2**31)
+    max_model_len = min(config.max_model_len or model_max_len, model_max_len)
+    draft_max_len = getattr(draft.hf_config, "max_position_embeddings", None) if draft is not None else None
+    if draft_max_len is not None and draft_max_len < max_model_len:
+        logger.warning(
+            "the draft model was trained on %d positions, fewer than max_model_len %d: past them its "
+            "proposals may be poor (the output stays exact)",
+            draft_max_len,
+            max_model_len,
+        )
+    return max_model_len
+
+
+def _log_start(info: EngineInfo, plan: KVCachePlan) -> None:
+    config = info.config
+    if info.speculative is not None:
+        logger.info("speculative decoding: %s", info.speculative)
+    logger.info(
+        "pagedrs engine: %s (%s) %s on %s, tensor parallel %d%s, %d KV blocks of %d tokens (%d tokens)",
+        info.model_name,
+        info.architecture,
+        info.dtype,
+        info.device,
+        config.tensor_parallel_size,
+        f" ({info.distributed_backend})" if info.distributed_backend is not None else "",
+        plan.capacity.num_blocks,
+        config.block_size,
+        plan.capacity.num_tokens,
+    )
+
+
+def _TEMP_scheduler(config, *, num_blocks, max_model_len, namespace, speculative):  # TEMP until the core reads config
+    kwargs = {}
+    if speculative is not None:
+        kwargs = speculative.scheduler_kwargs("cpu")
+        kwargs["spec_disable_by_batch_size"] = speculative.disable_by_batch_size or None
+    return Scheduler(
+        num_blocks,
+        config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        policy=config.scheduling_policy,
+        enable_prefix_caching=config.enable_prefix_caching,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        max_num_partial_prefills=config.max_num_partial_prefills,
+        namespace=namespace,
+        **kwargs,
+    )

@@ -1,0 +1,70 @@
+"""`ServerConfig`: the HTTP server's own knobs (the engine's are `pagedrs.config.EngineConfig`),
+declared once; ``pagedrs serve``'s flags derive from both (`pagedrs.cli_args`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from pagedrs.config import check_fields, knob
+from pagedrs.server.reasoning import REASONING_PARSERS
+from pagedrs.server.tool_parsers import TOOL_PARSERS
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+@dataclass
+class ServerConfig:
+    """What ``pagedrs serve`` adds to the engine: address, names, limits, tools."""
+
+    host: str = knob("127.0.0.1", "address to bind (default: loopback only)", group="server")
+    port: int = knob(8000, "port to bind", group="server", minimum=0)
+    served_model_name: str | None = knob(
+        None,
+        "the model name clients send (default: the model argument, or SmolLM2-135M-Instruct)",
+        group="server",
+    )
+    api_key: str | None = knob(
+        None, "require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDRS_API_KEY)", group="server"
+    )
+    max_waiting_requests: int = knob(
+        512, "answer 503 to new requests while this many wait (0: no limit)", group="server", minimum=0
+    )
+    max_request_bytes: int = knob(
+        DEFAULT_MAX_REQUEST_BYTES, "answer 413 to request bodies larger than this (default: 32 MiB)", group="server"
+    )
+    log_level: LogLevel = knob("info", "log level", group="server")
+    enable_auto_tool_choice: bool = knob(
+        False,
+        'let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+        group="tools",
+    )
+    tool_call_parser: str | None = knob(
+        None,
+        "how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral",
+        group="tools",
+        choices=tuple(sorted(TOOL_PARSERS)),
+    )
+    reasoning_parser: str | None = knob(
+        None,
+        "split <think>...</think> into the message's reasoning_content",
+        group="tools",
+        choices=tuple(sorted(REASONING_PARSERS)),
+    )
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get("PAGEDRS_API_KEY")
+        check_fields(self)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+    def served_name(self, model: str | None) -> str:
+        """The name clients send for ``model`` (the engine's ``model`` setting)."""
+        if self.served_model_name:
+            return self.served_model_name
+        return DEFAULT_SERVED_NAME if model is None else model
