@@ -47,7 +47,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_class: type) ->
         kind, choices = _flag_kind(hints[spec.name])
         choices = list(meta["choices"]) if meta.get("choices") else choices
         default = spec.default if spec.default is not dataclasses.MISSING else None
-        options: dict[str, Any] = {"default": default, "help": meta["help"]}
+        help_text = meta["help"]
+        if default is not None and "default" not in help_text:
+            help_text += f" (default: {default})"
+        options: dict[str, Any] = {"default": default, "help": help_text}
         if meta.get("positional"):
             target.add_argument(spec.name, nargs="?", **options)
             continue
@@ -71,7 +74,8 @@ def config_from_args(config_class: type[T], args: argparse.Namespace) -> T:
 def _flag_kind(hint: Any) -> tuple[Any, list[str] | None]:
     """``(argparse type, choices)`` of a field type; ``None`` drops out of unions and a type
     the command line cannot spell (a ``torch.dtype``, a parsed config) reads as text."""
-    options = [option for option in get_args(hint) or (hint,) if option is not type(None)]
+    members = get_args(hint) if get_origin(hint) is not Literal and get_args(hint) else (hint,)
+    options = [option for option in members if option is not type(None)]
     for option in options:
         if get_origin(option) is Literal:
             return str, list(get_args(option))

@@ -238,7 +238,8 @@ def _describe(options: tuple[Any, ...]) -> str:
         elif option is type(None):
             words.append("None")
         else:
-            words.append(getattr(option, "__name__", str(option)))
+            plain = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
+            words.append(plain.get(option, getattr(option, "__name__", str(option))))
     return " or ".join(words)
 
 
