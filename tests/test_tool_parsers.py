@@ -23,10 +23,9 @@ from pagedrs.server.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
-    ToolCall,
-    ToolParser,
     get_tool_parser,
 )
+from pagedrs.server.tool_stream import ToolCall, ToolParser
 
 Call = tuple[str, dict[str, Any]]  # (name, arguments), as a case expects them
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from typing import ClassVar
 
-from pagedrs.server.tool_parsers import Delta, DeltaStream, TextChannel, append_text, partial_marker_length
+from pagedrs.server.tool_stream import Delta, DeltaStream, TextChannel, append_text, partial_marker_length
 
 THINK_START = "<think>"
 THINK_END = "</think>"

@@ -25,7 +25,7 @@ from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedrs.server.protocol import _Generation
 from pagedrs.server.reasoning import ReasoningParser
-from pagedrs.server.tool_parsers import ToolParser
+from pagedrs.server.tool_stream import ToolParser
 
 logger = logging.getLogger("pagedrs.server")
 

@@ -22,7 +22,7 @@ from typing import Any
 from pagedrs.sampling_params import StructuredOutputsParams
 from pagedrs.server.reasoning import ReasoningParser, ReasoningStream
 from pagedrs.server.serving import APIError, ToolSettings
-from pagedrs.server.tool_parsers import ToolCall, ToolParser, ToolStream, openai_call_id
+from pagedrs.server.tool_stream import ToolCall, ToolParser, ToolStream, openai_call_id
 
 Delta = dict[str, Any]
 
