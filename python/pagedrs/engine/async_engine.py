@@ -60,6 +60,43 @@ class _Stream:
     """Characters of unfinished text not yet shown (the longest stop string, less one)."""
     last_token_time: float | None = None
     num_tokens: int = 0
+    sent: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    """Per choice: tokens, characters and logprob entries handed over so far (engine thread)."""
+    num_sent_prompt_logprobs: int = 0
+
+    def delta(self, output: RequestOutput) -> RequestOutput:
+        """What ``output`` holds beyond what was handed over (engine thread): only the new
+        tokens, text and logprobs are copied, so a step costs what it added, not the length
+        of the stream. Unfinished text stops ``hold_back`` characters short, so text that may
+        turn out to start a stop string is never sent (it could be taken back when the stop
+        string completes)."""
+        choices = []
+        for choice in output.outputs:
+            num_tokens, num_chars, num_logprobs = self.sent.get(choice.index, (0, 0, 0))
+            visible = len(choice.text)
+            if self.hold_back and not choice.finished():
+                visible = max(visible - self.hold_back, num_chars)
+            logprobs = None if choice.logprobs is None else choice.logprobs[num_logprobs:]
+            choices.append(
+                dataclasses.replace(
+                    choice,
+                    text=choice.text[num_chars:visible],
+                    token_ids=choice.token_ids[num_tokens:],
+                    logprobs=logprobs,
+                )
+            )
+            self.sent[choice.index] = (
+                len(choice.token_ids),
+                visible,
+                num_logprobs if choice.logprobs is None else len(choice.logprobs),
+            )
+        prompt_logprobs = output.prompt_logprobs
+        if prompt_logprobs is not None:
+            prompt_logprobs, self.num_sent_prompt_logprobs = (
+                prompt_logprobs[self.num_sent_prompt_logprobs :],
+                len(prompt_logprobs),
+            )
+        return dataclasses.replace(output, outputs=choices, prompt_logprobs=prompt_logprobs)
 
     def put(self, item: RequestOutput | BaseException | None) -> bool:
         """Hands `item` to the reader's loop; False if that loop has closed (nobody reads)."""
@@ -67,14 +104,26 @@ class _Stream:
 
 
 class RequestStream:
-    """A queued request's outputs, as an async iterator. Outputs are cumulative snapshots
-    (`LLMEngine.step`'s outputs, copied), the last one has ``finished`` set."""
+    """A queued request's outputs, as an async iterator; the last one has ``finished`` set.
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _Stream):
+    - By default each output is a cumulative snapshot: everything so far, in objects the
+      engine never touches again.
+    - With ``delta=True`` (vLLM's ``RequestOutputKind.DELTA``) each output holds only what is
+      new since the one before: text, token ids and logprobs; the rest (finish reason, counts)
+      as of now.
+
+    The engine thread hands over deltas either way; snapshots are built here, on the reader's
+    loop.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _Stream, delta: bool = False):
         self.engine = engine
         self.request_id = request_id
         self._stream = stream
+        self.delta = delta
         self.finished = False
+        self._so_far: RequestOutput | None = None
+        """Cumulative mode: the deltas so far, added up."""
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._outputs()
@@ -89,7 +138,11 @@ class RequestStream:
                 self.finished = True
                 raise item
             self.finished = item.finished
-            yield item
+            if self.delta:
+                yield item
+            else:
+                self._so_far = add_delta(self._so_far, item)
+                yield _copy(self._so_far)
 
     def abort(self) -> None:
         """Ends the request unless it has finished; safe to call more than once."""
@@ -98,23 +151,43 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
-def _snapshot(output: RequestOutput, hold_back: int) -> RequestOutput:
-    """A copy the engine will not mutate. Unfinished text stops ``hold_back`` characters
-    short, so text that may turn out to start a stop string is never sent (it could be
-    taken back when the stop string completes)."""
-    outputs = []
-    for choice in output.outputs:
-        text = choice.text
-        if hold_back and not choice.finished():
-            text = text[: max(len(text) - hold_back, 0)]
-        outputs.append(
-            dataclasses.replace(
-                choice,
-                text=text,
-                token_ids=list(choice.token_ids),
-                logprobs=None if choice.logprobs is None else list(choice.logprobs),
-            )
+def add_delta(so_far: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """``delta`` (a `RequestStream` delta) added to ``so_far`` in place (a new cumulative
+    output when ``so_far`` is None); returns the cumulative output."""
+    if so_far is None:
+        so_far = dataclasses.replace(delta, outputs=[], prompt_logprobs=None)
+    so_far.finished, so_far.num_cached_tokens, so_far.error = delta.finished, delta.num_cached_tokens, delta.error
+    if delta.prompt_logprobs is not None:
+        so_far.prompt_logprobs = (so_far.prompt_logprobs or []) + delta.prompt_logprobs
+    by_index = {choice.index: choice for choice in so_far.outputs}
+    for new in delta.outputs:
+        old = by_index.get(new.index)
+        if old is None:
+            old = dataclasses.replace(new, text="", token_ids=[], logprobs=None if new.logprobs is None else [])
+            so_far.outputs.append(old)
+            by_index[new.index] = old
+        old.text += new.text
+        old.token_ids.extend(new.token_ids)
+        if new.logprobs is not None and old.logprobs is not None:
+            old.logprobs.extend(new.logprobs)
+        old.cumulative_logprob, old.finish_reason, old.stop_reason = (
+            new.cumulative_logprob,
+            new.finish_reason,
+            new.stop_reason,
         )
+    return so_far
+
+
+def _copy(output: RequestOutput) -> RequestOutput:
+    """A copy whose lists are its own (the stream goes on adding to the original)."""
+    outputs = [
+        dataclasses.replace(
+            choice,
+            token_ids=list(choice.token_ids),
+            logprobs=None if choice.logprobs is None else list(choice.logprobs),
+        )
+        for choice in output.outputs
+    ]
     prompt_logprobs = None if output.prompt_logprobs is None else list(output.prompt_logprobs)
     return dataclasses.replace(output, outputs=outputs, prompt_logprobs=prompt_logprobs)
 
@@ -195,10 +268,12 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        delta: bool = False,
     ) -> RequestStream:
         """Queues a request; returns once the engine has taken it. Bad input raises
         ``ValueError`` (nothing is queued), a full waiting queue `QueueFullError`. The caller
-        reads the returned stream and must `RequestStream.abort` it if it stops early."""
+        reads the returned stream (cumulative outputs, or deltas with ``delta``: see
+        `RequestStream`) and must `RequestStream.abort` it if it stops early."""
         if not self.is_alive():
             raise EngineDeadError("the engine has stopped") from self._dead
         loop = asyncio.get_running_loop()
@@ -220,7 +295,7 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may still go through: take it back
             raise
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request_id, stream, delta)
 
     async def generate(
         self,
@@ -344,7 +419,7 @@ class AsyncLLMEngine:
                 self.stat_logger.record_request_tokens(output, num_tokens - stream.num_tokens, first, since)
             if num_tokens > stream.num_tokens:
                 stream.num_tokens, stream.last_token_time = num_tokens, now
-            if not stream.put(_snapshot(output, stream.hold_back)):
+            if not stream.put(stream.delta(output)):
                 self._abort(output.request_id)  # its reader is gone for good
                 continue
             if output.finished:

@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream, add_delta
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedrs.server.protocol import _Generation
@@ -246,6 +246,7 @@ class Serving:
                     param,
                     priority=body.priority,
                     cache_salt=body.cache_salt,
+                    delta=True,
                 )
                 for index, (prompt, param) in enumerate(zip(run.prompts, params))
             ),
@@ -261,11 +262,15 @@ class Serving:
         run.finals = [None] * len(run.streams)
 
     async def outputs(self, run: Run) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """``(prompt index, cumulative output)`` from all of the run's requests as they come."""
+        """``(prompt index, cumulative output)`` from all of the run's requests as they come.
+
+        NOTE: the streams hand over deltas, added up here into ``run.finals`` in place: the
+        output yielded is the same object each time, grown (readers keep cursors into it), so
+        no step copies a stream's whole output."""
         if len(run.streams) == 1:
-            async for output in run.streams[0]:
-                run.finals[0] = output
-                yield 0, output
+            async for delta in run.streams[0]:
+                run.finals[0] = add_delta(run.finals[0], delta)
+                yield 0, run.finals[0]
             return
         merged: asyncio.Queue = asyncio.Queue()
         ended = object()
@@ -288,8 +293,8 @@ class Serving:
                     continue
                 if isinstance(item, Exception):
                     raise item
-                run.finals[index] = item
-                yield index, item
+                run.finals[index] = add_delta(run.finals[index], item)
+                yield index, run.finals[index]
         finally:
             for task in tasks:
                 task.cancel()
