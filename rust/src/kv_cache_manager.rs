@@ -16,7 +16,8 @@
 
 use std::sync::Arc;
 
-use crate::block_pool::{BlockId, BlockPool, BlockRef};
+use crate::block_id::BlockId;
+use crate::block_pool::{BlockPool, BlockRef};
 use crate::error::{Error, Result};
 use crate::prefix_cache::{BlockHash, BlockHasher};
 
