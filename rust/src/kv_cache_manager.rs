@@ -112,8 +112,13 @@ struct SequenceBlocks {
     pending_query_tokens: Option<usize>,
 }
 
-/// Running counts for metrics.
+/// Running counts for metrics. Python reads it as `pagedrs._core.KVCacheStats`, these
+/// fields as attributes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "python",
+    pyo3::pyclass(name = "KVCacheStats", module = "pagedrs._core", frozen, get_all)
+)]
 pub struct KVCacheStats {
     /// Total blocks in the pool.
     pub num_blocks: usize,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -140,17 +139,16 @@ class LLMEngine:
                 self.max_model_len,
             )
         self.scheduler = Scheduler(
-            capacity.num_blocks,
-            config.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
+            config,
+            num_blocks=capacity.num_blocks,
             max_model_len=self.max_model_len,
-            policy=config.scheduling_policy,
-            enable_prefix_caching=config.enable_prefix_caching,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            max_num_partial_prefills=config.max_num_partial_prefills,
             namespace=f"{self.model_name}|{self.dtype}",
-            **(self.speculative.scheduler_kwargs(self.device.type) if self.speculative is not None else {}),
+            speculative=dataclasses.replace(
+                self.speculative,
+                disable_by_batch_size=self.speculative.effective_disable_by_batch_size(self.device.type),
+            )
+            if self.speculative is not None
+            else None,
         )
         self.parallel: TensorParallelGroup | None = None
         """The other tensor-parallel ranks (this engine is rank 0), when there are any."""
@@ -285,10 +283,6 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         # The core refuses a prompt that leaves no room for output (its rule, stated there).
         max_tokens = params.max_tokens or max(self.max_model_len - len(token_ids), 1)
-        if params.prompt_logprobs is not None:
-            # NOTE: every prompt position's logits are needed, so this request must compute
-            # its whole prompt: a salt of its own keeps it off everyone's cached blocks.
-            cache_salt = f"{cache_salt or ''}|prompt-logprobs|{request_id}|{time.monotonic_ns()}"
         grammar_id = None
         if params.structured_outputs is not None:
             grammar_id = self.grammars.compile(*params.structured_outputs.kind_and_spec())
@@ -306,6 +300,7 @@ class LLMEngine:
                 priority=priority,
                 cache_salt=cache_salt,
                 speculate=speculates(params),
+                prompt_logprobs=params.prompt_logprobs is not None,
             )
         except BaseException:
             self._release(request)
