@@ -60,6 +60,7 @@ lint-python: $(EXTENSION) $(MODEL_DEPS_STAMP)
 	$(PY) -m mypy.stubtest pagedrs._core
 
 lint-rust: $(DEPS_STAMP)
+	cargo fmt --check
 	cargo clippy --locked --quiet --all-targets -- -D warnings
 	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --locked --quiet --all-targets --features python -- -D warnings
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import pagedrs
+from pagedrs.config import EngineConfig
 
 torch = pytest.importorskip("torch", reason="the benchmark converts outputs to torch tensors")
 
@@ -38,13 +39,8 @@ class DecodeLoop:
     def __init__(self, num_running: int):
         self.num_running = num_running
         blocks_per_request = (PROMPT_LEN + STEPS_PER_BATCH) // 16 + 2
-        self.scheduler = pagedrs.Scheduler(
-            num_blocks=num_running * blocks_per_request * 2,
-            block_size=16,
-            max_num_batched_tokens=65536,
-            max_num_seqs=num_running,
-            max_model_len=4096,
-        )
+        config = EngineConfig(block_size=16, max_num_batched_tokens=65536, max_num_seqs=num_running)
+        self.scheduler = pagedrs.Scheduler(config, num_blocks=num_running * blocks_per_request * 2, max_model_len=4096)
         self.batch = 0
         self.steps = STEPS_PER_BATCH
         self.request_ids: list[str] = []

@@ -14,6 +14,7 @@ import pytest
 
 from pagedrs import DuplicateRequestError, InvalidArgumentError, Scheduler, StepUpdates, UnknownRequestError
 from pagedrs._core import FINISH_REASONS
+from tests.helpers.scheduler import make_scheduler
 
 
 class FakeModel:
@@ -184,15 +185,15 @@ def check_columns(updates: StepUpdates, out, sampled: np.ndarray) -> None:
 
 def test_arrays_match_a_pure_python_recomputation_under_a_random_workload():
     rng = random.Random(1234)
-    scheduler = Scheduler(
-        num_blocks=16,
+    scheduler = make_scheduler(
+        16,
         block_size=4,
         max_num_batched_tokens=24,
         max_num_seqs=6,
         max_model_len=64,
         long_prefill_token_threshold=10,
         max_num_partial_prefills=2,
-        policy="priority",
+        scheduling_policy="priority",
     )
     model = FakeModel(scheduler, rng)
     model.max_batched_tokens = 24
@@ -228,7 +229,7 @@ def test_arrays_match_a_pure_python_recomputation_under_a_random_workload():
 
 
 def test_n_choices_share_the_prompt_and_copy_the_partial_block():
-    scheduler = Scheduler(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = make_scheduler(32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
     scheduler.add_request("r", [5, 6, 7, 8, 9, 10], n=3, max_tokens=3)
     out = scheduler.schedule()
     assert out.num_scheduled_tokens.tolist() == [6]
@@ -249,7 +250,7 @@ def test_n_choices_share_the_prompt_and_copy_the_partial_block():
 
 
 def test_output_arrays_are_the_cores_buffers_not_copies():
-    scheduler = Scheduler(num_blocks=8, block_size=4)
+    scheduler = make_scheduler(8, block_size=4)
     scheduler.add_request("a", [1, 2, 3])
     out = scheduler.schedule()
     for name in ("input_token_ids", "positions", "slot_mapping", "block_tables", "logits_indices"):
@@ -261,7 +262,7 @@ def test_output_arrays_are_the_cores_buffers_not_copies():
 
 
 def test_stop_conditions_and_python_side_finish():
-    scheduler = Scheduler(num_blocks=16, block_size=4)
+    scheduler = make_scheduler(16, block_size=4)
     scheduler.add_request("eos", [1, 2], eos_token_id=9, max_tokens=10)
     scheduler.add_request("stop-id", [1, 2], stop_token_ids=[7], max_tokens=10)
     scheduler.add_request("string", [1, 2], max_tokens=10)
@@ -287,7 +288,7 @@ def test_stop_conditions_and_python_side_finish():
 
 
 def test_request_too_big_for_the_cache_ends_with_capacity_not_a_hang():
-    scheduler = Scheduler(num_blocks=2, block_size=4)
+    scheduler = make_scheduler(2, block_size=4)
     scheduler.add_request("huge", list(range(20)), max_tokens=5)
     scheduler.add_request("ok", [1], max_tokens=1)
     finished = {}
@@ -302,7 +303,7 @@ def test_request_too_big_for_the_cache_ends_with_capacity_not_a_hang():
 
 
 def test_bad_input_raises_value_errors_and_leaves_the_scheduler_healthy():
-    scheduler = Scheduler(num_blocks=16, block_size=4, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=8)
+    scheduler = make_scheduler(16, block_size=4, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=8)
     scheduler.add_request("good", [1, 2, 3], max_tokens=2)
     bad_calls = [
         lambda: scheduler.add_request("x", []),
@@ -315,9 +316,9 @@ def test_bad_input_raises_value_errors_and_leaves_the_scheduler_healthy():
         lambda: scheduler.add_request("x", [1], eos_token_id=-2),
         lambda: scheduler.finish_request("good", "bored"),
         lambda: scheduler.finish_request("good", "stop", index=3),
-        lambda: Scheduler(num_blocks=0),
-        lambda: Scheduler(num_blocks=8, policy="random"),
-        lambda: Scheduler(num_blocks=8, max_num_seqs=10, max_num_batched_tokens=5),
+        lambda: make_scheduler(0),
+        lambda: make_scheduler(8, scheduling_policy="random"),
+        lambda: make_scheduler(8, max_num_seqs=10, max_num_batched_tokens=5),
     ]
     for call in bad_calls:
         with pytest.raises(ValueError):
@@ -340,7 +341,7 @@ def test_bad_input_raises_value_errors_and_leaves_the_scheduler_healthy():
 
 
 def test_step_updates_are_columns_that_name_each_tokens_logits_row():
-    scheduler = Scheduler(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    scheduler = make_scheduler(32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     single, multi = "single", "multi"
     scheduler.add_request(single, [1, 2, 3], max_tokens=2)
     scheduler.add_request(multi, [4, 5, 6, 7, 8], n=3, max_tokens=1)
@@ -367,7 +368,7 @@ def test_step_updates_are_columns_that_name_each_tokens_logits_row():
     ]
     check_columns(updates, out, sampled)
     # A sequence the scheduler ends itself gets no token: no logits row either.
-    scheduler = Scheduler(num_blocks=2, block_size=4)
+    scheduler = make_scheduler(2, block_size=4)
     scheduler.add_request("huge", list(range(20)), max_tokens=5)
     scheduler.add_request("small", [1], max_tokens=3)
     out = scheduler.schedule()
@@ -379,7 +380,7 @@ def test_step_updates_are_columns_that_name_each_tokens_logits_row():
 
 
 def test_a_finish_the_caller_decided_is_not_echoed():
-    scheduler = Scheduler(num_blocks=32, block_size=4)
+    scheduler = make_scheduler(32, block_size=4)
     scheduler.add_request("r", [1, 2, 3], n=2, max_tokens=10)
     scheduler.add_request("other", [4, 5], max_tokens=10)
     out = scheduler.schedule()
@@ -417,7 +418,7 @@ def run_to_end(scheduler: Scheduler) -> list[tuple[str, int, int]]:
 
 
 def test_num_cached_tokens_reports_each_requests_prefix_hit_on_all_its_rows():
-    scheduler = Scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    scheduler = make_scheduler(64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     prompt = list(range(100, 118))  # 18 tokens: 4 full blocks can hit, never the last token
     scheduler.add_request("first", prompt, max_tokens=2)
     assert {cached for *_, cached in run_to_end(scheduler)} == {0}, "nothing was cached yet"
@@ -431,7 +432,7 @@ def test_num_cached_tokens_reports_each_requests_prefix_hit_on_all_its_rows():
 
 
 def test_a_prompt_one_short_of_max_model_len_generates_exactly_one_token():
-    scheduler = Scheduler(num_blocks=16, block_size=4, max_model_len=16, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = make_scheduler(16, block_size=4, max_model_len=16, max_num_seqs=4, max_num_batched_tokens=64)
     scheduler.add_request("full", list(range(15)), max_tokens=100)
     out = scheduler.schedule()
     assert out.positions.max() == 14
@@ -444,3 +445,19 @@ def test_a_prompt_one_short_of_max_model_len_generates_exactly_one_token():
     with pytest.raises(InvalidArgumentError):
         scheduler.add_request("long", list(range(16)))
     assert not scheduler.has_unfinished_requests()
+
+
+def test_a_prompt_logprobs_request_computes_its_whole_prompt_but_shares_its_blocks():
+    scheduler = make_scheduler(64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    prompt = list(range(100, 118))
+    scheduler.add_request("logprobs", prompt, max_tokens=1, prompt_logprobs=True)
+    assert scheduler.schedule().num_scheduled_tokens.tolist() == [18]
+    scheduler.update_from_output([0])
+    scheduler.add_request("ordinary", prompt, max_tokens=1)
+    assert scheduler.schedule().num_scheduled_tokens.tolist() == [2], "its blocks were cached"
+    scheduler.update_from_output([0])
+    scheduler.add_request("again", prompt, max_tokens=1, prompt_logprobs=True)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens.tolist() == [18] and out.positions[0] == 0, "no cached prefix"
+    scheduler.update_from_output([0])
+    assert scheduler.stats().num_used_blocks == 0

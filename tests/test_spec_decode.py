@@ -209,6 +209,13 @@ def test_prompt_lookup_defaults_follow_vllm():
     assert lookup(prompt_lookup_min=2, prompt_lookup_max=4) == (2, 4)
 
 
+def test_parse_fills_in_the_lookup_range_the_core_reads():
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 3)
+    given = SpeculativeConfig(method="suffix", num_speculative_tokens=2)
+    assert SpeculativeConfig.parse(given).prompt_lookup_min == 5
+
+
 def test_a_failing_draft_model_fails_its_batch_and_the_engine_goes_on(tiny_llama):
     spec = {"model": tiny_llama, "num_speculative_tokens": 3, "disable_by_batch_size": 0}
     llm = LLM(tiny_llama, kv_cache_memory="4MiB", speculative_config=spec)

@@ -5,6 +5,9 @@ from typing import final
 import numpy as np
 import numpy.typing as npt
 
+from pagedrs.config import EngineConfig
+from pagedrs.spec_decode import SpeculativeConfig
+
 __all__ = [
     "GrammarMatchers",
     "KVCacheManager",
@@ -14,6 +17,7 @@ __all__ = [
     "SchedulerStats",
     "StepUpdates",
     "FINISH_REASONS",
+    "MAX_SPECULATIVE_TOKENS",
     "__version__",
 ]
 
@@ -149,7 +153,7 @@ class SchedulerOutput:
     @property
     def num_draft_tokens(self) -> npt.NDArray[np.int32]:
         """Proposed tokens of each sequence: the last of its ``num_scheduled_tokens``
-        (placeholders 0 under the ``draft`` method, for the caller to fill). ``[num_seqs]``"""
+        (placeholders 0 under the ``draft_model`` method, for the caller to fill). ``[num_seqs]``"""
     @property
     def block_copies(self) -> npt.NDArray[np.int64]:
         """Copy-on-write ``(src, dst)`` block copies to do before the forward pass. ``[k, 2]``"""
@@ -192,7 +196,10 @@ class SchedulerStats:
     num_draft_tokens_total: int
     num_accepted_tokens_total: int
     num_accepted_tokens_per_pos: list[int]
-    """32 entries (the most proposals a step allows): accepted proposals by position."""
+    """`MAX_SPECULATIVE_TOKENS` entries: accepted proposals by position in the proposal."""
+
+MAX_SPECULATIVE_TOKENS: int
+"""The most tokens a sequence may propose per step (``num_speculative_tokens``' limit)."""
 
 FINISH_REASONS: tuple[str, ...]
 """``("stop", "length", "abort", "capacity")``: ``StepUpdates.finish_codes`` code ``c > 0``
@@ -249,30 +256,28 @@ class Scheduler:
 
     def __new__(
         cls,
-        num_blocks: int,
-        block_size: int = 16,
+        config: EngineConfig,
         *,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        max_model_len: int = 8192,
-        policy: str = "fcfs",
-        enable_prefix_caching: bool = True,
-        long_prefill_token_threshold: int | None = None,
-        max_num_partial_prefills: int = 1,
+        num_blocks: int,
+        max_model_len: int,
         namespace: str = "",
-        speculative_method: str | None = None,
-        num_speculative_tokens: int = 0,
-        prompt_lookup_min: int = 1,
-        prompt_lookup_max: int = 4,
-        suffix_max_tree_depth: int = 24,
-        suffix_min_token_prob: float = 0.1,
-        suffix_max_spec_factor: float = 1.0,
-        suffix_max_cached_requests: int = 10000,
-        spec_disable_by_batch_size: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> Scheduler:
-        """``speculative_method``: ``"ngram"``, ``"suffix"`` or ``"draft"`` (the caller's
-        proposals) turns speculative decoding on, ``num_speculative_tokens`` at most per
-        sequence and step."""
+        """Reads these attributes of ``config`` (any object that has them): ``block_size``,
+        ``max_num_batched_tokens``, ``max_num_seqs``, ``scheduling_policy`` (``"fcfs"`` or
+        ``"priority"``), ``enable_prefix_caching``, ``long_prefill_token_threshold`` and
+        ``max_num_partial_prefills``.
+
+        - ``num_blocks``: KV blocks in the cache; ``max_model_len``: the longest sequence,
+          prompt and output together;
+        - ``namespace``: the model's identity, keying the prefix cache;
+        - ``speculative``: ``None`` (off), or an object with the attributes of
+          `pagedrs.spec_decode.SpeculativeConfig` (``method``: ``"ngram"``, ``"suffix"``, or
+          ``"draft_model"``, whose proposals the caller writes into the batch), its defaults resolved:
+          ``prompt_lookup_min``/``prompt_lookup_max`` ints (as ``SpeculativeConfig.parse``
+          leaves them), ``disable_by_batch_size`` the device's (``None`` or 0: never steps
+          aside).
+        """
     def add_request(
         self,
         request_id: str,
@@ -288,9 +293,16 @@ class Scheduler:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         speculate: bool = True,
+        prompt_logprobs: bool = False,
     ) -> None:
-        """Queues a request (``speculate``: whether its choices may propose tokens when
-        the scheduler speculates). ``DuplicateRequestError`` for a live id; ``InvalidArgumentError``
+        """Queues a request.
+
+        - ``speculate``: whether its choices may propose tokens when the scheduler speculates;
+        - ``prompt_logprobs``: the caller needs every prompt position's logits, so the request
+          takes no cached prefix and computes its whole prompt (its blocks are still cached
+          for the requests after it).
+
+        ``DuplicateRequestError`` for a live id; ``InvalidArgumentError``
         (a ``ValueError``) for an empty prompt, one that leaves no room for output,
         ``max_tokens < 1``, ``min_tokens > max_tokens`` or ``n`` outside ``[1, max_num_seqs]``.
 
@@ -314,7 +326,7 @@ class Scheduler:
         ``logits_request_indices[i]``), applies stop conditions, frees what finished. A
         speculating sequence gets the rows that sampled their proposal, then one more (one
         update row per token). ``draft_token_ids``: the proposals the caller wrote into the
-        batch (``draft`` method), in row order. ``InvalidArgumentError`` when a count does not
+        batch (``draft_model`` method), in row order. ``InvalidArgumentError`` when a count does not
         match."""
     def request_status(self, request_id: str, index: int = 0) -> str:
         """``"waiting"``, ``"running"`` or ``"preempted"``; ``UnknownRequestError`` once the
@@ -331,7 +343,8 @@ class Scheduler:
     @property
     def max_model_len(self) -> int: ...
     def stats(self) -> SchedulerStats: ...
-    def check_invariants(self) -> None: ...
+    def check_invariants(self) -> None:
+        """Raises ``InternalError`` if the scheduler or its KV cache is inconsistent."""
 
 @final
 class GrammarMatchers:

@@ -32,16 +32,16 @@
 //! sequence's prefix hit may point at blocks that another sequence of the same batch is
 //! computing in this very step (prefixes are cached when allocated, as in vLLM).
 
-use crate::block_pool::BlockId;
+use crate::block_id::BlockId;
 use crate::kv_cache_manager::{BlockCopy, SequenceId};
-use crate::sequence::FinishReason;
+use crate::sequence::{FinishReason, RequestHandle};
 
 /// One token appended to a sequence in `update_from_output` (a speculating sequence may get
 /// several, one update each, in order), or a sequence the scheduler had to end on its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SequenceUpdate {
-    /// Handle of the caller's request (see `Scheduler::external_id`).
-    pub request: u64,
+    /// The caller's request (see `Scheduler::external_id`).
+    pub request: RequestHandle,
     /// Prompt tokens of that request served from the prefix cache when it was first
     /// scheduled; 0 if it never was (ended by `schedule` before its first step).
     pub num_cached_tokens: usize,
@@ -61,8 +61,8 @@ pub struct SequenceUpdate {
 pub struct SchedulerOutput {
     /// Scheduled sequences, in batch order.
     pub sequence_ids: Vec<SequenceId>,
-    /// Handle of the caller's request of each scheduled sequence.
-    pub requests: Vec<u64>,
+    /// The caller's request of each scheduled sequence.
+    pub requests: Vec<RequestHandle>,
     /// Choice index of each scheduled sequence.
     pub choice_indices: Vec<u32>,
     /// Tokens each scheduled sequence computes this step.
@@ -128,8 +128,8 @@ impl SchedulerOutput {
 pub(crate) struct ScheduledSeq {
     /// The sequence.
     pub id: SequenceId,
-    /// Handle of its caller's request.
-    pub request: u64,
+    /// Its caller's request.
+    pub request: RequestHandle,
     /// Its choice index.
     pub choice_index: usize,
     /// First position computed this step.

@@ -13,20 +13,10 @@ use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::block_id::BlockId;
 use crate::error::{Error, Result};
 use crate::free_queue::FreeBlockQueue;
 use crate::prefix_cache::{BlockHash, BuildPrehashed};
-
-/// Index of a physical block in the KV cache tensors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BlockId(pub u32);
-
-impl BlockId {
-    /// The id as a `usize` index.
-    pub fn index(self) -> usize {
-        self.0 as usize
-    }
-}
 
 /// A block id pinned to one use of the block: stale once the block is handed out again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

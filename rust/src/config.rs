@@ -107,11 +107,15 @@ pub struct RequestParams {
     /// Whether its choices may speculate when the scheduler does (the caller turns it off
     /// for sampling rules the verifier does not cover).
     pub speculate: bool,
+    /// Whether the caller wants the logits of every prompt position (prompt logprobs): the
+    /// request then takes no cached prefix and computes its whole prompt. Its own full
+    /// blocks are still cached for the requests after it.
+    pub prompt_logprobs: bool,
 }
 
 impl Default for RequestParams {
     /// One choice, the default stop conditions, priority 0, no salt, arrival by call order,
-    /// speculation allowed.
+    /// speculation allowed, no prompt logprobs.
     fn default() -> Self {
         RequestParams {
             stop: StopConditions::default(),
@@ -120,6 +124,7 @@ impl Default for RequestParams {
             cache_salt: None,
             arrival_time: None,
             speculate: true,
+            prompt_logprobs: false,
         }
     }
 }

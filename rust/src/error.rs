@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use crate::block_pool::BlockId;
+use crate::block_id::BlockId;
 
 /// Everything that can go wrong when the core is misused or given bad input.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,7 +20,8 @@ pub enum Error {
     /// A prefix hit found by `get_computed_blocks` was evicted before `allocate_slots`
     /// claimed it (some other allocation ran in between).
     StalePrefixHit(String),
-    /// `check_invariants` found the pool inconsistent (a bug in the core).
+    /// `check_invariants` found the block pool or the scheduler inconsistent (a bug in the
+    /// core).
     InvariantViolation(String),
     /// No compiled grammar has this id (never compiled, or evicted from the grammar cache).
     UnknownGrammar(u64),
@@ -42,7 +43,7 @@ impl fmt::Display for Error {
             Error::RefCountUnderflow(block) => {
                 write!(f, "block {} freed more times than it was allocated", block.0)
             }
-            Error::InvariantViolation(what) => write!(f, "block pool invariant violated: {what}"),
+            Error::InvariantViolation(what) => write!(f, "core invariant violated: {what}"),
             Error::UnknownGrammar(id) => write!(
                 f,
                 "unknown grammar id {id} (never compiled, or evicted from the grammar cache: \

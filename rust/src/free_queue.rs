@@ -9,7 +9,7 @@
 //! free a sequence's blocks tail-first, so within one chain the tail is evicted before the
 //! head, and a shorter prefix outlives a longer one.
 
-use crate::block_pool::BlockId;
+use crate::block_id::BlockId;
 
 /// Links of one block while it is in the queue.
 #[derive(Debug, Clone, Copy, Default)]

@@ -16,7 +16,8 @@
 
 use std::sync::Arc;
 
-use crate::block_pool::{BlockId, BlockPool, BlockRef};
+use crate::block_id::BlockId;
+use crate::block_pool::{BlockPool, BlockRef};
 use crate::error::{Error, Result};
 use crate::prefix_cache::{BlockHash, BlockHasher};
 
@@ -111,8 +112,13 @@ struct SequenceBlocks {
     pending_query_tokens: Option<usize>,
 }
 
-/// Running counts for metrics.
+/// Running counts for metrics. Python reads it as `pagedrs._core.KVCacheStats`, these
+/// fields as attributes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "python",
+    pyo3::pyclass(name = "KVCacheStats", module = "pagedrs._core", frozen, get_all)
+)]
 pub struct KVCacheStats {
     /// Total blocks in the pool.
     pub num_blocks: usize,

@@ -8,6 +8,7 @@
 //! sequence.
 
 pub mod batch;
+pub mod block_id;
 pub mod block_pool;
 pub mod config;
 pub mod error;
@@ -24,12 +25,13 @@ pub mod structured;
 mod python;
 
 pub use batch::{SchedulerOutput, SequenceUpdate};
-pub use block_pool::{BlockId, BlockPool, BlockRef};
+pub use block_id::BlockId;
+pub use block_pool::{BlockPool, BlockRef};
 pub use error::{Error, Result};
 pub use kv_cache_manager::{BlockCopy, KVCacheManager, KVCacheStats, SequenceId};
 pub use metrics::SchedulerStats;
 pub use prefix_cache::BlockHash;
 pub use scheduler::{RequestParams, Scheduler, SchedulerConfig, SchedulingPolicy};
-pub use sequence::{FinishReason, StopConditions};
+pub use sequence::{FinishReason, RequestHandle, StopConditions};
 pub use speculative::{SpeculativeConfig, SpeculativeMethod};
 pub use structured::{GrammarId, GrammarKind, GrammarMatchers, MatcherHandle, StructuredStats};

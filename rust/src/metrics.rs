@@ -2,8 +2,13 @@
 
 use crate::speculative::MAX_SPECULATIVE_TOKENS;
 
-/// A snapshot of the scheduler's state and counters.
+/// A snapshot of the scheduler's state and counters. Python reads it as
+/// `pagedrs._core.SchedulerStats`, these fields as attributes (plus `kv_cache_usage`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[cfg_attr(
+    feature = "python",
+    pyo3::pyclass(name = "SchedulerStats", module = "pagedrs._core", frozen, get_all)
+)]
 pub struct SchedulerStats {
     /// Sequences holding blocks and scheduled every step.
     pub num_running: usize,

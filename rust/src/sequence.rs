@@ -5,7 +5,13 @@
 use std::cmp::Ordering;
 
 use crate::kv_cache_manager::SequenceId;
-use crate::speculative::Drafter;
+
+/// The scheduler's handle for a caller's request, issued by `Scheduler::add_request` in
+/// order (0, 1, 2, ...) and never reused. Every sequence of the request, every update and
+/// every batch row names its request by this handle; the binding maps it back to the
+/// caller's string id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestHandle(pub u64);
 
 /// Why a sequence ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,9 +186,8 @@ impl Ord for QueueKey {
 pub struct Sequence {
     /// Handle shared with the `KVCacheManager`.
     pub id: SequenceId,
-    /// Handle of the caller's request this sequence is a choice of (see
-    /// `Scheduler::request_handle`).
-    pub request: u64,
+    /// The caller's request this sequence is a choice of.
+    pub request: RequestHandle,
     /// Which of the request's `n` choices this is.
     pub choice_index: usize,
     /// Choices still to be forked off when the prompt is done (`n - 1`, then 0).
@@ -201,15 +206,6 @@ pub struct Sequence {
     pub stop: StopConditions,
     /// Times this sequence was preempted.
     pub num_preemptions: u32,
-    /// Its proposer, when it speculates.
-    pub(crate) drafter: Option<Drafter>,
-    /// Speculative steps in a row in which none of its proposals was accepted.
-    pub(crate) num_spec_misses: u32,
-    /// Decode steps it still sits out before proposing again (after misses).
-    pub(crate) spec_cooldown: u32,
-    /// Most tokens it proposes next step: one more than it got accepted last time, growing
-    /// back towards `k` while whole proposals are accepted.
-    pub(crate) spec_len: usize,
 }
 
 impl Sequence {

@@ -24,8 +24,9 @@
 //!   own tokens, and a shared one over the outputs of recently finished sequences; the
 //!   longest match of the current suffix is extended greedily by its most frequent
 //!   continuation while that path's estimated probability stays above `min_token_prob`.
-//! - `External` (a draft model): the core reserves the slots and placeholders; the caller
-//!   writes the proposals into the batch and hands them back with the sampled tokens.
+//! - `DraftModel` (`"draft_model"`): the core reserves the slots and placeholders; the
+//!   caller runs the draft model, writes its proposals into the batch and hands them back
+//!   with the sampled tokens.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -54,7 +55,7 @@ pub enum SpeculativeMethod {
         max_cached_requests: usize,
     },
     /// Proposals from a draft model the caller runs.
-    External,
+    DraftModel,
 }
 
 /// Speculative decoding settings of a scheduler.
@@ -114,13 +115,14 @@ impl SpeculativeConfig {
                     ));
                 }
             }
-            SpeculativeMethod::External => {}
+            SpeculativeMethod::DraftModel => {}
         }
         Ok(())
     }
 }
 
-/// Most tokens a sequence may propose per step.
+/// Most tokens a sequence may propose per step (`k`'s upper bound). Declared here only:
+/// Python reads it as `pagedrs._core.MAX_SPECULATIVE_TOKENS`.
 pub const MAX_SPECULATIVE_TOKENS: usize = 32;
 
 /// A sequence's proposer state.
@@ -130,8 +132,8 @@ pub(crate) enum Drafter {
     Ngram(NgramIndex),
     /// The sequence's own suffix trie.
     Suffix(SuffixTrie),
-    /// Placeholders the caller fills.
-    External,
+    /// Placeholders the caller fills with its draft model's proposals.
+    DraftModel,
 }
 
 impl Drafter {
@@ -142,7 +144,7 @@ impl Drafter {
             SpeculativeMethod::Suffix { max_depth, .. } => {
                 Drafter::Suffix(SuffixTrie::new(max_depth, false))
             }
-            SpeculativeMethod::External => Drafter::External,
+            SpeculativeMethod::DraftModel => Drafter::DraftModel,
         }
     }
 
@@ -178,7 +180,7 @@ impl Drafter {
                 };
                 out.extend_from_slice(&best);
             }
-            (Drafter::External, _) => out.resize(max_tokens, 0),
+            (Drafter::DraftModel, _) => out.resize(max_tokens, 0),
             _ => unreachable!("a drafter is built for its scheduler's method"),
         }
     }

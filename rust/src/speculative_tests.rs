@@ -148,8 +148,8 @@ fn suffix_cache_memory_stays_bounded_by_the_outputs_it_keeps() {
 }
 
 #[test]
-fn external_proposals_are_placeholders_of_the_asked_length() {
-    let method = SpeculativeMethod::External;
+fn draft_model_proposals_are_placeholders_of_the_asked_length() {
+    let method = SpeculativeMethod::DraftModel;
     let mut drafter = Drafter::new(&method);
     assert_eq!(propose(&mut drafter, &method, &[1, 2, 3], 3), vec![0, 0, 0]);
 }

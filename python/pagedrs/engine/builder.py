@@ -138,7 +138,7 @@ def load_engine_parts(config: EngineConfig) -> EngineParts:
         speculative = dataclasses.replace(
             speculative, disable_by_batch_size=speculative.effective_disable_by_batch_size(device.type) or 0
         )
-    scheduler = _TEMP_scheduler(
+    scheduler = Scheduler(
         config,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
@@ -250,22 +250,3 @@ def _log_start(info: EngineInfo, plan: KVCachePlan) -> None:
         plan.capacity.num_tokens,
     )
 
-
-def _TEMP_scheduler(config, *, num_blocks, max_model_len, namespace, speculative):  # TEMP until the core reads config
-    kwargs = {}
-    if speculative is not None:
-        kwargs = speculative.scheduler_kwargs("cpu")
-        kwargs["spec_disable_by_batch_size"] = speculative.disable_by_batch_size or None
-    return Scheduler(
-        num_blocks,
-        config.block_size,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=max_model_len,
-        policy=config.scheduling_policy,
-        enable_prefix_caching=config.enable_prefix_caching,
-        long_prefill_token_threshold=config.long_prefill_token_threshold,
-        max_num_partial_prefills=config.max_num_partial_prefills,
-        namespace=namespace,
-        **kwargs,
-    )

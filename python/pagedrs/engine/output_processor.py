@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import numpy as np
@@ -96,10 +95,6 @@ class OutputProcessor:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         # The core refuses a prompt that leaves no room for output (its rule, stated there).
         max_tokens = params.max_tokens or max(self.max_model_len - len(token_ids), 1)
-        if params.prompt_logprobs is not None:
-            # NOTE: every prompt position's logits are needed, so this request must compute
-            # its whole prompt: a salt of its own keeps it off everyone's cached blocks.
-            cache_salt = f"{cache_salt or ''}|prompt-logprobs|{request_id}|{time.monotonic_ns()}"
         grammar_id = None
         if params.structured_outputs is not None:
             grammar_id = self.grammars.compile(*params.structured_outputs.kind_and_spec())
@@ -117,6 +112,8 @@ class OutputProcessor:
                 priority=priority,
                 cache_salt=cache_salt,
                 speculate=speculates(params),
+                # Every prompt position's logits are needed: the core computes its whole prompt.
+                prompt_logprobs=params.prompt_logprobs is not None,
             )
         except BaseException:
             self._release(request)

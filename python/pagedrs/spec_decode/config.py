@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
+
+from pagedrs._core import MAX_SPECULATIVE_TOKENS
 
 METHODS = ("ngram", "suffix", "draft_model")
 
@@ -42,9 +45,12 @@ class SpeculativeConfig:
     @staticmethod
     def parse(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
         """From a dict, its JSON text, or ``None`` (no speculation). Unknown keys, a missing
-        ``num_speculative_tokens`` or bad values raise ``ValueError``."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
+        ``num_speculative_tokens`` or bad values raise ``ValueError``. ``prompt_lookup_min``
+        and ``prompt_lookup_max`` come back resolved (`lookup_range`)."""
+        if value is None:
+            return None
+        if isinstance(value, SpeculativeConfig):
+            return value._resolved()
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -72,7 +78,7 @@ class SpeculativeConfig:
             raise ValueError("speculative config: num_speculative_tokens is required")
         config = SpeculativeConfig(method=method, **value)
         config.check()
-        return config
+        return config._resolved()
 
     def check(self) -> None:
         def positive_int(name: str, value: Any, low: int = 1) -> None:
@@ -114,6 +120,11 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None:
             positive_int("disable_by_batch_size", self.disable_by_batch_size, 0)
 
+    def _resolved(self) -> SpeculativeConfig:
+        """This config with ``prompt_lookup_min``/``prompt_lookup_max`` filled in."""
+        low, high = self.lookup_range()
+        return dataclasses.replace(self, prompt_lookup_min=low, prompt_lookup_max=high)
+
     def lookup_range(self) -> tuple[int, int]:
         """``(prompt_lookup_min, prompt_lookup_max)`` as vLLM fills them in: one given alone
         sets both ends, neither gives 5..5."""
@@ -129,25 +140,6 @@ class SpeculativeConfig:
         if disable is None:
             disable = default_disable_by_batch_size(device_type)
         return disable or None
-
-    def scheduler_kwargs(self, device_type: str = "cpu") -> dict[str, Any]:
-        """The core `Scheduler`'s speculative keyword arguments on a device of this type."""
-        low, high = self.lookup_range()
-        return {
-            "speculative_method": {"draft_model": "draft"}.get(self.method, self.method),
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "prompt_lookup_min": low,
-            "prompt_lookup_max": high,
-            "suffix_max_tree_depth": self.suffix_decoding_max_tree_depth,
-            "suffix_min_token_prob": self.suffix_decoding_min_token_prob,
-            "suffix_max_spec_factor": self.suffix_decoding_max_spec_factor,
-            "suffix_max_cached_requests": self.suffix_decoding_max_cached_requests,
-            "spec_disable_by_batch_size": self.effective_disable_by_batch_size(device_type),
-        }
-
-
-MAX_SPECULATIVE_TOKENS = 32
-"""The core's limit on proposals per sequence and step."""
 
 
 def _is_number(value: Any) -> bool:

@@ -8,57 +8,6 @@ use super::{name_request, to_count, to_py_err, to_token_ids};
 use crate::error::Error;
 use crate::kv_cache_manager::{KVCacheManager, KVCacheStats, SequenceId};
 
-/// Snapshot of the KV cache counters.
-#[pyclass(name = "KVCacheStats", module = "pagedrs._core", frozen, get_all)]
-#[derive(Clone)]
-pub(super) struct PyKVCacheStats {
-    /// Total blocks.
-    num_blocks: usize,
-    /// Blocks referenced by a request.
-    num_used_blocks: usize,
-    /// Free blocks still holding a cached prefix.
-    num_cached_free_blocks: usize,
-    /// Blocks referenced by no request.
-    num_free_blocks: usize,
-    /// Prompt tokens looked up in the prefix cache.
-    prefix_cache_queries: u64,
-    /// Prompt tokens found cached.
-    prefix_cache_hits: u64,
-    /// Cached blocks evicted for reuse.
-    num_evictions: u64,
-}
-
-impl From<KVCacheStats> for PyKVCacheStats {
-    fn from(stats: KVCacheStats) -> Self {
-        PyKVCacheStats {
-            num_blocks: stats.num_blocks,
-            num_used_blocks: stats.num_used_blocks,
-            num_cached_free_blocks: stats.num_cached_free_blocks,
-            num_free_blocks: stats.num_free_blocks,
-            prefix_cache_queries: stats.prefix_cache_queries,
-            prefix_cache_hits: stats.prefix_cache_hits,
-            num_evictions: stats.num_evictions,
-        }
-    }
-}
-
-#[pymethods]
-impl PyKVCacheStats {
-    fn __repr__(&self) -> String {
-        format!(
-            "KVCacheStats(num_blocks={}, num_used_blocks={}, num_cached_free_blocks={}, \
-             num_free_blocks={}, prefix_cache_queries={}, prefix_cache_hits={}, num_evictions={})",
-            self.num_blocks,
-            self.num_used_blocks,
-            self.num_cached_free_blocks,
-            self.num_free_blocks,
-            self.prefix_cache_queries,
-            self.prefix_cache_hits,
-            self.num_evictions
-        )
-    }
-}
-
 /// Python face of `KVCacheManager`, keyed by string request ids.
 #[pyclass(name = "KVCacheManager", module = "pagedrs._core")]
 pub(super) struct PyKVCacheManager {
@@ -135,8 +84,8 @@ impl PyKVCacheManager {
         self.inner.usage()
     }
 
-    fn stats(&self) -> PyKVCacheStats {
-        self.inner.stats().into()
+    fn stats(&self) -> KVCacheStats {
+        self.inner.stats()
     }
 
     fn __contains__(&self, request_id: &str) -> bool {

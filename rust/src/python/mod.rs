@@ -3,6 +3,7 @@
 //! `pagedrs/errors.py`. Nothing here panics across the boundary.
 
 mod kv;
+mod outputs;
 mod scheduler;
 mod structured;
 
@@ -11,7 +12,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyTuple, PyType};
 
 use crate::error::Error;
+use crate::kv_cache_manager::KVCacheStats;
+use crate::metrics::SchedulerStats;
 use crate::sequence::FinishReason;
+use crate::speculative::MAX_SPECULATIVE_TOKENS;
 
 /// Raises `Error` as the matching `pagedrs.errors` class (or, should that module fail to
 /// import, as the standard class it derives from, so callers catching `ValueError` or
@@ -76,15 +80,16 @@ pub(super) fn to_token_ids(values: Vec<i64>) -> Result<Vec<u32>, Error> {
 #[pymodule]
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<kv::PyKVCacheManager>()?;
-    module.add_class::<kv::PyKVCacheStats>()?;
+    module.add_class::<KVCacheStats>()?;
     module.add_class::<scheduler::PyScheduler>()?;
-    module.add_class::<scheduler::PySchedulerOutput>()?;
-    module.add_class::<scheduler::PySchedulerStats>()?;
-    module.add_class::<scheduler::PyStepUpdates>()?;
+    module.add_class::<outputs::PySchedulerOutput>()?;
+    module.add_class::<SchedulerStats>()?;
+    module.add_class::<outputs::PyStepUpdates>()?;
     module.add_class::<structured::PyGrammarMatchers>()?;
     // `StepUpdates.finish_codes` index this: code `c > 0` is `FINISH_REASONS[c - 1]`.
     let finish_reasons = FinishReason::ALL.map(FinishReason::as_str);
     module.add("FINISH_REASONS", PyTuple::new(module.py(), finish_reasons)?)?;
+    module.add("MAX_SPECULATIVE_TOKENS", MAX_SPECULATIVE_TOKENS)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

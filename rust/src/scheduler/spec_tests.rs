@@ -32,14 +32,12 @@ type Results = HashMap<(String, usize), (Vec<u32>, Option<FinishReason>)>;
 type KvStore = HashMap<i64, (i64, i64)>;
 
 /// Runs one step against the fake model, checking the KV every row attends to. For
-/// `External`, the harness proposes (mostly right) tokens itself, as a draft model would.
+/// `DraftModel`, the harness proposes (mostly right) tokens itself, as a draft model would.
 fn run_step(s: &mut Scheduler, kv: &mut KvStore, rng: &mut SmallRng) -> Vec<SequenceUpdate> {
     let mut out = s.schedule().unwrap();
+    s.check_invariants().unwrap();
     let block_size = s.config.block_size;
-    let external = matches!(
-        s.config.speculative.as_ref().map(|spec| &spec.method),
-        Some(SpeculativeMethod::External)
-    );
+    let caller_proposes = s.spec.as_ref().is_some_and(SpecState::caller_proposes);
     let mut contexts: Vec<Vec<u32>> = Vec::new();
     let mut external_drafts = Vec::new();
     for (i, &id) in out.sequence_ids.iter().enumerate() {
@@ -48,7 +46,7 @@ fn run_step(s: &mut Scheduler, kv: &mut KvStore, rng: &mut SmallRng) -> Vec<Sequ
         let known = s.kv.token_ids(id).unwrap();
         let num_drafts = out.num_draft_tokens[i] as usize;
         let mut context: Vec<u32> = known[..first_position + (end - start) - num_drafts].to_vec();
-        if external && num_drafts > 0 {
+        if caller_proposes && num_drafts > 0 {
             let choice = out.choice_indices[i] as usize;
             for _ in 0..num_drafts {
                 let token = if rng.gen_bool(0.8) { next_token(&context, choice) } else { 5 };
@@ -99,9 +97,9 @@ fn run_step(s: &mut Scheduler, kv: &mut KvStore, rng: &mut SmallRng) -> Vec<Sequ
             next_token(&contexts[seq][..len], out.logits_choice_indices[row] as usize)
         })
         .collect();
-    let drafts = external.then_some(external_drafts.as_slice());
+    let drafts = caller_proposes.then_some(external_drafts.as_slice());
     let updates = s.update_from_output_with_drafts(&sampled, drafts).unwrap();
-    s.kv.pool().check_invariants().unwrap();
+    s.check_invariants().unwrap();
     updates
 }
 
@@ -165,12 +163,13 @@ fn run(
             if next < work.prompts.len() {
                 let id = format!("r{next}");
                 s.add_request(&id, &work.prompts[next], work.params[next].clone()).unwrap();
+                s.check_invariants().unwrap();
                 next += 1;
             }
         }
         for update in run_step(&mut s, &mut kv, &mut rng) {
             // Handles are issued in order: request `r{i}` has handle i.
-            let id = format!("r{}", update.request);
+            let id = format!("r{}", update.request.0);
             let entry = results.entry((id, update.choice_index)).or_default();
             entry.0.extend(update.new_token_id);
             if update.finish_reason.is_some() {
@@ -207,7 +206,7 @@ fn every_method_gives_the_same_tokens_as_plain_decoding_with_preemption_and_pref
     let methods = [
         spec(SpeculativeMethod::Ngram { min_n: 1, max_n: 3 }, 3),
         spec(suffix(), 4),
-        spec(SpeculativeMethod::External, 3),
+        spec(SpeculativeMethod::DraftModel, 3),
     ];
     for method in methods {
         let name = format!("{:?}", method.as_ref().unwrap().method);
@@ -301,7 +300,7 @@ fn no_sequence_speculates_in_a_batch_at_the_disable_size() {
         num_blocks: 64,
         block_size: 4,
         speculative: Some(SpeculativeConfig {
-            method: SpeculativeMethod::External,
+            method: SpeculativeMethod::DraftModel,
             num_speculative_tokens: 2,
             disable_by_batch_size: Some(2),
         }),
@@ -330,7 +329,7 @@ fn external_config(num_blocks: usize, k: usize) -> SchedulerConfig {
     SchedulerConfig {
         num_blocks,
         block_size: 4,
-        speculative: spec(SpeculativeMethod::External, k),
+        speculative: spec(SpeculativeMethod::DraftModel, k),
         ..Default::default()
     }
 }

@@ -1,8 +1,5 @@
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
-
 use super::*;
-use crate::sequence::StopConditions;
+use crate::sequence::{RequestHandle, StopConditions};
 
 fn config(num_blocks: usize, max_num_batched_tokens: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -31,7 +28,7 @@ fn step(s: &mut Scheduler, token: u32) -> (SchedulerOutput, Vec<SequenceUpdate>)
     let out = s.schedule().unwrap();
     let sampled = vec![token; out.logits_indices.len()];
     let updates = s.update_from_output(&sampled).unwrap();
-    s.kv_cache().pool().check_invariants().unwrap();
+    s.check_invariants().unwrap();
     (out, updates)
 }
 
@@ -161,7 +158,7 @@ fn preemption_frees_blocks_resumes_with_the_same_tokens_and_is_counted() {
     s.add_request("new", &prompt(8, 100), params(12)).unwrap();
     let mut preempted = Vec::new();
     let mut seen_preempted_status = false;
-    let mut texts: std::collections::HashMap<(u64, usize), Vec<u32>> = Default::default();
+    let mut texts: std::collections::HashMap<(RequestHandle, usize), Vec<u32>> = Default::default();
     let mut token = 0;
     while s.has_unfinished_requests() {
         token += 1;
@@ -213,7 +210,7 @@ fn abort_in_every_state_frees_everything() {
     assert!(!s.has_unfinished_requests());
     assert_eq!(s.kv_cache().num_free_blocks(), 5);
     assert!(matches!(s.abort_request("waiting"), Err(Error::UnknownRequest(_))));
-    s.kv_cache().pool().check_invariants().unwrap();
+    s.check_invariants().unwrap();
 }
 
 #[test]
@@ -431,7 +428,7 @@ fn nothing_more_is_reported_about_an_aborted_request() {
     s.add_request("r", &prompt(3, 0), RequestParams { n: 2, ..params(10) }).unwrap();
     step(&mut s, 1);
     // As if `schedule` had ended choice 1 for capacity while choice 0 lives on.
-    let child = s.requests.values().next().unwrap().choices[1];
+    let child = s.requests[s.request_handle("r").unwrap()].choices[1];
     s.end_for_capacity(child).unwrap();
     s.abort_request("r").unwrap();
     assert!(!s.has_unfinished_requests());
@@ -502,100 +499,36 @@ fn bad_requests_and_configs_are_errors() {
     assert!(s.update_from_output(&[1]).is_ok());
 }
 
-/// Thousands of requests with random lengths, n, priorities and aborts on a tight cache.
 #[test]
-fn randomized_simulation_keeps_invariants_and_ends_with_every_block_free() {
-    randomized_simulation(None);
+fn a_prompt_logprobs_request_computes_its_whole_prompt_yet_caches_it_for_others() {
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    let logprobs = || RequestParams { prompt_logprobs: true, ..params(1) };
+    s.add_request("first", &prompt(18, 0), logprobs()).unwrap();
+    let (out, updates) = step(&mut s, 1);
+    assert_eq!(scheduled_tokens(&out), vec![18]);
+    assert_eq!(updates[0].num_cached_tokens, 0);
+    // Its full blocks were cached: an ordinary request with the same prompt hits them.
+    s.add_request("ordinary", &prompt(18, 0), params(1)).unwrap();
+    let (out, updates) = step(&mut s, 1);
+    assert_eq!(scheduled_tokens(&out), vec![2], "16 of 18 prompt tokens were cached");
+    assert_eq!(updates[0].num_cached_tokens, 16);
+    // Another one that wants prompt logprobs takes no hit, though the prefix is cached.
+    s.add_request("again", &prompt(18, 0), logprobs()).unwrap();
+    let (out, updates) = step(&mut s, 1);
+    assert_eq!(scheduled_tokens(&out), vec![18]);
+    assert_eq!(out.positions.first(), Some(&0));
+    assert_eq!(updates[0].num_cached_tokens, 0);
+    assert_eq!(s.stats().prefix_cache_hits, 16);
 }
 
-/// The same with speculative steps: proposals accepted at random.
 #[test]
-fn randomized_speculative_simulation_keeps_invariants_and_ends_with_every_block_free() {
-    use crate::speculative::{SpeculativeConfig, SpeculativeMethod};
-    let s = randomized_simulation(Some(SpeculativeConfig {
-        method: SpeculativeMethod::Ngram { min_n: 1, max_n: 2 },
-        num_speculative_tokens: 4,
-        disable_by_batch_size: Some(10),
-    }));
-    let stats = s.stats();
-    assert!(stats.num_drafts_total > 1000, "{stats:?}");
-    assert!(stats.num_accepted_tokens_total > 1000, "{stats:?}");
-}
-
-fn randomized_simulation(speculative: Option<crate::speculative::SpeculativeConfig>) -> Scheduler {
-    let mut rng = SmallRng::seed_from_u64(99);
-    let cfg = SchedulerConfig {
-        num_blocks: 40,
-        block_size: 4,
-        max_num_batched_tokens: 32,
-        max_num_seqs: 12,
-        max_model_len: 96,
-        policy: SchedulingPolicy::Priority,
-        long_prefill_token_threshold: Some(12),
-        max_num_partial_prefills: 2,
-        speculative,
-        ..Default::default()
-    };
-    let mut s = Scheduler::new(cfg).unwrap();
-    let mut live: Vec<String> = Vec::new();
-    let mut next = 0;
-    let mut finished = 0;
-    while next < 3000 || s.has_unfinished_requests() {
-        if next < 3000 && rng.gen_bool(0.4) {
-            let id = format!("r{next}");
-            let len = rng.gen_range(1..60);
-            let tokens: Vec<u32> = (0..len).map(|_| rng.gen_range(0..3)).collect();
-            let p = RequestParams {
-                stop: StopConditions {
-                    max_tokens: rng.gen_range(1..30),
-                    eos_token_id: Some(0),
-                    min_tokens: 1,
-                    ..Default::default()
-                },
-                n: rng.gen_range(1..=3),
-                priority: rng.gen_range(-2..3),
-                cache_salt: rng.gen_bool(0.2).then(|| "salt".to_owned()),
-                arrival_time: None,
-                speculate: rng.gen_bool(0.9),
-            };
-            s.add_request(&id, &tokens, p).unwrap();
-            live.push(id);
-            next += 1;
-        }
-        if !live.is_empty() && rng.gen_bool(0.05) {
-            let id = live.swap_remove(rng.gen_range(0..live.len()));
-            let _ = s.abort_request(&id); // may have finished already
-        }
-        let out = s.schedule().unwrap();
-        assert!(out.num_batched_tokens() <= 32);
-        assert!(out.sequence_ids.len() <= 12);
-        assert_eq!(
-            out.query_start_loc.last().copied().unwrap_or(0) as usize,
-            out.num_batched_tokens()
-        );
-        // A row accepts its proposal with probability 0.6.
-        let sampled: Vec<u32> =
-            out.logits_draft_token_ids
-                .iter()
-                .map(|&draft| {
-                    if draft >= 0 && rng.gen_bool(0.6) {
-                        draft as u32
-                    } else {
-                        rng.gen_range(0..5)
-                    }
-                })
-                .collect();
-        for update in s.update_from_output(&sampled).unwrap() {
-            finished += usize::from(update.finish_reason.is_some());
-        }
-        s.kv_cache().pool().check_invariants().unwrap();
-        assert!(s.num_running() <= 12);
-    }
-    assert!(finished > 1000);
-    assert!(s.stats().num_preemptions_total > 0, "memory was never tight");
-    assert!(s.stats().prefix_cache_hits > 0);
-    assert_eq!(s.kv_cache().num_free_blocks(), 40);
-    assert_eq!(s.kv_cache().num_sequences(), 0);
-    assert!(s.requests.is_empty() && s.external_id_to_request.is_empty());
-    s
+fn check_invariants_finds_a_sequence_in_two_queues() {
+    let mut s = Scheduler::new(config(64, 64)).unwrap();
+    s.add_request("a", &prompt(6, 0), params(4)).unwrap();
+    step(&mut s, 1);
+    s.check_invariants().unwrap();
+    let id = s.running[0];
+    let key = s.sequences[id].key;
+    s.waiting.insert(key, id);
+    assert!(matches!(s.check_invariants(), Err(Error::InvariantViolation(_))));
 }

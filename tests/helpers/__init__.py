@@ -1,0 +1,1 @@
+"""Helpers shared by test modules (never test modules themselves)."""
