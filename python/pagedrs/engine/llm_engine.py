@@ -28,7 +28,7 @@ from pagedrs.models import architecture_of, build_model
 from pagedrs.models.loader import load_config, load_tokenizer, resolve_model
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.quant.loading import predicted_weight_bytes
-from pagedrs.sampler import Sampler, SamplerOutput, SamplingRow
+from pagedrs.sample import Sampler, SamplerOutput, SamplingRow
 from pagedrs.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pagedrs.spec_decode import DraftModelProposer, SpeculativeConfig, speculates, verify_and_sample
 from pagedrs.structured_vocab import token_bytes

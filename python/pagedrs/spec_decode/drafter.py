@@ -32,7 +32,7 @@ import torch
 
 from pagedrs._core import SchedulerOutput
 from pagedrs.engine.model_runner import ModelRunner, StepArrays
-from pagedrs.sampler import Sampler, SamplingRow
+from pagedrs.sample import Sampler, SamplingRow
 from pagedrs.spec_decode.verify import draw, filtered_probs, uniforms
 
 
