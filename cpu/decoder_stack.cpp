@@ -174,7 +174,7 @@ void for_rows(int64_t num_rows, const F& f) {
 class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
  public:
   DecoderStackImpl(int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-               int64_t intermediate_size, double eps)
+                   int64_t intermediate_size, double eps)
       : hidden_size_(hidden_size),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),

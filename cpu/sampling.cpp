@@ -24,6 +24,7 @@
 // pass takes 0.04 and torch's argmax 0.8.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
 #include "cpu_kernels.h"
 
 #include <algorithm>
