@@ -74,12 +74,12 @@ test-python: $(EXTENSION) $(MODEL_DEPS_STAMP) cpu-kernels
 # ~/.cache/pagedrs before the tests, so no test pays the compile (~20 s the first time,
 # instant after) and a kernel that does not build fails here, not as a silent fallback.
 cpu-kernels: $(EXTENSION) $(MODEL_DEPS_STAMP)
-	$(PY) -m pagedrs.attention.cpu_ops
+	$(PY) -m pagedrs.kernels.cpu
 
 # Compiles every CUDA kernel for sm_80 and sm_90 and the torch binding against torch's
 # headers (no GPU needed); fails when a kernel does not build.
 cuda-check: $(EXTENSION) $(CUDA_DEPS_STAMP)
-	$(PY) -m pagedrs.attention.cuda_ops --check
+	$(PY) -m pagedrs.kernels.cuda --check
 
 # On a GPU machine: kernels against the torch reference, bandwidth, end to end (see
 # benches/gpu_check.py). Uses this venv if there is one, else the machine's python3.

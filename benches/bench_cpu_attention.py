@@ -23,9 +23,9 @@ import torch
 
 from pagedrs.attention import cpu_backend
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
-from pagedrs.attention.cpu_ops import load
 from pagedrs.attention.torch_ref import AttentionMetadata
 from pagedrs.engine.host_memory import retain_freed_host_memory
+from pagedrs.kernels.cpu import load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests import test_cpu_attention

@@ -1,6 +1,6 @@
 """One step's sampling on the CPU, at 64 and 256 rows of a 49,152-token vocabulary (float32
-logits, ``randn * 3``): the compiled ops (``cpu/sampling.cpp``, through `pagedrs.cpu_sampling`)
-against the torch path (`Sampler` of ``pagedrs/sampler.py``) and a plain ``argmax``.
+logits, ``randn * 3``): the compiled ops (``cpu/sampling.cpp``, through `pagedrs.sample.cpu_ops`)
+against the torch path (`Sampler` of ``pagedrs/sample/sampler.py``) and a plain ``argmax``.
 
     .venv/bin/python benches/bench_cpu_sampling.py [--threads N] [--repeat R] [--rows 64 256]
 
@@ -19,9 +19,9 @@ import time
 import torch
 
 from pagedrs import SamplingParams
-from pagedrs.cpu_sampling import logprob_stats, sample_from_rows
 from pagedrs.engine.host_memory import retain_freed_host_memory
-from pagedrs.sampler import Sampler, SamplingRow
+from pagedrs.sample import Sampler, SamplingRow
+from pagedrs.sample.cpu_ops import logprob_stats, sample_from_rows
 
 VOCAB = 49_152
 MAX_DRAWS = 16  # uniforms per top-p row (the sampler's MAX_REJECTION_ROUNDS)

@@ -25,7 +25,7 @@ def measure(backend: str, batch: int, context: int, steps: int) -> dict:
     )
     seconds = {"attention": 0.0}
     # Every layer attends through the step's metadata object: time its `attend`.
-    metadata_class = engine.runner._metadata
+    metadata_class = engine.runner.attention_backend.metadata
     original = metadata_class.attend
 
     def timed_attend(meta, *args, **kwargs):
@@ -53,7 +53,7 @@ def measure(backend: str, batch: int, context: int, steps: int) -> dict:
     metadata_class.attend = original
     step, attend = statistics.median(totals), statistics.median(attention)
     return {
-        "backend": engine.runner.attention_backend,
+        "backend": engine.runner.attention_backend.name,
         "step_ms": step * 1e3,
         "attention_ms": attend * 1e3,
         "attention_share": attend / step,

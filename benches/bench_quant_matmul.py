@@ -62,9 +62,9 @@ def kernels(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]
         torch.randint(0, 16, (out_features, in_features), dtype=torch.int32), 1
     )
     scales_and_zeros = torch.randn(in_features // 32, out_features, 2)
-    from pagedrs.attention import cpu_ops
+    from pagedrs.kernels import cpu as cpu_kernels
 
-    ops = cpu_ops.load()
+    ops = cpu_kernels.load()
     packed = {
         qtype: torch.from_numpy(quants.quantize(w.numpy(), qtype))
         for qtype in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1)

@@ -125,7 +125,7 @@ def environment() -> str:
 
 
 def build_kernels() -> None:
-    from pagedrs.attention.cuda_ops import load
+    from pagedrs.kernels.cuda import load
 
     start = time.perf_counter()
     load()
@@ -136,11 +136,11 @@ def preflight(dry_run: bool = False) -> None:
     """Versions, the CUDA headers the kernels include, the Rust extension and Triton."""
     import torch
 
-    from pagedrs.attention import triton_attention
+    from pagedrs.kernels import triton as triton_runtime
 
     ensure_core()
     triton = "not installed"
-    if triton_attention.available():
+    if triton_runtime.available():
         import triton as triton_module
 
         triton = triton_module.__version__
@@ -152,7 +152,7 @@ def preflight(dry_run: bool = False) -> None:
     )
     if dry_run:
         return
-    from pagedrs.attention.cuda_ops import cuda_include_dirs, find_nvcc
+    from pagedrs.kernels.cuda import cuda_include_dirs, find_nvcc
 
     nvcc = find_nvcc()
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:]
@@ -380,8 +380,8 @@ def greedy_run(
     )
     outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     runner = llm.engine.runner
-    plan = runner.kernel_plan
-    backend = runner.attention_backend if plan is None else f"decode {plan.decode}, prefill {plan.prefill}"
+    plan = runner.attention_backend.kernel_plan
+    backend = runner.attention_backend.name if plan is None else f"decode {plan.decode}, prefill {plan.prefill}"
     if runner.graphs is not None:
         backend += f", {runner.graphs.num_replays} graph replays"
     del llm

@@ -1,6 +1,9 @@
-// What one cpu/ source calls in another: the entry points the fused decoder stack
-// (decoder_stack.cpp) runs without going back through the dispatcher, and the vectorizable
-// exp they share. Each is defined (and documented with its layouts) in the file named beside it.
+// The entry points of the cpu/ kernels: what torch_bindings.cpp registers (torch.ops.pagedrs_cpu.*
+// and torch.classes.pagedrs_cpu.DecoderStack), what one source calls in another (the fused
+// decoder stack runs the attention and the packed matmul without going back through the
+// dispatcher), and the vectorizable exp they share. Each is defined, and its layouts documented,
+// in the file named beside it; every op checks its tensors' dtype, device, contiguity and shapes
+// before it reads them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,14 +11,72 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 namespace pagedrs_cpu {
 
-// paged_attention.cpp: query rows against their paged context; the step's keys and values
-// must already be in the caches. Registered as torch.ops.pagedrs_cpu.paged_attention.
+// ---------------------------------------------------------------------------------------------
+// Registered ops (schemas in torch_bindings.cpp)
+
+// paged_attention.cpp: query rows [num_rows, num_heads, head_size] against their paged context
+// (caches [num_blocks, block_size, num_kv_heads, head_size]) into out (written); the step's keys
+// and values must already be in the caches.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                      const at::Tensor& context_lens, double scale, int64_t sliding_window);
+
+// sampling.cpp: the sampled tokens' logprobs and ranks and each row's top logprobs (all four
+// outputs written) of logits [num_rows, vocab_size].
+void logprob_stats(const at::Tensor& logits, const at::Tensor& token_ids, int64_t num_top, at::Tensor& logprobs,
+                   at::Tensor& ranks, at::Tensor& top_ids, at::Tensor& top_logprobs);
+
+// sampling.cpp: token_ids [num_rows] (written): one draw per row under temperature, min-p and
+// top-p, from the caller's uniforms [num_rows, num_uniforms].
+void sample_from_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& min_p,
+                      const at::Tensor& top_p, const at::Tensor& uniforms, at::Tensor& token_ids);
+
+// sampling.cpp: -inf into logits (written) of the tokens each masked row's grammar bitmask
+// [num_masked, num_words] forbids.
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask);
+
+// quant_matmul.cpp: x [num_tokens, in_features] @ dequant(weight)^T, weight packed uint8
+// [out_features, row_bytes] of ggml_type; returns [num_tokens, out_features] in x's dtype.
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type, int64_t in_features);
+
+// decoder_stack.cpp: a Llama-family model's decoder layers run in one call per step (weights
+// and per-step tensors: the header comment of decoder_stack.cpp). Registered as
+// torch.classes.pagedrs_cpu.DecoderStack, made by make_decoder_stack.
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  // Appends a layer: its two RMSNorm weights, Qwen3's q/k norms (both or neither), then each
+  // linear's weight, ggml type (0: dense float32) and bias.
+  virtual void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+                         std::optional<at::Tensor> k_norm, at::Tensor qkv, int64_t qkv_type,
+                         std::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type,
+                         std::optional<at::Tensor> o_bias, at::Tensor gate_up, int64_t gate_up_type,
+                         std::optional<at::Tensor> gate_up_bias, at::Tensor down, int64_t down_type,
+                         std::optional<at::Tensor> down_bias) = 0;
+
+  virtual int64_t num_layers() const = 0;
+
+  // Runs every layer over the step's rows; hidden [num_tokens, hidden_size] (written) ends as
+  // the last layer's output.
+  virtual void forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> key_caches,
+                       std::vector<at::Tensor> value_caches, at::Tensor slot_mapping,
+                       std::optional<at::Tensor> kernel_rows, std::optional<at::Tensor> block_tables,
+                       std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> context_lens,
+                       std::vector<int64_t> chunk_bounds, std::vector<at::Tensor> chunk_blocks,
+                       c10::List<std::optional<at::Tensor>> chunk_masks, double scale,
+                       int64_t sliding_window) const = 0;
+};
+
+// decoder_stack.cpp: an empty stack for a model of these sizes (fails loudly on sizes it cannot run).
+c10::intrusive_ptr<DecoderStack> make_decoder_stack(int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads,
+                                                    int64_t head_size, int64_t intermediate_size, double eps);
+
+// ---------------------------------------------------------------------------------------------
+// Shared between sources
 
 // quant_matmul.cpp: out [num_tokens, out_features] = x [num_tokens, in_features] @
 // dequant(weight)^T, all float32 and contiguous, weight packed in a GGUF block format.

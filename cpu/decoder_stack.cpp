@@ -7,8 +7,9 @@
 // same paged attention (paged_attention.cpp, torch's SDPA for long prefill chunks, as
 // python/pagedrs/attention/cpu_backend.py splits them). Results equal the Python layers' up
 // to the order of float additions (and fused multiply-adds); tests/test_decoder_stack.py holds
-// the two side by side. Built with the other cpu/ kernels by python/pagedrs/attention/cpu_ops.py;
-// registered as torch.classes.pagedrs_cpu.DecoderStack, driven by python/pagedrs/models/cpu_stack.py.
+// the two side by side. Built with the other cpu/ kernels by python/pagedrs/kernels/cpu.py;
+// its interface (cpu_kernels.h) registered as torch.classes.pagedrs_cpu.DecoderStack by
+// torch_bindings.cpp, driven by python/pagedrs/models/cpu_stack.py.
 //
 // Dimensions:
 //   num_tokens          rows of the step (decodes and prefill chunks, flattened)
@@ -39,8 +40,6 @@
 //   the listed ones) with their block tables, and the long prefill chunks SDPA attends.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/custom_class.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
@@ -172,10 +171,10 @@ void for_rows(int64_t num_rows, const F& f) {
   });
 }
 
-class DecoderStack : public torch::CustomClassHolder {
+class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
  public:
-  DecoderStack(int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-               int64_t intermediate_size, double eps)
+  DecoderStackImpl(int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                   int64_t intermediate_size, double eps)
       : hidden_size_(hidden_size),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
@@ -195,7 +194,7 @@ class DecoderStack : public torch::CustomClassHolder {
                  std::optional<at::Tensor> k_norm, at::Tensor qkv, int64_t qkv_type, std::optional<at::Tensor> qkv_bias,
                  at::Tensor o, int64_t o_type, std::optional<at::Tensor> o_bias, at::Tensor gate_up,
                  int64_t gate_up_type, std::optional<at::Tensor> gate_up_bias, at::Tensor down, int64_t down_type,
-                 std::optional<at::Tensor> down_bias) {
+                 std::optional<at::Tensor> down_bias) override {
     check_float_vector(input_norm, hidden_size_, "input_norm");
     check_float_vector(post_norm, hidden_size_, "post_norm");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "pagedrs_cpu: q_norm and k_norm come together");
@@ -214,7 +213,7 @@ class DecoderStack : public torch::CustomClassHolder {
     });
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t num_layers() const override { return static_cast<int64_t>(layers_.size()); }
 
   // Runs every layer over the step's rows; `hidden` ends as the last layer's output.
   //   kernel_rows, block_tables, cu_seqlens_q, context_lens: the rows the paged attention kernel
@@ -229,7 +228,7 @@ class DecoderStack : public torch::CustomClassHolder {
                std::optional<at::Tensor> block_tables, std::optional<at::Tensor> cu_seqlens_q,
                std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
                std::vector<at::Tensor> chunk_blocks, c10::List<std::optional<at::Tensor>> chunk_masks, double scale,
-               int64_t sliding_window) const {
+               int64_t sliding_window) const override {
     const int64_t num_tokens = hidden.size(0), num_layers = this->num_layers();
     check_step(hidden, cos, sin, key_caches, value_caches, slot_mapping);
     TORCH_CHECK(chunk_bounds.size() == 3 * chunk_blocks.size() && chunk_masks.size() == chunk_blocks.size(),
@@ -402,11 +401,8 @@ class DecoderStack : public torch::CustomClassHolder {
 
 }  // namespace
 
-// paged_attention.cpp's TORCH_LIBRARY defines the library; this fragment adds the stack.
-TORCH_LIBRARY_FRAGMENT(pagedrs_cpu, m) {
-  m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
-      .def("add_layer", &DecoderStack::add_layer)
-      .def("num_layers", &DecoderStack::num_layers)
-      .def("forward", &DecoderStack::forward);
+c10::intrusive_ptr<pagedrs_cpu::DecoderStack> pagedrs_cpu::make_decoder_stack(int64_t hidden_size, int64_t num_heads,
+                                                                              int64_t num_kv_heads, int64_t head_size,
+                                                                              int64_t intermediate_size, double eps) {
+  return c10::make_intrusive<DecoderStackImpl>(hidden_size, num_heads, num_kv_heads, head_size, intermediate_size, eps);
 }

@@ -2,7 +2,8 @@
 // read in place through the block tables (no gather copy), for decodes (one row per sequence)
 // and prefill chunks over a cached prefix (several rows per sequence, causal) in one call,
 // with grouped-query attention and an optional sliding window. Built and loaded by
-// python/pagedrs/attention/cpu_ops.py; registered as torch.ops.pagedrs_cpu.*.
+// python/pagedrs/kernels/cpu.py; registered as torch.ops.pagedrs_cpu.paged_attention by
+// torch_bindings.cpp.
 //
 // Dimensions:
 //   num_seqs        sequences of the step
@@ -32,7 +33,6 @@
 // mixed batch still spread over every core.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "cpu_kernels.h"
 
@@ -474,10 +474,3 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 }
 
 }  // namespace pagedrs_cpu
-
-TORCH_LIBRARY(pagedrs_cpu, m) {
-  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor cu_seqlens_q, Tensor context_lens, float scale, int sliding_window) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) { m.impl("paged_attention", &pagedrs_cpu::paged_attention); }

@@ -4,8 +4,8 @@
 // weights: an fp16 scale (and Q4_K an fp16 minimum) refined by 6- or 8-bit scales of each
 // 32 (Q4_K) or 16 (Q6_K) weights; llama.cpp's Q4_K_M files mix the two). A decode step of a small model is bound by reading its
 // weights; reading the 4/8-bit blocks instead of a float32 copy reads 4-7x fewer bytes.
-// Built and loaded by python/pagedrs/attention/cpu_ops.py with the other cpu/ kernels;
-// registered as torch.ops.pagedrs_cpu.quant_matmul; layers in python/pagedrs/quant/.
+// Built and loaded by python/pagedrs/kernels/cpu.py with the other cpu/ kernels; registered as
+// torch.ops.pagedrs_cpu.quant_matmul by torch_bindings.cpp; layers in python/pagedrs/quant/.
 //
 // Dimensions:
 //   num_tokens      rows of activations (1 for a single-stream decode)
@@ -38,7 +38,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include "cpu_kernels.h"
 
@@ -363,10 +362,6 @@ void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t
   }
 }
 
-}  // namespace pagedrs_cpu
-
-namespace {
-
 // y = x @ dequant(weight)^T (see the header for layouts).
 //   x:      float32, bfloat16 or float16 [num_tokens, in_features]
 //   weight: uint8 [out_features, in_features / block_weights * block_bytes] (of ggml_type)
@@ -396,11 +391,4 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t g
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-}  // namespace
-
-// paged_attention.cpp's TORCH_LIBRARY defines the library; this fragment adds the quantized matmul.
-TORCH_LIBRARY_FRAGMENT(pagedrs_cpu, m) {
-  m.def("quant_matmul(Tensor x, Tensor weight, int ggml_type, int in_features) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) { m.impl("quant_matmul", &quant_matmul); }
+}  // namespace pagedrs_cpu

@@ -1,7 +1,7 @@
 // Sampling and logprobs on the CPU: one call per step over all rows, each row read a few
 // times in place (no [num_rows, vocab_size] temporary), rows spread over torch's threads.
-// Built and loaded by python/pagedrs/attention/cpu_ops.py with paged_attention.cpp;
-// registered as torch.ops.pagedrs_cpu.*; typed wrappers in python/pagedrs/cpu_sampling.py.
+// Built and loaded by python/pagedrs/kernels/cpu.py with the other cpu/ kernels; registered as
+// torch.ops.pagedrs_cpu.* by torch_bindings.cpp; typed wrappers in python/pagedrs/sample/cpu_ops.py.
 //
 // Dimensions:
 //   num_rows        logits rows of the step (one per sampled sequence)
@@ -24,7 +24,8 @@
 // pass takes 0.04 and torch's argmax 0.8.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "cpu_kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -241,6 +242,10 @@ void check_logits(const at::Tensor& logits) {
               "vocab_size >= 1, got ", logits.sizes());
 }
 
+}  // namespace
+
+namespace pagedrs_cpu {
+
 // logprobs[r] = logits[r, token_ids[r]] - logsumexp(logits[r]); ranks[r] = 1 + the number of
 // logits of row r strictly larger than the sampled one; top_ids[r] / top_logprobs[r]: the row's
 // num_top largest logits as log-probabilities, largest first, equal logits by lower id (a
@@ -280,6 +285,10 @@ void logprob_stats(const at::Tensor& logits, const at::Tensor& token_ids, int64_
     }
   });
 }
+
+}  // namespace pagedrs_cpu
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // sample_from_rows
@@ -398,6 +407,10 @@ void check_row_params(const at::Tensor& t, const char* name, int64_t num_rows) {
   check_shape(t, name, {num_rows});
 }
 
+}  // namespace
+
+namespace pagedrs_cpu {
+
 // token_ids[r]: a draw from row r's distribution exp((x - max) / temperature), restricted to
 // the candidates whose relative probability is >= min_p[r], by inverse CDF with u =
 // uniforms[r, 0]: the first token in vocabulary order whose cumulative candidate weight exceeds
@@ -485,19 +498,4 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::T
   });
 }
 
-}  // namespace
-
-// paged_attention.cpp's TORCH_LIBRARY defines the library; this fragment adds the sampling ops.
-TORCH_LIBRARY_FRAGMENT(pagedrs_cpu, m) {
-  m.def("logprob_stats(Tensor logits, Tensor token_ids, int num_top, Tensor(a!) logprobs, Tensor(b!) ranks, "
-        "Tensor(c!) top_ids, Tensor(d!) top_logprobs) -> ()");
-  m.def("sample_from_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor top_p, Tensor uniforms, "
-        "Tensor(a!) token_ids) -> ()");
-  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) {
-  m.impl("logprob_stats", &logprob_stats);
-  m.impl("sample_from_rows", &sample_from_rows);
-  m.impl("apply_token_bitmask", &apply_token_bitmask);
-}
+}  // namespace pagedrs_cpu

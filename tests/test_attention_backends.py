@@ -7,17 +7,24 @@ import numpy as np
 import pytest
 import torch
 
-from pagedrs.attention import cpu_ops, select_backend
+from pagedrs.attention import select_backend
 from pagedrs.attention.cuda_backend import CudaAttentionMetadata
+from pagedrs.kernels import cpu as cpu_kernels
 from tests.paged_batch import mixed_step
 
 
-def test_select_backend():
+def test_select_backend(monkeypatch):
+    import pagedrs.attention.kernel_choice as kernel_choice
+
+    # auto on a GPU times the kernels that take the shape; here a table stands in for the GPU.
+    timings = {("decode", "triton"): 1.0, ("prefill", "triton"): 1.0}
+    monkeypatch.setattr(kernel_choice, "measure", lambda kernels, *args: timings)
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     # auto on the CPU: the compiled kernel where it builds (make test builds it first).
-    assert select_backend("auto", cpu) == ("cpu" if cpu_ops.available() else "torch")
-    assert select_backend("auto", gpu) == "cuda"
-    assert select_backend("torch", gpu) == "torch" and select_backend("torch", cpu) == "torch"  # the reference
+    assert select_backend("auto", cpu).name == ("cpu" if cpu_kernels.available() else "torch")
+    assert select_backend("auto", gpu).name == "cuda"
+    assert select_backend("torch", gpu).name == "torch"  # the reference, on any device
+    assert select_backend("torch", cpu).name == "torch"
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_backend("cuda", cpu)
     with pytest.raises(ValueError, match="'cpu' runs on the CPU"):
@@ -26,10 +33,10 @@ def test_select_backend():
         select_backend("flash", cpu)
     # Shapes the CUDA kernels do not take: auto keeps the GPU backend while Triton takes them
     # (any head size up to 256, any group, power-of-two blocks), a forced "cuda" says why.
-    assert select_backend("auto", gpu, head_dim=96, num_heads=32, num_kv_heads=32) == "cuda"
-    assert select_backend("auto", gpu, head_dim=128, num_heads=32, num_kv_heads=1) == "cuda"
-    assert select_backend("auto", gpu, head_dim=96, num_heads=8, num_kv_heads=8, block_size=24) == "torch"
-    assert select_backend("auto", gpu, head_dim=512, num_heads=8, num_kv_heads=8) == "torch"
+    assert select_backend("auto", gpu, head_dim=96, num_heads=32, num_kv_heads=32).name == "cuda"
+    assert select_backend("auto", gpu, head_dim=128, num_heads=32, num_kv_heads=1).name == "cuda"
+    assert select_backend("auto", gpu, head_dim=96, num_heads=8, num_kv_heads=8, block_size=24).name == "torch"
+    assert select_backend("auto", gpu, head_dim=512, num_heads=8, num_kv_heads=8).name == "torch"
     with pytest.raises(ValueError, match="head size 96"):
         select_backend("cuda", gpu, head_dim=96, num_heads=8, num_kv_heads=8)
     with pytest.raises(ValueError, match="block size 24"):
@@ -40,23 +47,23 @@ def test_auto_falls_back_to_the_reference_when_the_cpu_kernel_cannot_build(monke
     def no_compiler():
         raise RuntimeError("c++: command not found")
 
-    monkeypatch.setattr(cpu_ops, "load", no_compiler)
-    cpu_ops.available.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "load", no_compiler)
+    cpu_kernels.available.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="pagedrs"):
-            assert select_backend("auto", torch.device("cpu")) == "torch"
-            assert select_backend("auto", torch.device("cpu")) == "torch"
+            assert select_backend("auto", torch.device("cpu")).name == "torch"
+            assert select_backend("auto", torch.device("cpu")).name == "torch"
         assert [r.getMessage() for r in caplog.records] == [
             "the CPU kernels did not build (c++: command not found); attention and sampling use torch ops"
         ]  # once, however often the engine asks
         with pytest.raises(RuntimeError, match="'cpu': the CPU kernel did not build"):
             select_backend("cpu", torch.device("cpu"))
         # The sampler takes the same answer: its torch ops, no second warning.
-        from pagedrs.sampler import Sampler
+        from pagedrs.sample import Sampler
 
         assert not Sampler(10).fused and len(caplog.records) == 1
     finally:
-        cpu_ops.available.cache_clear()
+        cpu_kernels.available.cache_clear()
 
 
 def test_engine_refuses_cuda_backend_without_a_gpu(tiny_llama):
@@ -180,7 +187,7 @@ def test_engine_on_the_triton_backend_matches_the_reference(tiny_llama):
         )
         results[backend] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
         if backend == "triton":
-            plan = llm.engine.runner.kernel_plan
+            plan = llm.engine.runner.attention_backend.kernel_plan
             assert (plan.decode, plan.prefill) == ("triton", "triton")
             assert llm.engine.scheduler.stats().num_used_blocks == 0
     assert results["triton"] == results["torch"]

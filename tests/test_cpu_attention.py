@@ -12,8 +12,8 @@ import torch
 
 from pagedrs.attention import cpu_backend, select_backend
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
-from pagedrs.attention.cpu_ops import available
 from pagedrs.attention.torch_ref import AttentionMetadata
+from pagedrs.kernels.cpu import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="the CPU attention kernel does not build here")
 
@@ -151,7 +151,7 @@ def test_query_with_a_row_stride_is_read_in_place(prefill_route):
 
 
 def test_inconsistent_layouts_are_refused():
-    from pagedrs.attention.cpu_ops import load
+    from pagedrs.kernels.cpu import load
 
     ops = load()
     key_cache = torch.zeros(4, 8, 2, 16)
@@ -196,12 +196,12 @@ def test_inconsistent_layouts_are_refused():
 def test_auto_picks_the_kernel_and_the_engine_generates_what_the_reference_does(tiny_llama):
     from pagedrs import LLM, SamplingParams
 
-    assert select_backend("auto", torch.device("cpu")) == "cpu"
+    assert select_backend("auto", torch.device("cpu")).name == "cpu"
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[5, 17, 33, 2, 9], list(range(10, 60)), [7, 7, 7, 300, 12]]
     outputs = {}
     for backend in ("cpu", "torch"):
         llm = LLM(tiny_llama, attention_backend=backend, max_num_batched_tokens=16, max_num_seqs=4, block_size=8)
-        assert llm.engine.runner.attention_backend == backend
+        assert llm.engine.runner.attention_backend.name == backend
         outputs[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["cpu"] == outputs["torch"]

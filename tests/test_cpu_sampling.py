@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedrs import cpu_sampling
-from pagedrs.cpu_sampling import available, logprob_stats, sample_from_rows
+from pagedrs.sample import cpu_ops as cpu_sampling
+from pagedrs.sample.cpu_ops import available, logprob_stats, sample_from_rows
 
 from .test_sampler import chi_square_p_value
 
@@ -325,7 +325,7 @@ def test_token_bitmask_blocks_exactly_the_clear_bits(fused):
     """Both of the sampler's mask paths against the bit rule: bit j of word w is token
     32 w + j; a clear bit sets that logit to -inf, rows not listed are untouched, and the
     padding bits past the vocabulary are ignored."""
-    from pagedrs.sampler import Sampler
+    from pagedrs.sample import Sampler
 
     vocab, num_words = 1000, 32  # 1024 bits for 1000 tokens
     rng = np.random.default_rng(3)

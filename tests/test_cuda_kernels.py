@@ -24,7 +24,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 @pytest.fixture(scope="module")
 def ops():
-    from pagedrs.attention.cuda_ops import load
+    from pagedrs.kernels.cuda import load
 
     return load()
 

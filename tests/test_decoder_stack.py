@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pagedrs import LLM, SamplingParams
-from pagedrs.attention.cpu_ops import available
 from pagedrs.config import EngineConfig
 from pagedrs.engine.model_runner import ModelRunner, load_model_runner
 from pagedrs.engine.step_arrays import StepArrays
+from pagedrs.kernels.cpu import available
 from tests.conftest import TINY, save_word_tokenizer
 from tests.test_cpu_attention import make_step
 

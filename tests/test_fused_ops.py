@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedrs.attention import triton_attention
+from pagedrs.kernels import triton as triton_runtime
 from pagedrs.layers import fused
 from pagedrs.layers.norm import RMSNorm
 
-if not triton_attention.available():
+if not triton_runtime.available():
     pytest.skip("Triton is not installed here", allow_module_level=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

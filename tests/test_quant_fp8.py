@@ -16,9 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedrs import LLM, SamplingParams
+from pagedrs.checkpoint import ModelSource
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel
 from pagedrs.models import build_model
-from pagedrs.models.loader import ModelSource, load_config, resolve_model
+from pagedrs.models.loader import load_config, resolve_model
 from pagedrs.quant import fp8
 from pagedrs.quant.fp8 import Fp8ColumnParallelLinear, Fp8RowParallelLinear, Fp8WeightHandle
 from pagedrs.quant.loading import load_weights, predicted_weight_bytes

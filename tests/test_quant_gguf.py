@@ -13,9 +13,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from pagedrs import LLM, SamplingParams
+from pagedrs.checkpoint.gguf import GGUFCheckpoint, hf_name
 from pagedrs.models import build_model
 from pagedrs.models.loader import load_config, resolve_model
-from pagedrs.quant.gguf import GGUFCheckpoint, hf_name
 from pagedrs.quant.layers import QuantColumnParallelLinear, QuantRowParallelLinear, QuantVocabEmbedding
 from pagedrs.quant.loading import load_weights, predicted_weight_bytes
 from tests.conftest import TINY

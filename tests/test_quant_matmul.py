@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from pagedrs.attention import cpu_ops
-from pagedrs.quant import formats
+from pagedrs.checkpoint import ggml_blocks
+from pagedrs.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the CPU kernels do not build here")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels do not build here")
 
 FORMATS = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 SHAPES = [  # (num_tokens, out_features, in_features)
@@ -92,7 +92,7 @@ def test_matches_dequantize_then_linear_in_float32(qtype, shape):
     num_tokens, out_features, in_features = shape
     packed, weight = packed_weight(qtype, out_features, in_features, seed=num_tokens * 1000 + out_features)
     x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(1))
-    out = cpu_ops.load().quant_matmul(x, packed, int(qtype), in_features)
+    out = cpu_kernels.load().quant_matmul(x, packed, int(qtype), in_features)
     expected = F.linear(x.double(), weight.double())
     assert out.dtype == torch.float32 and out.shape == (num_tokens, out_features)
     # Float32 sums of in_features products in another order: errors of a few ulps of the
@@ -106,7 +106,7 @@ def test_matches_dequantize_then_linear_in_float32(qtype, shape):
 def test_16_bit_activations_give_their_dtype_out_rounded_once(qtype, dtype):
     packed, weight = packed_weight(qtype, 45, 256, seed=3)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)).to(dtype)
-    out = cpu_ops.load().quant_matmul(x, packed, int(qtype), 256)
+    out = cpu_kernels.load().quant_matmul(x, packed, int(qtype), 256)
     assert out.dtype == dtype
     expected = F.linear(x.double(), weight.double())
     # One rounding to the 16-bit dtype (half its epsilon: 2**-8 for bfloat16, 2**-11 for
@@ -135,12 +135,12 @@ def test_packed_layer_with_float16_input_matches_the_dequantized_weights():
 
 def test_empty_batch_gives_empty_output():
     packed, _ = packed_weight(GGMLQuantizationType.Q8_0, 16, 64, seed=0)
-    out = cpu_ops.load().quant_matmul(torch.empty(0, 64), packed, int(GGMLQuantizationType.Q8_0), 64)
+    out = cpu_kernels.load().quant_matmul(torch.empty(0, 64), packed, int(GGMLQuantizationType.Q8_0), 64)
     assert out.shape == (0, 16)
 
 
 def test_bad_inputs_are_refused():
-    op = cpu_ops.load().quant_matmul
+    op = cpu_kernels.load().quant_matmul
     q8 = int(GGMLQuantizationType.Q8_0)
     packed, _ = packed_weight(GGMLQuantizationType.Q8_0, 16, 64, seed=0)
     x = torch.randn(2, 64)
@@ -165,7 +165,7 @@ def test_bad_inputs_are_refused():
 @pytest.mark.parametrize("qtype", FORMATS + K_QUANTS, ids=lambda t: t.name)
 def test_torch_dequantize_equals_gguf(qtype):
     packed, weight = packed_weight(qtype, 7, 256, seed=9)
-    assert torch.equal(formats.dequantize(packed, qtype), weight)
+    assert torch.equal(ggml_blocks.dequantize(packed, qtype), weight)
 
 
 def test_q8_0_quantizer_equals_gguf_bit_for_bit():
@@ -173,4 +173,4 @@ def test_q8_0_quantizer_equals_gguf_bit_for_bit():
     weight[0, :32] = 0  # an all-zero block (scale 0)
     weight[1, 5] = 2.5 * weight[1, :32].abs().max() / 127  # about halfway between steps 2 and 3
     expected = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
-    assert torch.equal(formats.quantize_q8_0(weight), torch.from_numpy(expected))
+    assert torch.equal(ggml_blocks.quantize_q8_0(weight), torch.from_numpy(expected))

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from pagedrs import LLM, SamplingParams
-from pagedrs.attention import cpu_ops
+from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.models.loader import resolve_model
 from pagedrs.quant.layers import QuantColumnParallelLinear, QuantRowParallelLinear, QuantVocabEmbedding
 from pagedrs.quant.loading import predicted_weight_bytes
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the CPU kernels do not build here")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels do not build here")
 
 PROMPTS = [
     "The capital of France is",

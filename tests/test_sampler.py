@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from pagedrs import SamplingParams, cpu_sampling
-from pagedrs import sampler as sampler_module
-from pagedrs.sampler import Sampler, SamplingRow
+from pagedrs import SamplingParams
+from pagedrs.sample import Sampler, SamplingRow, cpu_ops
+from pagedrs.sample import sampler as sampler_module
 
 VOCAB = 12
-PATHS = [pytest.param(False, id="torch")] + ([pytest.param(True, id="fused")] if cpu_sampling.available() else [])
+PATHS = [pytest.param(False, id="torch")] + ([pytest.param(True, id="fused")] if cpu_ops.available() else [])
 """Full-vocabulary draws and logprobs: torch ops (the GPU path) and the fused CPU kernels."""
 LOGITS = torch.tensor([2.0, 1.6, 1.5, 1.1, 0.9, 0.3, 0.0, -0.4, -1.0, -1.5, -2.5, -4.0])
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedrs import LLM, SamplingParams
-from pagedrs.sampler import Sampler, SamplingRow
+from pagedrs.sample import Sampler, SamplingRow
 from pagedrs.spec_decode import SpeculativeConfig
 from pagedrs.spec_decode.verify import filtered_probs, rejection_sample, uniforms
 from tests.server_process import start_server

@@ -314,9 +314,10 @@ def test_one_rank_through_torch_distributed_is_the_plain_engine(tiny_llama):
 def test_a_rank_reads_only_its_slices_of_the_checkpoint(tiny_checkpoint):
     """Loading rank 1 of 2 reads half of every sharded tensor from the safetensors file (norms
     and the row-parallel biases, which every rank holds, whole): no rank materializes the model."""
+    from pagedrs.checkpoint import iter_weights
     from pagedrs.layers.linear import TensorParallel
     from pagedrs.models import build_model
-    from pagedrs.models.loader import iter_weights, load_config, resolve_model
+    from pagedrs.models.loader import load_config, resolve_model
 
     _, directory, _ = tiny_checkpoint
     source = resolve_model(directory)

@@ -12,9 +12,10 @@ import torch
 
 from pagedrs.attention import triton_attention
 from pagedrs.attention.torch_ref import write_kv
+from pagedrs.kernels import triton as triton_runtime
 from tests.paged_batch import Batch
 
-if not triton_attention.available():
+if not triton_runtime.available():
     pytest.skip("Triton is not installed here (it comes with torch's CUDA wheels)", allow_module_level=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

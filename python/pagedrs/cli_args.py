@@ -67,7 +67,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_class: type) ->
 
 def config_from_args(config_class: type[T], args: argparse.Namespace) -> T:
     """The ``config_class`` instance the parsed flags describe."""
-    values = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(config_class) if spec.init}
+    specs = dataclasses.fields(config_class)  # type: ignore[arg-type]  # any dataclass
+    values = {spec.name: getattr(args, spec.name) for spec in specs if spec.init}
     return config_class(**values)
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedrs.attention.torch_ref import write_kv
+from pagedrs.kernels import cpu as cpu_kernels
 
 SDPA_MIN_ROWS = 32
 """Prefill chunks with at least this many rows go through scaled_dot_product_attention."""
@@ -142,11 +143,9 @@ class CpuAttentionMetadata:
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        from pagedrs.attention.cpu_ops import load
-
         q = query if group.rows is None else query.index_select(0, group.rows)
         o = out if group.rows is None else torch.empty(q.shape, dtype=q.dtype)
-        load().paged_attention(
+        cpu_kernels.load().paged_attention(
             o,
             q,
             key_cache,

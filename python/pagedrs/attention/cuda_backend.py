@@ -20,8 +20,22 @@ import torch
 from pagedrs.attention import triton_attention
 from pagedrs.attention.torch_ref import write_kv
 from pagedrs.attention.triton_attention import TileConfig
+from pagedrs.kernels import cuda as cuda_kernels
 
 KERNELS = ("cuda", "triton")
+"""The GPU kernels a `KernelPlan` picks from for each phase."""
+
+CUDA_HEAD_SIZES = (64, 128)
+CUDA_MAX_GROUP = 16
+
+
+def cuda_supports(head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why the CUDA kernels cannot run this model's attention, or ``None`` if they can."""
+    if head_dim not in CUDA_HEAD_SIZES:
+        return f"head size {head_dim} (the kernels take {' and '.join(map(str, CUDA_HEAD_SIZES))})"
+    if num_heads // num_kv_heads > CUDA_MAX_GROUP:
+        return f"{num_heads // num_kv_heads} query heads per KV head (the kernels take at most {CUDA_MAX_GROUP})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -198,10 +212,8 @@ class CudaAttentionMetadata:
         scale: float,
     ) -> torch.Tensor:
         """Writes this step's keys/values, then attends every query row (``[T, H, D]``)."""
-        from pagedrs.attention.cuda_ops import load
-
         if self.cuda_writes:
-            load().reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping)
+            cuda_kernels.load().reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping)
         else:
             write_kv(key, value, key_cache, value_cache, self.slot_mapping)
         query = query.contiguous()
@@ -229,7 +241,7 @@ class CudaAttentionMetadata:
                     launch.num_segments,
                 )
             elif decode:
-                load().paged_attention(
+                cuda_kernels.load().paged_attention(
                     o,
                     q,
                     key_cache,
@@ -241,7 +253,7 @@ class CudaAttentionMetadata:
                     self.sliding_window,
                 )
             else:
-                load().paged_prefill_attention(
+                cuda_kernels.load().paged_prefill_attention(
                     o,
                     q,
                     key_cache,
@@ -256,11 +268,3 @@ class CudaAttentionMetadata:
             if group.rows is not None:
                 out.index_copy_(0, group.rows, o)
         return out
-
-
-def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_copies: torch.Tensor) -> None:
-    from pagedrs.attention.cuda_ops import load
-
-    ops = load()
-    for key_cache, value_cache in kv_caches:
-        ops.copy_blocks(key_cache, value_cache, block_copies)

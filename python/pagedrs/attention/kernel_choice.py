@@ -21,8 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedrs.attention import cuda_supports, triton_attention
-from pagedrs.attention.cuda_backend import KERNELS, CudaAttentionMetadata, KernelPlan
+from pagedrs.attention import triton_attention
+from pagedrs.attention.cuda_backend import KERNELS, CudaAttentionMetadata, KernelPlan, cuda_supports
+from pagedrs.kernels import cuda as cuda_kernels
+from pagedrs.kernels import triton as triton_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ def why_not(kernel: str, head_dim: int, num_heads: int, num_kv_heads: int, block
     """Why ``kernel`` cannot run this attention shape here, or ``None`` if it can."""
     if kernel == "cuda":
         return cuda_supports(head_dim, num_heads, num_kv_heads)
-    if not triton_attention.available():
+    if not triton_runtime.available():
         return "Triton is not installed"
     return triton_attention.supports(head_dim, block_size)
 
@@ -121,10 +123,8 @@ def measure(
     kernel is timed with the same key/value write (the CUDA one when CUDA is among them, as a
     mixed plan runs it), so only the attention differs. A kernel that raises is left out."""
     if "cuda" in kernels:
-        from pagedrs.attention.cuda_ops import load
-
         try:
-            load()  # built before it is timed
+            cuda_kernels.load()  # built before it is timed
         except Exception as error:  # noqa: BLE001 - nvcc missing or failing: say why, go on without it
             logger.warning("attention kernels: the CUDA kernels are left out: %s", error)
             kernels = [k for k in kernels if k != "cuda"]

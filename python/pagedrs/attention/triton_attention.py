@@ -42,27 +42,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedrs.kernels.triton import interpreting
+
 MAX_HEAD_DIM = 256
 
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
-
-
-def available() -> bool:
-    """Whether Triton is importable here (it comes with torch's CUDA wheels)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (CPU tensors) in this process."""
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
 
 
 def supports(head_dim: int, block_size: int) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pagedrs._core import Scheduler
+from pagedrs.checkpoint import ModelSource
 from pagedrs.config import EngineConfig, resolve_dtype
 from pagedrs.engine.cuda_graphs import GraphSettings
 from pagedrs.engine.model_runner import ModelRunner, load_model_runner
@@ -24,9 +25,9 @@ from pagedrs.engine.tp_common import check_parallel_config, launched_setup
 from pagedrs.layers.linear import TensorParallel
 from pagedrs.memory import KVCapacity, kv_cache_capacity
 from pagedrs.models import architecture_of, build_model
-from pagedrs.models.loader import ModelSource, load_config, load_tokenizer, resolve_model
+from pagedrs.models.loader import load_config, load_tokenizer, resolve_model
 from pagedrs.quant.loading import predicted_weight_bytes
-from pagedrs.sampler import Sampler
+from pagedrs.sample import Sampler
 from pagedrs.spec_decode import SpeculativeConfig
 from pagedrs.spec_decode.drafter import DraftModelProposer
 
@@ -249,4 +250,3 @@ def _log_start(info: EngineInfo, plan: KVCachePlan) -> None:
         config.block_size,
         plan.capacity.num_tokens,
     )
-

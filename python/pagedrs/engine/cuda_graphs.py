@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedrs.attention import triton_attention
-from pagedrs.attention.cuda_backend import CudaAttentionMetadata, KernelPlan, _Group, _TritonLaunch
+from pagedrs.attention import AttentionBackend, triton_attention
+from pagedrs.attention.cuda_backend import CudaAttentionMetadata, _Group, _TritonLaunch
+from pagedrs.kernels import triton as triton_runtime
 
 _ALIGN = 64
 """Bytes each field's start is aligned to in the persistent buffers."""
@@ -116,14 +117,18 @@ class DecodeGraphs:
         self,
         model: torch.nn.Module,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        plan: KernelPlan,
+        backend: AttentionBackend,
         settings: GraphSettings,
         block_size: int,
         num_blocks: int,
         sliding_window: int | None,
         capture: Capture,
     ):
-        """``num_blocks``: the scheduler's blocks; the cache has one more, the scratch block."""
+        """``backend``: a `graphable` one, whose `kernel_plan` the captured launches follow;
+        ``num_blocks``: the scheduler's blocks; the cache has one more, the scratch block."""
+        plan = backend.kernel_plan
+        if not backend.graphable or plan is None:
+            raise ValueError(f"the {backend.name!r} attention backend cannot be captured in CUDA graphs")
         self.buckets = batch_buckets(settings.max_num_seqs)
         self.scratch_slot = num_blocks * block_size
         largest = self.buckets[-1]
@@ -150,7 +155,7 @@ class DecodeGraphs:
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         for bucket in reversed(self.buckets):  # the largest first: the pool's size is set once
             launch = None
-            if triton_attention.supports(plan.head_dim, block_size) is None and triton_attention.available():
+            if triton_attention.supports(plan.head_dim, block_size) is None and triton_runtime.available():
                 config = plan.tile_config(decode=True)
                 segments = triton_attention.num_segments_for(
                     bucket, plan.num_kv_heads, settings.max_model_len, config.block_n

@@ -21,7 +21,7 @@ import torch
 
 from pagedrs._core import SchedulerOutput
 from pagedrs.engine.tp_common import TensorParallelError
-from pagedrs.sampler import Sampler, SamplerOutput, SamplingRow
+from pagedrs.sample import Sampler, SamplerOutput, SamplingRow
 from pagedrs.spec_decode.drafter import DraftModelProposer
 from pagedrs.spec_decode.verify import verify_and_sample
 

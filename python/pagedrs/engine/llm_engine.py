@@ -19,7 +19,7 @@ from pagedrs.engine.host_memory import retain_freed_host_memory
 from pagedrs.engine.output_processor import OutputProcessor
 from pagedrs.engine.request_state import StructuredOutputStats, _Request
 from pagedrs.outputs import RequestOutput
-from pagedrs.sampler import Sampler
+from pagedrs.sample import Sampler
 from pagedrs.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "StructuredOutputStats"]

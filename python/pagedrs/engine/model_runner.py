@@ -10,8 +10,7 @@ import numpy as np
 import torch
 
 from pagedrs._core import SchedulerOutput
-from pagedrs.attention import AttentionMetadataClass, metadata_class, select_backend
-from pagedrs.attention.cuda_backend import KernelPlan
+from pagedrs.attention import AttentionBackend, select_backend
 from pagedrs.engine.cuda_graphs import DecodeGraphs, GraphSettings, capture_cuda_graph
 from pagedrs.engine.staging import StagedInputs
 from pagedrs.engine.step_arrays import StepArrays
@@ -74,28 +73,15 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.attention_backend = select_backend(
-            attention_backend, device, model.head_dim, model.num_heads, model.num_kv_heads, block_size
+        self.attention_backend: AttentionBackend = select_backend(
+            attention_backend, device, model.head_dim, model.num_heads, model.num_kv_heads, block_size, dtype=dtype
         )
-        self.kernel_plan: KernelPlan | None = None
-        """On the GPU backends: which kernels (CUDA, Triton) run decode and prefill."""
-        if self.attention_backend in ("cuda", "triton"):
-            from pagedrs.attention.kernel_choice import choose_plan
-
-            self.kernel_plan = choose_plan(
-                attention_backend, device, dtype, model.num_heads, model.num_kv_heads, model.head_dim, block_size
-            )
-            if self.kernel_plan is None:  # no GPU kernel ran here: the reference (choose_plan says why)
-                self.attention_backend = "torch"
-        self._metadata: AttentionMetadataClass = self.kernel_plan or metadata_class(self.attention_backend)
-        if self.kernel_plan is not None and self.kernel_plan.uses("cuda"):
-            from pagedrs.attention.cuda_ops import load
-
-            load()  # build the kernels now, not in the first request's step
+        """Builds each step's attention metadata and copies blocks; on the GPU kernels it holds
+        their `KernelPlan` (which of CUDA and Triton runs decode and prefill)."""
         if why_unsupported(model, device, self.attention_backend) is None:
             model.cpu_stack = CpuDecoderStack(model)
         self.inputs = StagedInputs(device)
-        graphed = graphs is not None and self.kernel_plan is not None
+        graphed = graphs is not None and self.attention_backend.graphable
         # With graphs, one block past the scheduler's takes the padding rows' keys/values.
         shape = (num_blocks + int(graphed), block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
@@ -104,14 +90,14 @@ class ModelRunner:
         ]
         self.graphs: DecodeGraphs | None = None
         """Captured decode steps, when asked for and the GPU backend runs."""
-        if graphs is not None and self.kernel_plan is not None:
+        if graphs is not None and graphed:
             capture = capture_cuda_graph(torch.cuda.graph_pool_handle()) if device.type == "cuda" else _run_eagerly
             # The capture's streams and pool belong to the current device: make it the model's.
             with torch.inference_mode(), _on_device(device):
                 self.graphs = DecodeGraphs(
                     model,
                     self.kv_caches,
-                    self.kernel_plan,
+                    self.attention_backend,
                     graphs,
                     block_size,
                     num_blocks=num_blocks,
@@ -142,7 +128,7 @@ class ModelRunner:
                 )
         # Everything the step reads on the device goes over in one copy (on CUDA).
         with self.inputs.one_copy():
-            meta = self._metadata.build(
+            meta = self.attention_backend.metadata.build(
                 positions=out.positions,
                 slot_mapping=out.slot_mapping,
                 query_start_loc=out.query_start_loc,
@@ -158,12 +144,5 @@ class ModelRunner:
             )
             copies = self.inputs.upload(out.block_copies)[0] if len(out.block_copies) else None
         if copies is not None:
-            if self.kernel_plan is not None and self.kernel_plan.uses("cuda"):
-                from pagedrs.attention.cuda_backend import copy_blocks
-
-                copy_blocks(self.kv_caches, copies)
-            else:
-                for key_cache, value_cache in self.kv_caches:
-                    key_cache[copies[:, 1]] = key_cache[copies[:, 0]]
-                    value_cache[copies[:, 1]] = value_cache[copies[:, 0]]
+            self.attention_backend.copy_blocks(self.kv_caches, copies)
         return self.model(input_token_ids, positions, self.kv_caches, meta, logits_rows)

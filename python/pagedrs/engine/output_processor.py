@@ -22,7 +22,7 @@ from pagedrs.engine.executor import SamplingInputs, StepResult
 from pagedrs.engine.request_state import StructuredOutputStats, _Choice, _Request
 from pagedrs.errors import DuplicateRequestError
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedrs.sampler import Sampler, SamplingRow
+from pagedrs.sample import Sampler, SamplingRow
 from pagedrs.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pagedrs.spec_decode.verify import speculates
 from pagedrs.structured_vocab import token_bytes

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pagedrs.engine.detokenizer import IncrementalDetokenizer
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedrs.sampler import SamplingRow
+from pagedrs.sample import SamplingRow
 from pagedrs.sampling_params import SamplingParams
 
 

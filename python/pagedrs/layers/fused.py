@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedrs.attention import triton_attention
+from pagedrs.kernels import triton as triton_runtime
 
 _switch: bool | None = None
 """``None``: on for CUDA tensors; ``True``: on for every tensor (tests, interpreted on a
@@ -27,9 +27,9 @@ def set_enabled(value: bool | None) -> None:
 
 
 def enabled(x: torch.Tensor) -> bool:
-    if _switch is False or not triton_attention.available():
+    if _switch is False or not triton_runtime.available():
         return False
-    return x.is_cuda or (_switch is True and triton_attention.interpreting())
+    return x.is_cuda or (_switch is True and triton_runtime.interpreting())
 
 
 def _block(width: int) -> int:

@@ -3,7 +3,7 @@
 Column-parallel layers split the output features across ranks (each rank computes its slice
 of heads or of the MLP's intermediate features); row-parallel layers split the input
 features and all-reduce their partial sums. With ``tp.size == 1`` both are plain linears.
-Loaders take a lazy handle of the full checkpoint tensor (`pagedrs.models.loader.WeightHandle`)
+Loaders take a lazy handle of the full checkpoint tensor (`pagedrs.checkpoint.WeightHandle`)
 and read only this rank's slice of it.
 """
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from pagedrs.models.loader import WeightHandle
+    from pagedrs.checkpoint import WeightHandle
 
 
 @dataclass(frozen=True)

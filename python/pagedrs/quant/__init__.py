@@ -1,6 +1,7 @@
-"""Quantized weights: GGUF tensors read as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K blocks), linears that
-multiply by them without a float copy (``torch.ops.pagedrs_cpu.quant_matmul``), and int8 (Q8_0)
-quantization of a float checkpoint at load time."""
+"""Quantized weights: linears that multiply by GGUF blocks as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K,
+read by `pagedrs.checkpoint.gguf`) without a float copy (``torch.ops.pagedrs_cpu.quant_matmul``),
+int8 (Q8_0) quantization of a float checkpoint at load time, FP8 linears, and the loader that
+picks each module's kind."""
 
 from typing import get_args
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedrs.checkpoint import SafetensorsHandle
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel
 from pagedrs.quant.sharding import ColumnShardBias, ReplicatedBias
 
@@ -107,7 +108,7 @@ def checkpoint_scheme(directory: str) -> Fp8Scheme | None:
 
 
 class Fp8WeightHandle:
-    """An FP8 checkpoint weight and its scale, read lazily like `pagedrs.models.loader.WeightHandle`:
+    """An FP8 checkpoint weight and its scale, read lazily like `pagedrs.checkpoint.WeightHandle`:
     indexing (``h[rows]``, ``h[:, cols]``) dequantizes just that slice to float32, so dense
     layers load it as any float tensor; `fp8_slice` gives the stored e4m3 values and per-row
     scales to the FP8 layers."""
@@ -157,8 +158,6 @@ def iter_fp8_weights(directory: str, scheme: Fp8Scheme) -> Iterator[tuple[str, A
     `Fp8WeightHandle` holding its scale (found in whichever file holds it), float tensors as
     plain lazy handles, the scale tensors themselves folded away."""
     from safetensors import safe_open
-
-    from pagedrs.models.loader import SafetensorsHandle
 
     paths = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not paths:

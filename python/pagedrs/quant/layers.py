@@ -20,6 +20,8 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from pagedrs.checkpoint import ggml_blocks
+from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -27,17 +29,14 @@ from pagedrs.layers.linear import (
     VocabEmbedding,
     gather_logits,
 )
-from pagedrs.quant import formats
 from pagedrs.quant.sharding import ColumnShardBias, ReplicatedBias
 
 
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """``x @ dequant(packed)^T`` over x's last dimension, in x's dtype."""
-    from pagedrs.attention import cpu_ops
-
     in_features = x.shape[-1]
     flat = x.reshape(-1, in_features).contiguous()
-    out = cpu_ops.load().quant_matmul(flat, packed, int(ggml_type), in_features)
+    out = cpu_kernels.load().quant_matmul(flat, packed, int(ggml_type), in_features)
     return out.reshape(*x.shape[:-1], packed.shape[0])
 
 
@@ -49,7 +48,7 @@ def _packed_slice(weight: Any, ggml_type: GGMLQuantizationType, rows: slice, col
         return weight.packed_rows(rows) if cols == slice(None) else weight.packed_cols(cols)
     if ggml_type != GGMLQuantizationType.Q8_0:
         raise ValueError(f"a float weight is quantized to Q8_0 only, not {ggml_type.name}")
-    return formats.quantize_q8_0(weight[rows, cols] if cols != slice(None) else weight[rows])
+    return ggml_blocks.quantize_q8_0(weight[rows, cols] if cols != slice(None) else weight[rows])
 
 
 class _Packed(nn.Module):
@@ -62,7 +61,7 @@ class _Packed(nn.Module):
         super().__init__()
         self.ggml_type = GGMLQuantizationType(ggml_type)
         self.in_features = in_features
-        packed = torch.empty(rows, formats.row_bytes(ggml_type, in_features), dtype=torch.uint8)
+        packed = torch.empty(rows, ggml_blocks.row_bytes(ggml_type, in_features), dtype=torch.uint8)
         self.weight = nn.Parameter(packed, requires_grad=False)
 
     def extra_repr(self) -> str:
@@ -89,7 +88,7 @@ class QuantColumnParallelLinear(ColumnShardBias, _Packed):
 
 def fits_row_shard(dense: RowParallelLinear, ggml_type: GGMLQuantizationType) -> bool:
     """Whether a row-parallel layer's shard (a column range) is whole blocks of ``ggml_type``."""
-    return formats.fits_blocks(ggml_type, dense.input_size)
+    return ggml_blocks.fits_blocks(ggml_type, dense.input_size)
 
 
 class QuantRowParallelLinear(ReplicatedBias, _Packed):
@@ -98,9 +97,8 @@ class QuantRowParallelLinear(ReplicatedBias, _Packed):
 
     def __init__(self, dense: RowParallelLinear, ggml_type: GGMLQuantizationType):
         if not fits_row_shard(dense, ggml_type):
-            raise ValueError(
-                f"a shard of {dense.input_size} input features is not whole {formats.block_weights(ggml_type)}-blocks"
-            )
+            block = ggml_blocks.block_weights(ggml_type)
+            raise ValueError(f"a shard of {dense.input_size} input features is not whole {block}-blocks")
         super().__init__(dense.weight.shape[0], dense.input_size, ggml_type)
         self.tp: TensorParallel = dense.tp
         self.input_cols = dense.input_cols()  # the dense layer's rule for this rank's columns
@@ -136,7 +134,7 @@ class QuantVocabEmbedding(_Packed):
 
     def _lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
         flat = token_ids.reshape(-1)
-        rows = formats.dequantize(self.weight[flat], self.ggml_type).to(self.dtype)
+        rows = ggml_blocks.dequantize(self.weight[flat], self.ggml_type).to(self.dtype)
         return rows.reshape(*token_ids.shape, self.in_features)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,9 @@ dequantized values); embeddings and the head stay in the model's dtype, as vLLM 
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,9 +24,13 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from pagedrs.checkpoint import ModelSource, ggml_blocks, iter_weights
+from pagedrs.checkpoint.gguf import GGUFCheckpoint
+from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
-from pagedrs.quant import QUANTIZATION_CHOICES, formats
+from pagedrs.quant import QUANTIZATION_CHOICES
 from pagedrs.quant.fp8 import (
+    SCALE_SUFFIXES,
     Fp8ColumnParallelLinear,
     Fp8RowParallelLinear,
     Fp8Scheme,
@@ -75,7 +81,7 @@ def _chosen_type(
         return None
     types = {ggml_types.get(name) for name in names}
     only = types.pop() if len(types) == 1 else None
-    return only if only in formats.KERNEL_TYPES else None
+    return only if only in ggml_blocks.KERNEL_TYPES else None
 
 
 def pack_linears(
@@ -95,9 +101,7 @@ def pack_linears(
         )
     if quantization == "none" or (quantization == "auto" and ggml_types is None):
         return {}
-    from pagedrs.attention import cpu_ops
-
-    if device.type != "cpu" or not cpu_ops.available():
+    if device.type != "cpu" or not cpu_kernels.available():
         if quantization == "int8":
             raise ValueError("quantization='int8' runs on the CPU kernel: use device='cpu'")
         logger.info("packed weights need the CPU kernel; %s loads dequantized", device)
@@ -111,7 +115,7 @@ def pack_linears(
             continue
         replacement: nn.Module
         if isinstance(module, ColumnParallelLinear):
-            if not formats.fits_blocks(ggml_type, module.weight.shape[1]):
+            if not ggml_blocks.fits_blocks(ggml_type, module.weight.shape[1]):
                 continue
             replacement = QuantColumnParallelLinear(module, ggml_type)
         elif isinstance(module, RowParallelLinear):
@@ -119,7 +123,7 @@ def pack_linears(
                 continue
             replacement = QuantRowParallelLinear(module, ggml_type)
         else:
-            if not formats.fits_blocks(ggml_type, module.weight.shape[1]):
+            if not ggml_blocks.fits_blocks(ggml_type, module.weight.shape[1]):
                 continue
             replacement = QuantVocabEmbedding(module, ggml_type)
         model.set_submodule(name, replacement)
@@ -153,22 +157,16 @@ def use_fp8_linears(model: nn.Module, quantization: str, fp8_names: set[str]) ->
 
 
 def load_weights(
-    model: Any, source: Any, quantization: str, device: torch.device
+    model: Any, source: ModelSource, quantization: str, device: torch.device
 ) -> dict[str, GGMLQuantizationType | str]:
     """Loads ``source``'s weights into ``model`` (built by `pagedrs.models.build_model`), packed
     where `pack_linears` decides, FP8 where `use_fp8_linears` does; returns the packed modules'
     types (``"fp8"`` for FP8 ones). A GGUF file is read through one memory map, each rank
     reading only its slices."""
-    from pagedrs.models.loader import iter_weights
-
     check_quantization(quantization)
     if source.gguf_file is not None:
         if quantization in ("int8", "fp8"):
             pack_linears(model, quantization, {}, device)  # refuses it, before the file is read
-        import os
-
-        from pagedrs.quant.gguf import GGUFCheckpoint
-
         checkpoint = GGUFCheckpoint(os.path.join(source.directory, source.gguf_file))
         packed = pack_linears(model, quantization, checkpoint.ggml_types(), device)
         model.load_weights(iter(checkpoint))
@@ -193,7 +191,7 @@ def load_weights(
     return dict(packed)
 
 
-def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, device: torch.device) -> int:
+def predicted_weight_bytes(source: ModelSource, quantization: str, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes the loaded weights of the whole, unsharded model take (what one process holds at
     tensor-parallel size 1; at size ``tp`` each rank holds about ``1 / tp`` of the linears and
     embeddings, plus the replicated norms and row-parallel biases), from the checkpoint's tensor
@@ -204,30 +202,20 @@ def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, d
     ``fp8``), ``dtype`` elsewhere (block-wise FP8 under ``auto`` loads dequantized, and so does
     a fused q/k/v or gate/up whose parts are stored in different types). A ``.bin`` checkpoint
     counts its files' size."""
-    import os
-
-    from pagedrs.attention import cpu_ops
-
     check_quantization(quantization)
     element = torch.empty((), dtype=dtype).element_size()
-    packs = quantization != "none" and device.type == "cpu" and cpu_ops.available()
+    packs = quantization != "none" and device.type == "cpu" and cpu_kernels.available()
     total = 0
     if source.gguf_file is not None:
-        from pagedrs.quant.gguf import GGUFCheckpoint
-
         handles = dict(GGUFCheckpoint(os.path.join(source.directory, source.gguf_file)))
         for name, handle in handles.items():
             numel = int(np.prod(handle.shape))
-            kept = packs and quantization == "auto" and handle.ggml_type in formats.KERNEL_TYPES
-            kept = kept and len(handle.shape) == 2 and formats.fits_blocks(handle.ggml_type, handle.shape[1])
+            kept = packs and quantization == "auto" and handle.ggml_type in ggml_blocks.KERNEL_TYPES
+            kept = kept and len(handle.shape) == 2 and ggml_blocks.fits_blocks(handle.ggml_type, handle.shape[1])
             kept = kept and len({handles[part].ggml_type for part in _fused_parts(name) if part in handles}) <= 1
             total += handle.nbytes if kept else numel * element
         return total
-    import glob
-
     from safetensors import safe_open
-
-    from pagedrs.quant.fp8 import SCALE_SUFFIXES
 
     safetensors = glob.glob(os.path.join(source.directory, "*.safetensors"))
     if not safetensors:  # a pytorch_model*.bin checkpoint: its tensors' sizes on disk
@@ -235,7 +223,7 @@ def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, d
         return sum(os.path.getsize(path) for path in bins)
     scheme = checkpoint_scheme(source.directory)
     fp8_layers = makes_fp8_linears(quantization, scheme)
-    q8_bytes_per_weight = formats.block_bytes(GGMLQuantizationType.Q8_0) / formats.BLOCK_SIZE
+    q8_bytes_per_weight = ggml_blocks.block_bytes(GGMLQuantizationType.Q8_0) / ggml_blocks.BLOCK_SIZE
     for path in sorted(safetensors):
         with safe_open(path, framework="pt") as file:
             for name in file.keys():
@@ -251,7 +239,7 @@ def predicted_weight_bytes(source: Any, quantization: str, dtype: torch.dtype, d
                 ):
                     total += numel + 4 * shape[0]
                     continue
-                packed = packs and quantization == "int8" and len(shape) == 2 and shape[1] % formats.BLOCK_SIZE == 0
+                packed = packs and quantization == "int8" and len(shape) == 2 and shape[1] % ggml_blocks.BLOCK_SIZE == 0
                 total += int(numel * q8_bytes_per_weight) if packed else numel * element
     return total
 

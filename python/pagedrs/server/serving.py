@@ -269,8 +269,8 @@ class Serving:
         no step copies a stream's whole output."""
         if len(run.streams) == 1:
             async for delta in run.streams[0]:
-                run.finals[0] = add_delta(run.finals[0], delta)
-                yield 0, run.finals[0]
+                output = run.finals[0] = add_delta(run.finals[0], delta)
+                yield 0, output
             return
         merged: asyncio.Queue = asyncio.Queue()
         ended = object()
@@ -293,8 +293,8 @@ class Serving:
                     continue
                 if isinstance(item, Exception):
                     raise item
-                run.finals[index] = add_delta(run.finals[index], item)
-                yield index, run.finals[index]
+                output = run.finals[index] = add_delta(run.finals[index], item)
+                yield index, output
         finally:
             for task in tasks:
                 task.cancel()

@@ -33,7 +33,7 @@ import torch
 from pagedrs._core import SchedulerOutput
 from pagedrs.engine.model_runner import ModelRunner
 from pagedrs.engine.step_arrays import StepArrays
-from pagedrs.sampler import Sampler, SamplingRow
+from pagedrs.sample import Sampler, SamplingRow
 from pagedrs.spec_decode.verify import draw, filtered_probs, uniforms
 
 

@@ -20,11 +20,11 @@ Filtering, as in Hugging Face: temperature, then top-k, then top-p on the distri
 renormalized over the top-k survivors, then min-p (relative to the most likely token, so its
 place in the order does not matter).
 
-Penalties come from device state kept per running choice (`pagedrs.penalties.PenaltyState`),
+Penalties come from device state kept per running choice (`pagedrs.sample.penalties.PenaltyState`),
 updated with each step's sampled tokens and applied at the tokens a choice has seen; logprobs,
 ranks and top logprobs are computed for the rows that asked, and everything the engine needs
 comes back in one device-to-host copy. On CPU, full-vocabulary draws and logprob statistics run
-in the fused kernels of ``cpu/sampling.cpp`` (`pagedrs.cpu_sampling`).
+in the fused kernels of ``cpu/sampling.cpp`` (`pagedrs.sample.cpu_ops`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedrs import cpu_sampling
-from pagedrs.penalties import PenaltyState
+from pagedrs.sample import cpu_ops
+from pagedrs.sample.penalties import PenaltyState
 from pagedrs.sampling_params import SamplingParams
 
 MAX_TOP_K_WINDOW = 1024
@@ -196,7 +196,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         if fused is None:
-            fused = self.device.type == "cpu" and cpu_sampling.available()
+            fused = self.device.type == "cpu" and cpu_ops.available()
         if fused and self.device.type != "cpu":
             raise ValueError(f"the fused sampling kernels run on the CPU, not on {self.device}")
         self.fused = fused
@@ -261,7 +261,7 @@ class Sampler:
         if self.fused and logits.is_contiguous():
             # One pass over the words, all-allowed words skipped (~8 ms -> well under 1 ms at
             # 32 rows of 49k tokens, where the torch ops below expand every bit).
-            cpu_sampling.apply_token_bitmask(logits, torch.tensor(rows), torch.from_numpy(bitmask))
+            cpu_ops.apply_token_bitmask(logits, torch.tensor(rows), torch.from_numpy(bitmask))
             return
         words = torch.from_numpy(bitmask).to(self.device, non_blocking=True).view(torch.uint8)
         if self._blocked_bits is None:
@@ -325,7 +325,7 @@ class Sampler:
         generators = batch.full_generators
         if self.fused:
             uniforms = self.uniforms(range(len(logits)), generators, 1 + MAX_REJECTION_ROUNDS)
-            token_ids = cpu_sampling.sample_from_rows(
+            token_ids = cpu_ops.sample_from_rows(
                 logits.contiguous(), temperature.squeeze(1), batch.full_min_p.squeeze(1), top_p, uniforms
             )
             pending = torch.nonzero(token_ids < 0).flatten().tolist()
@@ -397,7 +397,7 @@ class Sampler:
         and their log-probabilities, as ``float64 [N, 2 + 2 * num_top]`` on the logits' device."""
         logits = logits.float().contiguous()
         if self.fused:
-            logprobs, ranks, top_ids, top_logprobs = cpu_sampling.logprob_stats(logits, token_ids, num_top)
+            logprobs, ranks, top_ids, top_logprobs = cpu_ops.logprob_stats(logits, token_ids, num_top)
             columns = [logprobs.unsqueeze(1), ranks.unsqueeze(1), top_ids, top_logprobs]
         else:
             # Log-probabilities are logits minus the row's logsumexp: ranks and the top tokens

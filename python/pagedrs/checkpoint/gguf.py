@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf import quants as gguf_quants
 
-from pagedrs.quant import formats
+from pagedrs.checkpoint import ggml_blocks
 
 FLOAT_TYPES = {
     GGMLQuantizationType.F32: np.float32,
@@ -145,8 +145,8 @@ class GGUFTensor:
         return torch.from_numpy(self._stored(range(self.shape[0]), stored_cols))
 
     def _dequantize(self, stored: np.ndarray) -> torch.Tensor:
-        if self.ggml_type in formats.KERNEL_TYPES:
-            return formats.dequantize(torch.from_numpy(stored), self.ggml_type)
+        if self.ggml_type in ggml_blocks.KERNEL_TYPES:
+            return ggml_blocks.dequantize(torch.from_numpy(stored), self.ggml_type)
         if self.ggml_type == GGMLQuantizationType.BF16:
             return torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16).float()
         if self.ggml_type in FLOAT_TYPES:

@@ -2,9 +2,9 @@
 stack): one extension built with `torch.utils.cpp_extension` on first use, cached under
 ``~/.cache/pagedrs`` by a hash of the sources, the compiler flags, torch's version and this
 machine's CPU (the build targets it with ``-march=native``), loaded once, used as
-``torch.ops.pagedrs_cpu.*`` and ``torch.classes.pagedrs_cpu.DecoderStack``. ``python -m
-pagedrs.attention.cpu_ops`` builds it ahead of use (``make cpu-kernels``, run by ``make
-test``), so no test or first request pays the compile."""
+``torch.ops.pagedrs_cpu.*`` and ``torch.classes.pagedrs_cpu.DecoderStack`` (all registered in
+``cpu/torch_bindings.cpp``). ``python -m pagedrs.kernels.cpu`` builds it ahead of use (``make
+cpu-kernels``, run by ``make test``), so no test or first request pays the compile."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sysconfig
 from pathlib import Path
 from types import ModuleType
 
-SOURCES = ("paged_attention.cpp", "sampling.cpp", "quant_matmul.cpp", "decoder_stack.cpp")
+SOURCES = ("torch_bindings.cpp", "paged_attention.cpp", "sampling.cpp", "quant_matmul.cpp", "decoder_stack.cpp")
 HEADERS = ("cpu_kernels.h",)
 
 

@@ -14,21 +14,20 @@ from __future__ import annotations
 
 import torch
 
+from pagedrs.kernels import cpu as cpu_kernels
+
 MAX_TOP_LOGPROBS = 20
 """Most top logprobs a row may ask for (the ops' limit, and `SamplingParams`')."""
 
 
 def available() -> bool:
-    """Whether the CPU kernels build and load here (one warning, from `cpu_ops`, when not)."""
-    from pagedrs.attention.cpu_ops import available as kernels_available
-
-    return kernels_available()
+    """Whether the CPU kernels build and load here (one warning, from `pagedrs.kernels.cpu`,
+    when not)."""
+    return cpu_kernels.available()
 
 
 def _ops():
-    from pagedrs.attention.cpu_ops import load
-
-    return load()
+    return cpu_kernels.load()
 
 
 def _check(

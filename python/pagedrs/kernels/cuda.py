@@ -1,6 +1,6 @@
 """The CUDA kernels in ``cuda/``: built with `torch.utils.cpp_extension` on first use (cached
 by a hash of the sources), loaded once, used as ``torch.ops.pagedrs.*``; and a compile-only
-check that needs no GPU (``python -m pagedrs.attention.cuda_ops --check``, run by
+check that needs no GPU (``python -m pagedrs.kernels.cuda --check``, run by
 ``make test``), so a kernel that does not build cannot land."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _source_hash(directory: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def load() -> ModuleType:
     """Builds (once per source version, cached under ``~/.cache/pagedrs``) and loads the
     kernels; returns ``torch.ops.pagedrs``."""

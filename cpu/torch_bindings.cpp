@@ -1,0 +1,36 @@
+// The one registration file of the cpu/ kernels: every torch.ops.pagedrs_cpu.* schema (written
+// tensors marked `(a!)`), bound to its CPU implementation (declared in cpu_kernels.h, each
+// checking its tensors before it reads them), and the torch.classes.pagedrs_cpu.DecoderStack
+// class. Built with the kernels by python/pagedrs/kernels/cpu.py.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "cpu_kernels.h"
+
+TORCH_LIBRARY(pagedrs_cpu, m) {
+  // paged_attention.cpp
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor cu_seqlens_q, Tensor context_lens, float scale, int sliding_window) -> ()");
+  // sampling.cpp
+  m.def("logprob_stats(Tensor logits, Tensor token_ids, int num_top, Tensor(a!) logprobs, Tensor(b!) ranks, "
+        "Tensor(c!) top_ids, Tensor(d!) top_logprobs) -> ()");
+  m.def("sample_from_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor top_p, Tensor uniforms, "
+        "Tensor(a!) token_ids) -> ()");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
+  // quant_matmul.cpp
+  m.def("quant_matmul(Tensor x, Tensor weight, int ggml_type, int in_features) -> Tensor");
+  // decoder_stack.cpp: a class, its methods' schemas inferred from their C++ signatures
+  m.class_<pagedrs_cpu::DecoderStack>("DecoderStack")
+      .def(torch::init(&pagedrs_cpu::make_decoder_stack))
+      .def("add_layer", &pagedrs_cpu::DecoderStack::add_layer)
+      .def("num_layers", &pagedrs_cpu::DecoderStack::num_layers)
+      .def("forward", &pagedrs_cpu::DecoderStack::forward);
+}
+
+TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) {
+  m.impl("paged_attention", &pagedrs_cpu::paged_attention);
+  m.impl("logprob_stats", &pagedrs_cpu::logprob_stats);
+  m.impl("sample_from_rows", &pagedrs_cpu::sample_from_rows);
+  m.impl("apply_token_bitmask", &pagedrs_cpu::apply_token_bitmask);
+  m.impl("quant_matmul", &pagedrs_cpu::quant_matmul);
+}

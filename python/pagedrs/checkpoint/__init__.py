@@ -1,0 +1,87 @@
+"""Reading a checkpoint's tensors, lazily, by Hugging Face name: what the model loaders and the
+quantized layers (`pagedrs.quant`) take their weights from. Nothing here imports a model or a
+layer.
+
+- `ModelSource`: where a checkpoint's files are (`pagedrs.models.loader.resolve_model` finds it);
+- `WeightHandle`: one tensor, read by slices; `SafetensorsHandle` for a safetensors file;
+- `iter_weights`: every tensor of a checkpoint (safetensors, ``pytorch_model*.bin``, GGUF);
+- `pagedrs.checkpoint.gguf`: a GGUF file read as stored, quantized blocks kept packed;
+- `pagedrs.checkpoint.ggml_blocks`: the GGUF block formats the CPU kernels run on.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are."""
+
+    directory: str
+    gguf_file: str | None
+    """File name inside ``directory`` for a GGUF model; ``None`` for a safetensors checkpoint."""
+
+    @property
+    def name(self) -> str:
+        return os.path.join(self.directory, self.gguf_file) if self.gguf_file else self.directory
+
+
+class WeightHandle(Protocol):
+    """One checkpoint tensor, read lazily: indexing (``h[rows]``, ``h[:, cols]``, ``h[:]``)
+    reads just that slice, so a tensor-parallel rank never materializes tensors it holds only
+    a shard of. ``torch.Tensor`` satisfies it."""
+
+    @property
+    def shape(self) -> Any: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+class SafetensorsHandle:
+    """A tensor of a memory-mapped safetensors file; a slice reads only its bytes."""
+
+    def __init__(self, file: Any, name: str):
+        self._slice = file.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._slice[index]
+
+
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, WeightHandle]]:
+    """Checkpoint tensors by Hugging Face name, as lazy handles of the full (unsharded)
+    tensor: the model's loaders index out this rank's shard."""
+    if source.gguf_file is not None:
+        # Memory-mapped; a slice dequantizes only its blocks, exactly as transformers does
+        # (`pagedrs.checkpoint.gguf`; `pagedrs.quant.loading` also keeps them packed).
+        from pagedrs.checkpoint.gguf import GGUFCheckpoint
+
+        yield from GGUFCheckpoint(os.path.join(source.directory, source.gguf_file))
+        return
+    files = sorted(glob.glob(os.path.join(source.directory, "*.safetensors")))
+    if files:
+        from safetensors import safe_open
+
+        for path in files:
+            with safe_open(path, framework="pt") as file:
+                for name in file.keys():
+                    yield name, SafetensorsHandle(file, name)
+        return
+    bins = sorted(glob.glob(os.path.join(source.directory, "pytorch_model*.bin")))
+    if not bins:
+        raise ValueError(f"no *.safetensors or pytorch_model*.bin weights in {source.directory!r}")
+    for path in bins:
+        # mmap: pages of other ranks' shards are never read. (Files of torch's legacy format,
+        # before 1.6, cannot be mapped: those are read whole.)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        yield from state.items()
