@@ -78,8 +78,11 @@ class ModelRunner:
         )
         """Builds each step's attention metadata and copies blocks; on the GPU kernels it holds
         their `KernelPlan` (which of CUDA and Triton runs decode and prefill)."""
+        self.cpu_stack: CpuDecoderStack | None = None
+        """How the layers run: as one compiled call per step on the CPU where the stack takes
+        the model (`pagedrs.models.cpu_stack`), else (``None``) as the model's Python layers."""
         if why_unsupported(model, device, self.attention_backend) is None:
-            model.cpu_stack = CpuDecoderStack(model)
+            self.cpu_stack = CpuDecoderStack(model)
         self.inputs = StagedInputs(device)
         graphed = graphs is not None and self.attention_backend.graphable
         # With graphs, one block past the scheduler's takes the padding rows' keys/values.
@@ -145,4 +148,4 @@ class ModelRunner:
             copies = self.inputs.upload(out.block_copies)[0] if len(out.block_copies) else None
         if copies is not None:
             self.attention_backend.copy_blocks(self.kv_caches, copies)
-        return self.model(input_token_ids, positions, self.kv_caches, meta, logits_rows)
+        return self.model(input_token_ids, positions, self.kv_caches, meta, logits_rows, self.cpu_stack)

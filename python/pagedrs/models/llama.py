@@ -114,9 +114,6 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.num_heads = attn.num_heads
         self.head_dim = attn.head_dim
         self.sliding_window = getattr(config, "sliding_window", None) if self._uses_sliding_window(config) else None
-        self.cpu_stack: CpuDecoderStack | None = None
-        """The layers as one compiled call per step on the CPU, when the runner sets it up
-        (`pagedrs.models.cpu_stack`); ``None``: the Python layers below."""
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """The decoder layers, typed."""
@@ -137,14 +134,17 @@ class LlamaFamilyForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        decoder_stack: CpuDecoderStack | None = None,
     ) -> torch.Tensor:
-        """Runs the step's tokens; returns float32 logits of the ``logits_indices`` rows."""
+        """Runs the step's tokens; returns float32 logits of the ``logits_indices`` rows.
+        ``decoder_stack``: the layers as one compiled call on the CPU, when the runner picked
+        that strategy (`pagedrs.models.cpu_stack`); ``None``: the Python layers."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        if self.cpu_stack is not None:
+        if decoder_stack is not None:
             # NOTE: the stack overwrites `hidden` in place; the embedding lookups return a new
             # tensor (never a view of the weights), so nothing else sees it change.
-            self.cpu_stack(hidden, cos, sin, kv_caches, cast("CpuAttentionMetadata", meta))
+            decoder_stack(hidden, cos, sin, kv_caches, cast("CpuAttentionMetadata", meta))
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden = layer(hidden, cos, sin, kv_cache, meta)
