@@ -1,0 +1,1 @@
+"""Shared pieces of the tests: tiny checkpoints, oracles, servers, batches; imported, never collected."""
