@@ -333,7 +333,7 @@ def parity_model(allow_default: bool = True, num_layers: int = 6) -> tuple[str |
     import transformers
 
     sys.path.insert(0, str(ROOT))
-    from tests.conftest import save_word_tokenizer
+    from tests.helpers.checkpoints import save_word_tokenizer
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -504,8 +504,8 @@ def fp8_model_agreement(device: str, dtype, directory: str) -> tuple[int, int, f
     sys.path.insert(0, str(ROOT))
     from pagedrs import LLM, SamplingParams
     from pagedrs.quant.fp8 import _Fp8Linear
-    from tests.conftest import TINY, save_word_tokenizer
-    from tests.test_quant_fp8 import write_fp8_checkpoint
+    from tests.helpers.checkpoints import TINY, save_word_tokenizer
+    from tests.helpers.fp8_writer import write_fp8_checkpoint
 
     torch.manual_seed(5)
     hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
@@ -583,7 +583,7 @@ def _tiny_llama(seed: int, num_layers: int | None = None) -> str:
     import transformers
 
     sys.path.insert(0, str(ROOT))
-    from tests.conftest import TINY, save_word_tokenizer
+    from tests.helpers.checkpoints import TINY, save_word_tokenizer
 
     torch.manual_seed(seed)
     shape = {**TINY, **({"num_hidden_layers": num_layers} if num_layers else {})}

@@ -10,7 +10,7 @@ import torch
 
 from pagedrs import SamplingParams
 from pagedrs.engine.detokenizer import IncrementalDetokenizer
-from tests.test_model_oracle import assert_same_or_near_tie, hf_greedy
+from tests.helpers.oracle import assert_same_or_near_tie, hf_greedy
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

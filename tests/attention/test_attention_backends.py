@@ -9,7 +9,7 @@ import torch
 
 from pagedrs.attention import cpu_ops, select_backend
 from pagedrs.attention.cuda_backend import CudaAttentionMetadata
-from tests.paged_batch import mixed_step
+from tests.helpers.batches import mixed_step
 
 
 def test_select_backend():

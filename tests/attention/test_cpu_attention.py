@@ -6,7 +6,6 @@ its gathered blocks); then the engine on the backend, token for token against th
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,6 +13,7 @@ from pagedrs.attention import cpu_backend, select_backend
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 from pagedrs.attention.cpu_ops import available
 from pagedrs.attention.torch_ref import AttentionMetadata
+from tests.helpers.batches import make_step
 
 pytestmark = pytest.mark.skipif(not available(), reason="the CPU attention kernel does not build here")
 
@@ -28,43 +28,6 @@ def prefill_route(request, monkeypatch):
     """Every chunk of two or more rows through the kernel, or through SDPA."""
     monkeypatch.setattr(cpu_backend, "SDPA_MIN_ROWS", 1 << 30 if request.param == "kernel" else 2)
     return request.param
-
-
-def make_step(seqs, *, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0):
-    """A step of ``seqs`` over a cache whose blocks are handed out shuffled: the cached
-    prefixes already written, the step's own keys/values still to write. Returns the
-    scheduler's arrays, the step's tensors and the caches."""
-    generator = np.random.default_rng(seed)
-    torch.manual_seed(seed)
-    blocks_per_seq = [-(-context // block_size) for context, _ in seqs]
-    num_blocks = sum(blocks_per_seq) + 3
-    free_blocks = generator.permutation(num_blocks)
-    width = max(blocks_per_seq)
-    block_tables = np.zeros((len(seqs), width), dtype=np.int32)
-    positions, slots, query_start_loc = [], [], [0]
-    taken = 0
-    for s, ((context, rows), num_seq_blocks) in enumerate(zip(seqs, blocks_per_seq)):
-        block_tables[s, :num_seq_blocks] = free_blocks[taken : taken + num_seq_blocks]
-        taken += num_seq_blocks
-        for position in range(context - rows, context):
-            positions.append(position)
-            slots.append(block_tables[s, position // block_size] * block_size + position % block_size)
-        query_start_loc.append(query_start_loc[-1] + rows)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache, value_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
-    num_tokens = query_start_loc[-1]
-    arrays = dict(
-        positions=np.array(positions, dtype=np.int64),
-        slot_mapping=np.array(slots, dtype=np.int64),
-        query_start_loc=np.array(query_start_loc, dtype=np.int32),
-        context_lens=np.array([context for context, _ in seqs], dtype=np.int32),
-        block_tables=block_tables,
-        block_size=block_size,
-    )
-    query = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
-    key = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
-    value = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
-    return arrays, (query, key, value), (key_cache, value_cache)
 
 
 def attend_both(seqs, *, sliding_window=None, **shape):

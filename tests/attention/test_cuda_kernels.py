@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedrs.attention.torch_ref import write_kv
-from tests.paged_batch import Batch
+from tests.helpers.batches import Batch
 
 if not torch.cuda.is_available():
     pytest.skip(

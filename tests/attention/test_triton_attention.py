@@ -12,7 +12,7 @@ import torch
 
 from pagedrs.attention import triton_attention
 from pagedrs.attention.torch_ref import write_kv
-from tests.paged_batch import Batch
+from tests.helpers.batches import Batch
 
 if not triton_attention.available():
     pytest.skip("Triton is not installed here (it comes with torch's CUDA wheels)", allow_module_level=True)

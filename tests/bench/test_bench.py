@@ -185,7 +185,7 @@ def test_a_short_real_run_writes_a_complete_record(tiny_llama, tmp_path, capsys)
 
 def test_memory_prediction_and_check(tiny_llama, tmp_path):
     from pagedrs.memory_cli import check, predict
-    from tests.server_process import start_server
+    from tests.helpers.servers import start_server
 
     args = build_parser().parse_args(
         ["memory", "--model", tiny_llama, "--device", "cpu", "--budget", "1MiB", "--lengths", "100,37,250"]

@@ -9,7 +9,7 @@ import pytest
 from pagedrs import SamplingParams
 from pagedrs.engine.async_engine import AsyncLLMEngine, QueueFullError
 from pagedrs.engine.llm_engine import LLMEngine
-from tests.server_process import wait_for
+from tests.helpers.servers import wait_for
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedrs.engine.staging import StagedInputs
-from tests.paged_batch import mixed_step
+from tests.helpers.batches import mixed_step
 
 
 def _arrays(step: int = 0):

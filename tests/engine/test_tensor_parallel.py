@@ -20,8 +20,8 @@ from pagedrs.config import EngineConfig
 from pagedrs.engine.model_runner import StepArrays
 from pagedrs.engine.parallel import check_parallel_config, pack_step, unpack_step
 from pagedrs.memory import kv_bytes_per_token
-from tests.conftest import TINY, save_word_tokenizer
-from tests.server_process import free_port, start_server, wait_for
+from tests.helpers.checkpoints import TINY, save_word_tokenizer
+from tests.helpers.servers import free_port, start_server, wait_for
 
 CPU = torch.device("cpu")
 

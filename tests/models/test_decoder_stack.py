@@ -15,8 +15,8 @@ from pagedrs import LLM, SamplingParams
 from pagedrs.attention.cpu_ops import available
 from pagedrs.config import EngineConfig
 from pagedrs.engine.model_runner import ModelRunner, StepArrays, load_model_runner
-from tests.conftest import TINY, save_word_tokenizer
-from tests.test_cpu_attention import make_step
+from tests.helpers.batches import make_step
+from tests.helpers.checkpoints import TINY, save_word_tokenizer
 
 pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernels do not build here")
 
@@ -135,7 +135,7 @@ def test_packed_gguf_linears_match_the_python_layers(tmp_path, kind):
     import transformers
     from gguf import GGMLQuantizationType as Q
 
-    from tests.test_quant_gguf import K_CONFIG, K_TYPES, TYPES, write_gguf
+    from tests.helpers.gguf_writer import K_CONFIG, K_TYPES, TYPES, write_gguf
 
     torch.manual_seed(5)
     config = transformers.LlamaConfig(**(TINY if kind == "32-weight blocks" else K_CONFIG))

@@ -13,8 +13,7 @@ import torch
 
 from pagedrs import cpu_sampling
 from pagedrs.cpu_sampling import available, logprob_stats, sample_from_rows
-
-from .test_sampler import chi_square_p_value
+from tests.helpers.stats import chi_square_p_value
 
 pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernels do not build here")
 

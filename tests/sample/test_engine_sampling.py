@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from pagedrs import LLM, SamplingParams
-
-from .test_model_oracle import hf_greedy
+from tests.helpers.oracle import hf_greedy
 
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
 

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_process import STREAMING_CLIENT, InProcessServer, send_raw, stream_and_leave, wait_for
+from tests.helpers.servers import STREAMING_CLIENT, InProcessServer, send_raw, stream_and_leave, wait_for
 
 MAX_WAITING_REQUESTS = 32
 MAX_NUM_SEQS = 16

@@ -10,7 +10,7 @@ import socket
 import openai
 import pytest
 
-from tests.server_process import start_server, wait_for
+from tests.helpers.servers import start_server, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.server_process import InProcessServer, start_server, wait_for
+from tests.helpers.servers import InProcessServer, start_server, wait_for
 
 
 def test_api_key_from_the_environment(tiny_llama, tmp_path):

@@ -13,7 +13,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.server_process import InProcessServer, wait_for
+from tests.helpers.servers import InProcessServer, wait_for
 
 WEATHER = {
     "type": "function",

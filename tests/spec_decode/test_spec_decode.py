@@ -16,7 +16,8 @@ from pagedrs import LLM, SamplingParams
 from pagedrs.sampler import Sampler, SamplingRow
 from pagedrs.spec_decode import SpeculativeConfig
 from pagedrs.spec_decode.verify import filtered_probs, rejection_sample, uniforms
-from tests.server_process import start_server
+from tests.helpers.checkpoints import TINY, save_word_tokenizer
+from tests.helpers.servers import start_server
 
 # Never stepping aside (the CPU default does at 4 sequences): the tests run batches.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 0}
@@ -66,8 +67,6 @@ def test_model_free_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_c
 def other_llama(tmp_path_factory, tiny_llama) -> str:
     """A second tiny Llama (other weights, same tokenizer): a draft that is often wrong."""
     import transformers
-
-    from tests.conftest import TINY, save_word_tokenizer
 
     torch.manual_seed(99)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 1})).eval()
@@ -235,8 +234,6 @@ def test_a_failing_draft_model_fails_its_batch_and_the_engine_goes_on(tiny_llama
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
     import transformers
 
-    from tests.conftest import TINY
-
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, "vocab_size": 256})).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(
@@ -306,8 +303,6 @@ def sharp_pair(tmp_path_factory) -> tuple[str, str]:
     thousand draws fill the bins of the first two tokens; and its draft: the same weights with a
     flatter head (close to the target, never equal: proposals are often but not always right)."""
     import transformers
-
-    from tests.conftest import TINY, save_word_tokenizer
 
     directories = []
     for name, scale in (("sharp-llama", 6.0), ("flatter-llama", 1.5)):
