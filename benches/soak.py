@@ -1,5 +1,5 @@
 """Soak: minutes of abuse against a real `pagedrs serve` process on loopback, then what is
-left. Not run in CI (tests/test_reliability.py asserts the same behaviour in seconds).
+left. Not run in CI (tests/server/test_reliability.py asserts the same behaviour in seconds).
 
 Rounds, in turn until the time is up: mixed valid and invalid requests; streams that the
 client drops at random points (before the first byte, mid-body, mid-stream) or reads to the

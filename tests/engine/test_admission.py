@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pagedrs import LLMEngine, SamplingParams
 from pagedrs.sampling_params import MIN_FLOAT32_PARAM, MIN_TEMPERATURE
 
-VOCAB = 320  # tests/conftest.py TINY
+VOCAB = 320  # tests/helpers/checkpoints.py TINY
 
 
 @pytest.fixture(scope="module")

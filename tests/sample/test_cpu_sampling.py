@@ -171,7 +171,7 @@ def test_a_tiny_temperature_draws_the_most_likely_token():
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, min_p: float, top_p: float) -> torch.Tensor:
-    """As tests/test_sampler.py's (without top-k), in float64: temperature, top-p, then min-p
+    """As tests/sample/test_sampler.py's (without top-k), in float64: temperature, top-p, then min-p
     against the most likely token."""
     x = logits.double() / temperature
     order = x.argsort(descending=True)

@@ -31,7 +31,7 @@ from tests.helpers.servers import STREAMING_CLIENT, InProcessServer, send_raw, s
 MAX_WAITING_REQUESTS = 32
 MAX_NUM_SEQS = 16
 MAX_MODEL_LEN = 128
-VOCAB_SIZE = 320  # conftest.TINY: the words "w0".."w319"; "w1" is EOS
+VOCAB_SIZE = 320  # helpers.checkpoints.TINY: the words "w0".."w319"; "w1" is EOS
 SERVER_FLAGS = (
     f"--device cpu --max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS} "
     f"--max-waiting-requests {MAX_WAITING_REQUESTS} --kv-cache-memory 16MiB "
