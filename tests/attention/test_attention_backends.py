@@ -130,6 +130,7 @@ def test_auto_plan_keeps_the_faster_kernel_per_phase():
         kernel_choice.measure = original
 
 
+@pytest.mark.slow  # Triton's interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors go through Triton's interpreter only without a GPU")
 def test_kernel_timing_runs_every_launch():
     """The measurement itself, on CPU tensors through Triton's interpreter: one time per
@@ -157,6 +158,7 @@ def test_triton_metadata_tiles_each_phase():
     assert meta.decodes.triton.config.block_m == 16 and meta.decodes.triton.num_segments == 1  # 40 tokens: too short
 
 
+@pytest.mark.slow  # the engine through Triton's interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs this in gpu_check's end-to-end step")
 def test_engine_on_the_triton_backend_matches_the_reference(tiny_llama):
     """The whole engine with every attention row through the Triton kernels (interpreted on

@@ -156,6 +156,7 @@ def test_inconsistent_layouts_are_refused():
         )
 
 
+@pytest.mark.slow  # the engine twice, in chunks of 16 tokens: over 10 s
 def test_auto_picks_the_kernel_and_the_engine_generates_what_the_reference_does(tiny_llama):
     from pagedrs import LLM, SamplingParams
 

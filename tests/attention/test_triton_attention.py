@@ -17,6 +17,8 @@ from tests.helpers.batches import Batch
 if not triton_attention.available():
     pytest.skip("Triton is not installed here (it comes with torch's CUDA wheels)", allow_module_level=True)
 
+pytestmark = pytest.mark.slow  # Triton's interpreter on the CPU; make gpu-check compiles them
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter cannot multiply bfloat16 tiles (tl.dot); a GPU can.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])

@@ -119,6 +119,7 @@ def test_parse_metrics_reads_pagedrs_and_vllm_names():
     assert parse_metrics(page) == {"running": 3.0, "prefix_hits": 16.0, "preemptions": 3.0, "server_cpu_seconds": 4.0}
 
 
+@pytest.mark.slow  # launches a server process
 def test_a_short_real_run_writes_a_complete_record(tiny_llama, tmp_path, capsys):
     from pagedrs.bench.serve import run
 
@@ -183,6 +184,7 @@ def test_a_short_real_run_writes_a_complete_record(tiny_llama, tmp_path, capsys)
     assert cold["server_cpu_seconds"] > 0 and cold["client_cpu_seconds"] > 0
 
 
+@pytest.mark.slow  # a server process
 def test_memory_prediction_and_check(tiny_llama, tmp_path):
     from pagedrs.memory_cli import check, predict
     from tests.helpers.servers import start_server

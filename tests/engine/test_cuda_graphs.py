@@ -12,7 +12,10 @@ import torch
 from pagedrs.engine import llm_engine
 from pagedrs.engine.cuda_graphs import batch_buckets
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, gpu_check runs the captured graphs")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, gpu_check runs the captured graphs"),
+    pytest.mark.slow,  # the engine's decode through Triton's interpreter
+]
 
 
 def test_buckets_are_powers_of_two_up_to_the_largest_batch():

@@ -63,6 +63,7 @@ def compare_tp(directory: str, size: int) -> None:
     assert all(worker.exitcode == 0 for worker in split.engine.parallel.workers)
 
 
+@pytest.mark.slow  # tensor-parallel ranks
 def test_tp2_generates_exactly_what_tp1_does(tiny_checkpoint):
     """Greedy and seeded sampling, through chunked prefill, prefix hits and preemption, for
     Llama, Mistral, Qwen2 and Qwen3 (4 query heads, 2 KV heads: one of each per rank)."""
@@ -86,6 +87,7 @@ def one_kv_head(tmp_path_factory) -> str:
     return str(directory)
 
 
+@pytest.mark.slow  # tensor-parallel ranks
 def test_kv_heads_are_replicated_when_there_are_fewer_than_ranks(one_kv_head):
     compare_tp(one_kv_head, 2)
 
@@ -180,6 +182,7 @@ def _server_args(model: str, *extra: str) -> list[str]:
     return [model, "--kv-cache-memory", "4MiB", "--max-model-len", "256", "--log-level", "warning", *extra]
 
 
+@pytest.mark.slow  # a server process and its ranks
 def test_the_server_streams_a_chat_with_tp2_and_stops_its_workers_on_sigterm(tiny_smol, tmp_path):
     question = [{"role": "user", "content": "Name three colors."}]
     single = LLM(tiny_smol, kv_cache_memory="4MiB")
@@ -200,6 +203,7 @@ def test_the_server_streams_a_chat_with_tp2_and_stops_its_workers_on_sigterm(tin
     assert workers and wait_for(lambda: not any(_alive(pid) for pid in workers), timeout=10)
 
 
+@pytest.mark.slow  # a server process and its ranks
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_a_failed_worker_ends_the_server_with_an_error_and_no_orphans(tiny_smol, tmp_path, fault):
     """A worker killed mid-generation, or one that stops answering (SIGSTOP: the collectives
@@ -243,6 +247,7 @@ def test_a_failed_worker_ends_the_server_with_an_error_and_no_orphans(tiny_smol,
     assert wait_for(lambda: not any(_alive(pid) for pid in children), timeout=10)
 
 
+@pytest.mark.slow  # two server processes and their ranks
 def test_two_nodes_on_loopback_serve_the_same_greedy_output(tiny_llama, tmp_path):
     """tp=4 over two launcher processes, two ranks each (KV heads replicated): node 1 is
     headless, node 0 serves."""
@@ -279,6 +284,7 @@ def test_two_nodes_on_loopback_serve_the_same_greedy_output(tiny_llama, tmp_path
     assert wait_for(lambda: not _children(node1.pid), timeout=5)
 
 
+@pytest.mark.slow  # torchrun and its ranks
 def test_torchrun_can_start_the_ranks(tiny_llama, tmp_path):
     """torch's own launcher: every rank runs the same `pagedrs serve` command; rank 0 serves."""
     expected = LLM(tiny_llama, kv_cache_memory="1MiB").generate(

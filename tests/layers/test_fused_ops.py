@@ -15,6 +15,8 @@ from pagedrs.layers.norm import RMSNorm
 if not triton_attention.available():
     pytest.skip("Triton is not installed here", allow_module_level=True)
 
+pytestmark = pytest.mark.slow  # Triton's interpreter on the CPU; make gpu-check compiles them
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

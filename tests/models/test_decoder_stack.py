@@ -173,6 +173,7 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_is_written(tiny_lla
     assert all(torch.equal(k, b) for (k, _), b in zip(runner.kv_caches, before))
 
 
+@pytest.mark.slow  # the default model both ways: over 10 s
 def test_default_model_greedy_output_is_the_same_both_ways():
     llm = LLM(kv_cache_memory="128MiB", enable_prefix_caching=False)
     prompts = ["Write a haiku about the sea.", "def fibonacci(n):", "The capital of France is " * 8]

@@ -14,7 +14,10 @@ from pagedrs.models.loader import resolve_model
 from pagedrs.quant.layers import QuantColumnParallelLinear, QuantRowParallelLinear, QuantVocabEmbedding
 from pagedrs.quant.loading import predicted_weight_bytes
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the CPU kernels do not build here")
+pytestmark = [
+    pytest.mark.skipif(not cpu_ops.available(), reason="the CPU kernels do not build here"),
+    pytest.mark.slow,  # the default model, or packing int8 at load time: over 10 s each
+]
 
 PROMPTS = [
     "The capital of France is",

@@ -643,6 +643,7 @@ REQUESTS = st.tuples(st.just("/v1/completions"), generated_body(COMPLETION_FIELD
 )
 
 
+@pytest.mark.slow  # 40 generated requests, each checked against the engine's state: about 10 s
 @settings(
     max_examples=40,
     deadline=None,

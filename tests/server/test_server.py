@@ -12,6 +12,8 @@ import pytest
 
 from tests.helpers.servers import start_server, wait_for
 
+pytestmark = pytest.mark.slow  # one server process on the default model, shared by the module
+
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

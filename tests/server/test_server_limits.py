@@ -13,6 +13,7 @@ import pytest
 from tests.helpers.servers import InProcessServer, start_server, wait_for
 
 
+@pytest.mark.slow  # a server process
 def test_api_key_from_the_environment(tiny_llama, tmp_path):
     server = start_server([tiny_llama, "--device", "cpu"], str(tmp_path / "log"), env={"PAGEDRS_API_KEY": "s3cret"})
     try:

@@ -95,6 +95,7 @@ def test_a_draft_model_gives_the_greedy_tokens_of_plain_decoding(tiny_llama, oth
     assert_all_blocks_free(speculative)
 
 
+@pytest.mark.slow  # tensor-parallel ranks
 def test_tensor_parallel_ranks_verify_proposals_as_one(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     expected = generate(LLM(tiny_llama, kv_cache_memory="4MiB"), params)
@@ -119,6 +120,7 @@ def test_max_tokens_and_stop_strings_land_inside_accepted_runs(tiny_llama):
     assert_all_blocks_free(speculative)
 
 
+@pytest.mark.slow  # the default model: over 10 s
 def test_the_default_model_copies_with_fewer_steps_and_the_same_tokens(default_llm):
     text = "The quick brown fox jumps over the lazy dog. " * 3
     prompt = f"Repeat the following text exactly:\n{text}\nRepeated text:\n"
@@ -253,6 +255,7 @@ def _two_sample_chi_square(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
     return float((((scale_a * a - scale_b * b) ** 2) / (a + b)).sum()), int(bins.sum()) - 1
 
 
+@pytest.mark.slow  # many draws: over 10 s
 @pytest.mark.parametrize("draft", ["point", "model"])
 def test_rejection_sampling_matches_plain_sampling_chi_square(tiny_llama, other_llama, draft):
     """The tiny model's next-token distribution after a prompt, under temperature, top-k and
@@ -322,6 +325,7 @@ def _chi_square_quantile(dof: int, z: float = 3.09) -> float:
     return dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
 
 
+@pytest.mark.slow  # many draws: over 10 s
 @pytest.mark.parametrize("spec", ["ngram", "draft"])
 def test_the_engine_samples_the_same_joint_distribution_with_speculation(sharp_pair, spec):
     """End to end through the engine: the joint distribution of the first two tokens (the
@@ -378,6 +382,7 @@ def test_the_gpu_checks_speculative_step_runs_on_the_cpu():
 # -- the server ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a server process
 def test_the_server_speculates_and_exports_vllm_metrics(tiny_smol, tmp_path):
     question = [{"role": "user", "content": "Say a b c a b c a b c a b c"}]
     expected = LLM(tiny_smol, kv_cache_memory="4MiB").chat(
@@ -401,6 +406,7 @@ def test_the_server_speculates_and_exports_vllm_metrics(tiny_smol, tmp_path):
         server.process.wait(timeout=30)
 
 
+@pytest.mark.slow  # a server process
 def test_the_server_refuses_a_bad_speculative_config(tiny_smol, tmp_path):
     args = [tiny_smol, "--kv-cache-memory", "4MiB", "--log-level", "warning", "--speculative-config", "{bad"]
     with pytest.raises(RuntimeError, match="speculative config is not valid JSON") as error:
