@@ -1,5 +1,5 @@
 """Tiny GGUF files written from a transformers Llama, as llama.cpp's converter writes them:
-- ``TYPES``: a stored type per tensor covering every 32-weight-block kernel format, mixed and float linears.
+- ``TYPES``: a stored type per tensor: every 32-weight-block format, mixed and float linears.
 - ``K_CONFIG``, ``K_TYPES``: a Q4_K_M-like mix on a model of whole 256-weight blocks.
 - `write_gguf`: the file, q/k rows in llama.cpp's order, a tiny SentencePiece vocabulary."""
 
