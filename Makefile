@@ -14,7 +14,7 @@ EXTENSION := python/pagedrs/_core.abi3.so
 # extension, so `make test` never tests a stale one.
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) rust/Cargo.toml $(shell find rust/src -name '*.rs')
 
-.PHONY: setup build test lint lint-python lint-rust test-rust test-python cpu-kernels cuda-check gpu-check bench bench-rust bench-python bench-model \
+.PHONY: setup build test lint lint-python lint-rust test-rust test-python test-fast cpu-kernels cuda-check gpu-check bench bench-rust bench-python bench-model \
 	bench-presets serve wheel clean
 
 setup: $(EXTENSION)
@@ -68,7 +68,12 @@ test-rust:
 	cargo test --locked --quiet
 
 test-python: $(EXTENSION) $(MODEL_DEPS_STAMP) cpu-kernels
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# The Python tests without those marked slow (server processes, tensor-parallel ranks, Triton's
+# interpreter, anything over ~10 s): a few minutes on a small CPU machine, for while you work.
+test-fast: $(EXTENSION) $(MODEL_DEPS_STAMP) cpu-kernels
+	$(PY) -m pytest -q -m "not slow"
 
 # Builds the CPU kernels (cpu/: the default attention on the CPU, sampling) into
 # ~/.cache/pagedrs before the tests, so no test pays the compile (~20 s the first time,

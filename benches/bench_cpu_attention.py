@@ -28,7 +28,7 @@ from pagedrs.engine.host_memory import retain_freed_host_memory
 from pagedrs.kernels.cpu import load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests import test_cpu_attention
+from tests.helpers import batches
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -36,7 +36,7 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 def make_step(seqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
     """(context, rows) per sequence over a cache whose blocks are handed out shuffled (the
     tests' step builder, with SmolLM2's shapes)."""
-    arrays, qkv, caches = test_cpu_attention.make_step(
+    arrays, qkv, caches = batches.make_step(
         seqs,
         block_size=BLOCK_SIZE,
         num_heads=NUM_HEADS,
@@ -88,7 +88,7 @@ def main() -> None:
     sdpa_min_rows = cpu_backend.SDPA_MIN_ROWS
     with torch.inference_mode():
         for name, seqs in cases.items():
-            arrays, qkv, caches = make_step(seqs, torch.float32)
+            arrays, qkv, caches = batches.make_step(seqs, torch.float32)
             reference = median_ms(AttentionMetadata.build(**arrays), qkv, caches, args.repeat)
             backend = median_ms(CpuAttentionMetadata.build(**arrays), qkv, caches, args.repeat)
             cpu_backend.SDPA_MIN_ROWS = 1 << 30

@@ -26,8 +26,8 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 def single_stream(llm: LLM, use_stack: bool, stack) -> tuple[float, float]:
     """(tokens per second, median forward ms of the run's steps)."""
-    model = llm.engine.runner.model
-    model.cpu_stack = stack if use_stack else None
+    runner, model = llm.engine.runner, llm.engine.runner.model
+    runner.cpu_stack = stack if use_stack else None
     forward_seconds: list[float] = []
     original = model.forward
 
@@ -46,14 +46,14 @@ def single_stream(llm: LLM, use_stack: bool, stack) -> tuple[float, float]:
         elapsed = time.perf_counter() - start
     finally:
         del model.forward
-        model.cpu_stack = stack
+        runner.cpu_stack = stack
     return 128 / elapsed, statistics.median(forward_seconds[1:]) * 1e3  # the first is the prefill
 
 
 def batch_steps(llm: LLM, use_stack: bool, stack, batch: int, steps: int = 8) -> float:
     """Median ms of an engine step with ``batch`` sequences decoding."""
     engine = llm.engine
-    engine.runner.model.cpu_stack = stack if use_stack else None
+    engine.runner.cpu_stack = stack if use_stack else None
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for i in range(batch):
@@ -67,7 +67,7 @@ def batch_steps(llm: LLM, use_stack: bool, stack, batch: int, steps: int = 8) ->
         times.append(time.perf_counter() - start)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.runner.model.cpu_stack = stack
+    engine.runner.cpu_stack = stack
     return statistics.median(times) * 1e3
 
 
@@ -78,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     llm = LLM(kv_cache_memory="1GiB", enable_prefix_caching=False, max_num_seqs=max(args.batch, 1))
-    stack = llm.engine.runner.model.cpu_stack
+    stack = llm.engine.runner.cpu_stack
     if stack is None:
         raise SystemExit("the decoder stack does not run here (see pagedrs.models.cpu_stack.why_unsupported)")
     llm.generate([PROMPT], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up

@@ -72,7 +72,7 @@ def kernels(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]
     q8, q4 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1
     k_quants: dict[str, Callable[[], object]] = {}
     if in_features % 256 == 0:  # k-quants take whole 256-weight superblocks (random ones here)
-        from tests.test_quant_matmul import random_k_blocks
+        from tests.helpers.k_quants import random_k_blocks
 
         for qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
             blocks = torch.from_numpy(random_k_blocks(qtype, out_features, in_features, seed=0))

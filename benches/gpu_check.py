@@ -6,11 +6,11 @@ under ``--out`` (default ``$OUT``, else ``./gpu_check_out``), so a run cut off b
 limit still returns the finished stages. Stages:
 
 0. Preflight: versions, the CUDA headers the kernels include, ``import pagedrs._core``, Triton.
-1. Build the CUDA kernels (torch.utils.cpp_extension), then run tests/test_cuda_kernels.py
-   (and, after stage 5, tests/test_triton_attention.py compiled, bfloat16 included: its many
-   variants take a while to compile): each kernel against the torch reference on fresh random
-   inputs, outputs poisoned with NaN. A file passes only if every test it collects passes (a
-   silent skip fails).
+1. Build the CUDA kernels (torch.utils.cpp_extension), then run
+   tests/attention/test_cuda_kernels.py (and, after stage 5, tests/attention/test_triton_attention.py
+   compiled, bfloat16 included: its many variants take a while to compile): each kernel against
+   the torch reference on fresh random inputs, outputs poisoned with NaN. A file passes only if
+   every test it collects passes (a silent skip fails).
 2. Decode bandwidth of both kernels (bf16; Llama-8B heads 32/8 x 128 and SmolLM2 heads 9/3 x 64)
    at batch 64 x context 2048 and batch 8 x context 32768, as a fraction of the
    device-to-device copy bandwidth measured in the same run (targets: >= 80% and >= 70% for
@@ -31,7 +31,7 @@ limit still returns the finished stages. Stages:
    ``torch._scaled_mm`` (activations quantized per token) against the dequantizing fallback
    (max error relative to the largest output), the matmul's time against bf16 ``F.linear`` at
    16 and 4096 tokens, and a tiny compressed-tensors FP8 checkpoint (written by
-   tests/test_quant_fp8.py's writer) decoded with ``_scaled_mm`` and with the fallback.
+   tests/helpers/fp8_writer.py) decoded with ``_scaled_mm`` and with the fallback.
 8. Tensor parallelism's NCCL path (issue 13) with a world of one: the engine with
    ``distributed_backend="nccl"`` (rendezvous, NCCL group, the gloo step group, the step
    broadcast, the logits gather) generates exactly what the plain engine does.
@@ -195,12 +195,12 @@ def _pytest_all_pass(test_file: str) -> None:
 
 
 def cuda_kernel_tests() -> None:
-    _pytest_all_pass("test_cuda_kernels.py")
+    _pytest_all_pass("attention/test_cuda_kernels.py")
 
 
 def triton_kernel_tests() -> None:
-    _pytest_all_pass("test_triton_attention.py")
-    _pytest_all_pass("test_fused_ops.py")
+    _pytest_all_pass("attention/test_triton_attention.py")
+    _pytest_all_pass("layers/test_fused_ops.py")
 
 
 def _time_cuda(fn, repeats: int = 20) -> float:
@@ -333,7 +333,7 @@ def parity_model(allow_default: bool = True, num_layers: int = 6) -> tuple[str |
     import transformers
 
     sys.path.insert(0, str(ROOT))
-    from tests.conftest import save_word_tokenizer
+    from tests.helpers.checkpoints import save_word_tokenizer
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -504,8 +504,8 @@ def fp8_model_agreement(device: str, dtype, directory: str) -> tuple[int, int, f
     sys.path.insert(0, str(ROOT))
     from pagedrs import LLM, SamplingParams
     from pagedrs.quant.fp8 import _Fp8Linear
-    from tests.conftest import TINY, save_word_tokenizer
-    from tests.test_quant_fp8 import write_fp8_checkpoint
+    from tests.helpers.checkpoints import TINY, save_word_tokenizer
+    from tests.helpers.fp8_writer import write_fp8_checkpoint
 
     torch.manual_seed(5)
     hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
@@ -576,14 +576,15 @@ def fp8_weights() -> None:
 
 
 def _tiny_llama(seed: int, num_layers: int | None = None) -> str:
-    """Directory of a tiny random Llama (tests/conftest.py's shape) with clear greedy choices."""
+    """Directory of a tiny random Llama (the tests' TINY shape, tests/helpers/checkpoints.py) with
+    clear greedy choices."""
     import tempfile
 
     import torch
     import transformers
 
     sys.path.insert(0, str(ROOT))
-    from tests.conftest import TINY, save_word_tokenizer
+    from tests.helpers.checkpoints import TINY, save_word_tokenizer
 
     torch.manual_seed(seed)
     shape = {**TINY, **({"num_hidden_layers": num_layers} if num_layers else {})}

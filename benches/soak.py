@@ -1,5 +1,5 @@
 """Soak: minutes of abuse against a real `pagedrs serve` process on loopback, then what is
-left. Not run in CI (tests/test_reliability.py asserts the same behaviour in seconds).
+left. Not run in CI (tests/server/test_reliability.py asserts the same behaviour in seconds).
 
 Rounds, in turn until the time is up: mixed valid and invalid requests; streams that the
 client drops at random points (before the first byte, mid-body, mid-stream) or reads to the
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.server_process import STREAMING_CLIENT, Server, send_raw, start_server, stream_and_leave, wait_for
+from tests.helpers.servers import STREAMING_CLIENT, Server, send_raw, start_server, stream_and_leave, wait_for
 
 PROMPT = "w5 w6 w7 The capital of France is"  # words both the default model and tiny checkpoints tokenize
 CHAT = [{"role": "user", "content": PROMPT}]

@@ -6,8 +6,8 @@
 // matmuls (the packed GGUF kernel of quant_matmul.cpp, or torch's for dense weights) and the
 // same paged attention (paged_attention.cpp, torch's SDPA for long prefill chunks, as
 // python/pagedrs/attention/cpu_backend.py splits them). Results equal the Python layers' up
-// to the order of float additions (and fused multiply-adds); tests/test_decoder_stack.py holds
-// the two side by side. Built with the other cpu/ kernels by python/pagedrs/kernels/cpu.py;
+// to the order of float additions (and fused multiply-adds); tests/models/test_decoder_stack.py
+// holds the two side by side. Built with the other cpu/ kernels by python/pagedrs/kernels/cpu.py;
 // its interface (cpu_kernels.h) registered as torch.classes.pagedrs_cpu.DecoderStack by
 // torch_bindings.cpp, driven by python/pagedrs/models/cpu_stack.py.
 //

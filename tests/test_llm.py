@@ -10,7 +10,7 @@ import torch
 
 from pagedrs import SamplingParams
 from pagedrs.engine.detokenizer import IncrementalDetokenizer
-from tests.test_model_oracle import assert_same_or_near_tie, hf_greedy
+from tests.helpers.oracle import assert_same_or_near_tie, hf_greedy
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -34,6 +34,7 @@ def hf_default_model():
     ).eval()
 
 
+@pytest.mark.slow  # transformers on the default model: over 10 s
 def test_greedy_chat_matches_hugging_face_on_the_same_gguf(default_llm, hf_default_model):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [default_llm.apply_chat_template(chat) for chat in CHATS]
@@ -61,6 +62,7 @@ def test_stop_strings_end_the_text_and_are_stripped_unless_kept(default_llm):
     assert default_llm.engine.scheduler.stats().num_used_blocks == 0
 
 
+@pytest.mark.slow  # 17 sampled requests on the default model: over 10 s
 def test_same_seed_same_text_alone_or_in_a_batch_of_16(default_llm):
     prompt = default_llm.apply_chat_template([{"role": "user", "content": "Tell me a story about a fox."}])
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24)

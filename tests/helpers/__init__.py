@@ -1,1 +1,1 @@
-"""Helpers shared by test modules (never test modules themselves)."""
+"""Shared pieces of the tests: tiny checkpoints, oracles, servers, batches; imported, never collected."""

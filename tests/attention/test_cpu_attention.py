@@ -1,0 +1,171 @@
+"""The "cpu" attention backend against the torch reference: decodes and prefill chunks over
+cached prefixes, mixed and ragged in one batch, grouped-query attention, sliding windows,
+float32 / bfloat16 / float16 caches, several head and block sizes. Each case runs both ways a
+prefill chunk can go (the compiled kernel in ``cpu/``, or scaled_dot_product_attention over
+its gathered blocks); then the engine on the backend, token for token against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedrs.attention import cpu_backend, select_backend
+from pagedrs.attention.cpu_backend import CpuAttentionMetadata
+from pagedrs.attention.torch_ref import AttentionMetadata
+from pagedrs.kernels.cpu import available
+from tests.helpers.batches import make_step
+
+pytestmark = pytest.mark.skipif(not available(), reason="the CPU attention kernel does not build here")
+
+# (context, rows this step) per sequence: decodes (one row) with ragged contexts, a whole
+# prompt, prefill chunks over a cached prefix, a one-token context.
+MIXED = [(1, 1), (37, 1), (40, 40), (70, 13), (9, 9), (130, 1), (2, 1), (65, 64), (17, 2)]
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(params=["kernel", "sdpa"])
+def prefill_route(request, monkeypatch):
+    """Every chunk of two or more rows through the kernel, or through SDPA."""
+    monkeypatch.setattr(cpu_backend, "SDPA_MIN_ROWS", 1 << 30 if request.param == "kernel" else 2)
+    return request.param
+
+
+def attend_both(seqs, *, sliding_window=None, **shape):
+    """The step through the reference and through the kernel, each on its own copy of the
+    caches: (reference out, kernel out, reference caches, kernel caches)."""
+    arrays, (query, key, value), caches = make_step(seqs, **shape)
+    scale = shape["head_dim"] ** -0.5
+    results = []
+    for metadata in (AttentionMetadata, CpuAttentionMetadata):
+        key_cache, value_cache = (c.clone() for c in caches)
+        meta = metadata.build(**arrays, sliding_window=sliding_window, device=torch.device("cpu"))
+        out = meta.attend(query, key, value, key_cache, value_cache, scale)
+        results.append((out, key_cache, value_cache))
+    (expected, *expected_caches), (actual, *actual_caches) = results
+    return expected, actual, expected_caches, actual_caches
+
+
+def assert_close(actual, expected, dtype):
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 48, 40])  # 40: not a multiple of the kernel's 16 lanes
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2)], ids=["group1", "group3", "group4"])
+def test_mixed_batch_matches_the_reference(num_heads, num_kv_heads, block_size, head_dim, dtype, prefill_route):
+    expected, actual, expected_caches, actual_caches = attend_both(
+        MIXED,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    assert actual.shape == expected.shape
+    assert_close(actual, expected, dtype)
+    for actual_cache, expected_cache in zip(actual_caches, expected_caches):
+        assert torch.equal(actual_cache, expected_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("sliding_window", [None, 1, 5, 32, 64])
+def test_sliding_window_and_half_precision_match_the_reference(dtype, sliding_window, prefill_route):
+    expected, actual, _, _ = attend_both(
+        MIXED,
+        sliding_window=sliding_window,
+        block_size=16,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        dtype=dtype,
+    )
+    assert actual.dtype == dtype
+    assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_prefill_chunk_over_a_cached_prefix(dtype, prefill_route):
+    # A 200-row chunk after 300 cached tokens, beside decodes: many row tiles and key tiles.
+    seqs = [(500, 200), (300, 1), (511, 1)]
+    expected, actual, _, _ = attend_both(seqs, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
+    assert_close(actual, expected, dtype)
+
+
+def test_decodes_only_and_prefills_only(prefill_route):
+    shape = dict(block_size=8, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    for seqs in ([(c, 1) for c in (1, 5, 8, 9, 63, 64, 65)], [(12, 12), (30, 7)]):
+        expected, actual, _, _ = attend_both(seqs, **shape)
+        assert_close(actual, expected, torch.float32)
+
+
+def test_query_with_a_row_stride_is_read_in_place(prefill_route):
+    # q as the model slices it out of a fused qkv projection: heads contiguous, rows strided.
+    arrays, (query, key, value), (key_cache, value_cache) = make_step(
+        MIXED, block_size=16, num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32
+    )
+    fused = torch.cat([query.flatten(1), torch.zeros(query.shape[0], 64)], dim=1)
+    strided = fused[:, : 6 * 32].view(-1, 6, 32)
+    assert not strided.is_contiguous()
+    meta = CpuAttentionMetadata.build(**arrays, sliding_window=None, device=torch.device("cpu"))
+    out = meta.attend(strided, key, value, key_cache, value_cache, 0.2)
+    assert torch.equal(out, meta.attend(query, key, value, key_cache, value_cache, 0.2))
+
+
+def test_inconsistent_layouts_are_refused():
+    from pagedrs.kernels.cpu import load
+
+    ops = load()
+    key_cache = torch.zeros(4, 8, 2, 16)
+    query = torch.zeros(2, 4, 16)
+    out = torch.empty_like(query)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        ops.paged_attention(
+            out, query, key_cache, key_cache, tables, cu, torch.tensor([5, 17], dtype=torch.int32), 1.0, 0
+        )
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.paged_attention(
+            out,
+            query,
+            key_cache,
+            key_cache,
+            torch.tensor([[0, 9], [2, 3]], dtype=torch.int32),
+            cu,
+            torch.tensor([12, 3], dtype=torch.int32),
+            1.0,
+            0,
+        )
+    with pytest.raises(RuntimeError, match="do not group"):
+        ops.paged_attention(
+            torch.empty(2, 3, 16),
+            torch.zeros(2, 3, 16),
+            key_cache,
+            key_cache,
+            tables,
+            cu,
+            torch.tensor([1, 1], dtype=torch.int32),
+            1.0,
+            0,
+        )
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.paged_attention(
+            out, query.double(), key_cache, key_cache, tables, cu, torch.tensor([1, 1], dtype=torch.int32), 1.0, 0
+        )
+
+
+@pytest.mark.slow  # the engine twice, in chunks of 16 tokens: over 10 s
+def test_auto_picks_the_kernel_and_the_engine_generates_what_the_reference_does(tiny_llama):
+    from pagedrs import LLM, SamplingParams
+
+    assert select_backend("auto", torch.device("cpu")).name == "cpu"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 17, 33, 2, 9], list(range(10, 60)), [7, 7, 7, 300, 12]]
+    outputs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(tiny_llama, attention_backend=backend, max_num_batched_tokens=16, max_num_seqs=4, block_size=8)
+        assert llm.engine.runner.attention_backend.name == backend
+        outputs[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["cpu"] == outputs["torch"]

@@ -1,0 +1,121 @@
+"""Tiny GGUF files written from a transformers Llama, as llama.cpp's converter writes them:
+- ``TYPES``: a stored type per tensor: every 32-weight-block format, mixed and float linears.
+- ``K_CONFIG``, ``K_TYPES``: a Q4_K_M-like mix on a model of whole 256-weight blocks.
+- `write_gguf`: the file, q/k rows in llama.cpp's order, a tiny SentencePiece vocabulary."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from tests.helpers.checkpoints import TINY
+from tests.helpers.k_quants import K_QUANTS, random_k_blocks
+
+Q8_0, Q4_0, Q4_1, F32 = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, None)
+
+# GGUF name -> stored type: every kernel format, a fused q/k/v of mixed types (loaded dense),
+# and a float linear (loaded dense).
+TYPES = {
+    "token_embd": Q8_0,
+    "output": Q4_1,
+    "blk.0.attn_q": Q4_0,
+    "blk.0.attn_k": Q4_0,
+    "blk.0.attn_v": Q4_0,
+    "blk.0.attn_output": Q8_0,
+    "blk.0.ffn_gate": Q4_1,
+    "blk.0.ffn_up": Q4_1,
+    "blk.0.ffn_down": Q4_0,
+    "blk.1.attn_q": Q8_0,
+    "blk.1.attn_k": Q4_1,
+    "blk.1.attn_v": Q4_1,
+    "blk.1.attn_output": Q4_1,
+    "blk.1.ffn_gate": Q8_0,
+    "blk.1.ffn_up": Q8_0,
+    "blk.1.ffn_down": F32,
+}
+
+Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+# Like llama.cpp's Q4_K_M: Q4_K, with Q6_K for the head, the down projections and (in one
+# layer) the v projection, which makes that layer's fused q/k/v mixed (loaded dense); on a
+# model whose linears are whole 256-weight blocks.
+K_CONFIG = dict(TINY, hidden_size=256, intermediate_size=512)
+K_TYPES = {"token_embd": Q4_K, "output": Q6_K} | {
+    f"blk.{layer}.{part}": Q6_K if part == "ffn_down" or (layer == 1 and part == "attn_v") else Q4_K
+    for layer in (0, 1)
+    for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+}
+
+_HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_name(name: str) -> str:
+    if name.startswith("model.layers."):
+        _, _, layer, *rest = name.split(".")
+        return f"blk.{layer}.{_HF_TO_GGUF['.'.join(rest[:-1])]}.{rest[-1]}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}.get(
+        name, "output.weight"
+    )
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter's row order for q and k (the inverse of what loaders undo)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(path: str, model, types: dict) -> None:
+    """``model`` (a transformers Llama) as a GGUF file with a tiny SentencePiece vocabulary.
+    Tensors given a k-quant type hold random blocks instead (gguf.quants cannot quantize to
+    them): the oracle must then load the file itself."""
+    config = model.config
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_tokenizer_model("llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(3, config.vocab_size)]
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        if "rotary" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        array = tensor.float().numpy()
+        target = gguf_name(name)
+        if ".attn_q." in target:
+            array = llama_cpp_permute(array, config.num_attention_heads)
+        elif ".attn_k." in target:
+            array = llama_cpp_permute(array, config.num_key_value_heads)
+        qtype = types.get(target.removesuffix(".weight")) if array.ndim == 2 else None
+        if qtype is None:
+            writer.add_tensor(target, array)
+        elif qtype in K_QUANTS:
+            blocks = random_k_blocks(qtype, *array.shape, seed=len(target), scale_range=(1e-4, 4e-4), centred=True)
+            writer.add_tensor(target, blocks, raw_dtype=qtype)
+        else:
+            writer.add_tensor(target, quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,136 @@
+"""The weight-only quantized matmul (``torch.ops.pagedrs_cpu.quant_matmul``) equals "dequantize
+with ``gguf.quants``, then ``F.linear``" up to the order of the additions, for every format
+(the k-quants Q4_K and Q6_K on random blocks: gguf.quants cannot make them),
+odd token counts, output counts that are not a multiple of any tile, and float32, bfloat16 or
+float16 activations; the torch dequantizer and Q8_0 quantizer equal ``gguf.quants`` bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+
+from pagedrs.checkpoint import ggml_blocks
+from pagedrs.kernels import cpu as cpu_kernels
+from tests.helpers.k_quants import K_QUANTS, random_k_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels do not build here")
+
+FORMATS = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
+SHAPES = [  # (num_tokens, out_features, in_features)
+    (1, 1, 32),
+    (1, 97, 64),
+    (3, 130, 96),
+    (8, 64, 160),
+    (13, 71, 576),
+    (33, 200, 64),
+]
+
+
+K_SHAPES = [(1, 1, 256), (1, 97, 512), (3, 130, 768), (13, 71, 256), (33, 20, 512)]
+
+
+def packed_weight(qtype, out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed rows, their dequantized float32 values by gguf.quants)."""
+    if qtype in K_QUANTS:
+        packed = random_k_blocks(qtype, out_features, in_features, seed)
+        return torch.from_numpy(packed), torch.from_numpy(quants.dequantize(packed, qtype))
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator).numpy()
+    packed = quants.quantize(weight, qtype)
+    return torch.from_numpy(packed), torch.from_numpy(quants.dequantize(packed, qtype))
+
+
+@pytest.mark.parametrize(
+    ("qtype", "shape"),
+    [(qtype, shape) for qtype in FORMATS for shape in SHAPES]
+    + [(qtype, shape) for qtype in K_QUANTS for shape in K_SHAPES],
+    ids=lambda value: value.name if isinstance(value, GGMLQuantizationType) else "x".join(map(str, value)),
+)
+def test_matches_dequantize_then_linear_in_float32(qtype, shape):
+    num_tokens, out_features, in_features = shape
+    packed, weight = packed_weight(qtype, out_features, in_features, seed=num_tokens * 1000 + out_features)
+    x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(1))
+    out = cpu_kernels.load().quant_matmul(x, packed, int(qtype), in_features)
+    expected = F.linear(x.double(), weight.double())
+    assert out.dtype == torch.float32 and out.shape == (num_tokens, out_features)
+    # Float32 sums of in_features products in another order: errors of a few ulps of the
+    # sum of |terms|.
+    bound = 8 * in_features * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
+    assert ((out.double() - expected).abs() <= bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("qtype", FORMATS + K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_activations_give_their_dtype_out_rounded_once(qtype, dtype):
+    packed, weight = packed_weight(qtype, 45, 256, seed=3)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = cpu_kernels.load().quant_matmul(x, packed, int(qtype), 256)
+    assert out.dtype == dtype
+    expected = F.linear(x.double(), weight.double())
+    # One rounding to the 16-bit dtype (half its epsilon: 2**-8 for bfloat16, 2**-11 for
+    # float16) of a float32 sum.
+    assert torch.allclose(
+        out.double(), expected, rtol=torch.finfo(dtype).eps / 2, atol=1e-4 * expected.abs().max().item()
+    )
+
+
+def test_packed_layer_with_float16_input_matches_the_dequantized_weights():
+    """The packed path of ``LLM(dtype="float16", device="cpu")``: a layer's float16 output is
+    its dequantized weights' float64 product, rounded once to float16."""
+    from pagedrs.layers.linear import RowParallelLinear, TensorParallel
+    from pagedrs.quant.layers import QuantRowParallelLinear
+
+    packed, weight = packed_weight(GGMLQuantizationType.Q4_1, 24, 96, seed=5)
+    dense = RowParallelLinear(96, 24, bias=False, tp=TensorParallel(0, 1), dtype=torch.float16)
+    layer = QuantRowParallelLinear(dense, GGMLQuantizationType.Q4_1)
+    layer.weight.copy_(packed)
+    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(6)).half()
+    out = layer(x)
+    assert out.dtype == torch.float16 and out.shape == (2, 3, 24)
+    expected = F.linear(x.double(), weight.double())
+    assert torch.allclose(out.double(), expected, rtol=2**-11, atol=1e-4 * expected.abs().max().item())
+
+
+def test_empty_batch_gives_empty_output():
+    packed, _ = packed_weight(GGMLQuantizationType.Q8_0, 16, 64, seed=0)
+    out = cpu_kernels.load().quant_matmul(torch.empty(0, 64), packed, int(GGMLQuantizationType.Q8_0), 64)
+    assert out.shape == (0, 16)
+
+
+def test_bad_inputs_are_refused():
+    op = cpu_kernels.load().quant_matmul
+    q8 = int(GGMLQuantizationType.Q8_0)
+    packed, _ = packed_weight(GGMLQuantizationType.Q8_0, 16, 64, seed=0)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="ggml types"):
+        op(x, packed, int(GGMLQuantizationType.Q5_K), 64)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        op(x, packed, int(GGMLQuantizationType.Q6_K), 64)  # k-quants take whole 256-weight blocks
+    with pytest.raises(RuntimeError, match="weight must be"):
+        op(x, packed, int(GGMLQuantizationType.Q4_0), 64)  # Q8_0 rows read as Q4_0: wrong width
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.randn(2, 48), packed, q8, 48)
+    with pytest.raises(RuntimeError, match="x must be"):
+        op(torch.randn(2, 96), packed, q8, 64)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        op(x.double(), packed, q8, 64)
+    with pytest.raises(RuntimeError, match="uint8"):
+        op(x, packed.to(torch.int8), q8, 64)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(torch.randn(64, 2).T, packed, q8, 64)
+
+
+@pytest.mark.parametrize("qtype", FORMATS + K_QUANTS, ids=lambda t: t.name)
+def test_torch_dequantize_equals_gguf(qtype):
+    packed, weight = packed_weight(qtype, 7, 256, seed=9)
+    assert torch.equal(ggml_blocks.dequantize(packed, qtype), weight)
+
+
+def test_q8_0_quantizer_equals_gguf_bit_for_bit():
+    weight = torch.randn(9, 128, generator=torch.Generator().manual_seed(4))
+    weight[0, :32] = 0  # an all-zero block (scale 0)
+    weight[1, 5] = 2.5 * weight[1, :32].abs().max() / 127  # about halfway between steps 2 and 3
+    expected = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
+    assert torch.equal(ggml_blocks.quantize_q8_0(weight), torch.from_numpy(expected))
