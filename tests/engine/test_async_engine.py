@@ -154,3 +154,23 @@ def test_stopping_the_engine_ends_waiting_streams(tiny_llama):
     asyncio.run(run())
     engine.shutdown()
     assert not engine.is_alive()
+
+
+def test_delta_streams_add_up_to_the_cumulative_outputs(engine):
+    """``delta=True``: each output holds only what is new (tokens, text, logprobs); added up,
+    the deltas are exactly the cumulative stream's last output."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, stop=["zz"])
+
+    async def run():
+        cumulative = await _collect(engine, "whole", [5, 6, 7], params)
+        stream = await engine.add_request("parts", [5, 6, 7], params, delta=True)
+        return cumulative, [output async for output in stream]
+
+    cumulative, deltas = asyncio.run(run())
+    final = cumulative[-1].outputs[0]
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == final.token_ids
+    assert "".join(d.outputs[0].text for d in deltas) == final.text
+    assert [entry for d in deltas for entry in d.outputs[0].logprobs] == final.logprobs
+    assert all(len(d.outputs[0].token_ids) < len(final.token_ids) for d in deltas[1:])  # never the whole list again
+    assert deltas[-1].outputs[0].finish_reason == final.finish_reason == "length"

@@ -38,6 +38,19 @@ def test_models_health_version(server, client):
     assert status == 200 and body["version"]
 
 
+def test_server_info_reports_every_setting_and_what_it_resolved_to(server):
+    import dataclasses
+
+    from pagedrs.config import EngineConfig
+
+    status, info = server.request("GET", "/server_info")
+    assert status == 200
+    assert {spec.name for spec in dataclasses.fields(EngineConfig)} <= set(info)
+    assert info["kv_cache_memory"] == "256MiB" and info["max_model_len"] == 2048
+    assert info["dtype"] == "float32" and info["num_kv_blocks"] > 0
+    assert info["server_config"]["api_key"] is None and info["server_config"]["port"] == server.port
+
+
 def test_completion_streaming_equals_non_streaming(client):
     kwargs = dict(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
     whole = client.completions.create(**kwargs)
