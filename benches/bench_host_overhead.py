@@ -6,10 +6,10 @@ size and each sampling setting, B requests decode together; after their prefill,
 decode steps are timed and split into where the time goes:
 
 - schedule: the Rust scheduler's ``schedule()`` (batch arrays out);
-- forward: ``ModelRunner.execute`` (attention metadata, inputs, the model, logits);
+- forward: ``ModelRunner.execute`` (attention metadata, inputs, the model, logits), as the executor calls it;
 - sampler: the sampler (penalties, filtering, draws, logprobs, one device-to-host copy);
 - update: the Rust core's ``update_from_output`` (columns out);
-- apply: detokenizing, stop strings, logprobs entries, outputs;
+- apply: the output processor's detokenizing, stop strings, logprobs entries, finish reasons;
 - own: the step minus the forward pass (what the engine adds around the model, sampler included);
 - host: the step minus the forward pass and the sampler (scheduling, bookkeeping, apply: the
   Python and Rust work that a GPU would not take off the CPU);
@@ -109,9 +109,10 @@ class _Timed:
 def instrument(engine: LLMEngine) -> _Clock:
     clock = _Clock()
     engine.scheduler = _Timed(engine.scheduler, clock, {"schedule": "schedule", "update_from_output": "update"})
-    engine.runner = _Timed(engine.runner, clock, {"execute": "forward"})
+    engine.executor.runner = _Timed(engine.executor.runner, clock, {"execute": "forward"})
     engine.sampler = _Timed(engine.sampler, clock, {}, call="sampler")
-    engine._apply = clock.wrap("apply", engine._apply)
+    processor = engine.processor
+    processor._apply = clock.wrap("apply", processor._apply)  # type: ignore[method-assign]
     return clock
 
 

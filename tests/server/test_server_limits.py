@@ -70,7 +70,8 @@ def test_full_waiting_queue_gets_503(tiny_llama):
 def test_a_request_failing_in_the_engine_fails_alone(tiny_llama):
     server = InProcessServer([tiny_llama, "--device", "cpu"])
     engine = server.engine.engine
-    append = engine._append
+    processor = engine.processor
+    append = processor._append
     poison = engine.tokenizer.encode("w13")[0]
 
     def append_or_fail(request, choice, token, *args, **kwargs):
@@ -78,7 +79,7 @@ def test_a_request_failing_in_the_engine_fails_alone(tiny_llama):
             raise RuntimeError("injected failure")
         return append(request, choice, token, *args, **kwargs)
 
-    engine._append = append_or_fail
+    processor._append = append_or_fail
     try:
         good = {"prompt": "w5 w6 w7", "max_tokens": 8, "ignore_eos": True}
         bad = {"prompt": "w13 w6 w7", "max_tokens": 8, "ignore_eos": True}
