@@ -148,7 +148,7 @@ def test_heads_that_do_not_split_are_refused_before_any_rank_starts(tiny_llama, 
         started.append(setup.rank)
         raise AssertionError(f"rank {setup.rank} was started for a model that cannot be split")
 
-    monkeypatch.setattr("pagedrs.engine.parallel._start_worker", start_worker)
+    monkeypatch.setattr("pagedrs.engine.parallel.start_worker", start_worker)
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(tiny_llama, tensor_parallel_size=3, kv_cache_memory="1MiB")
     assert started == []  # no worker was started and waited for

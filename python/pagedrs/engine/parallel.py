@@ -215,6 +215,7 @@ class TensorParallelGroup:
                 worker = pending.pop(sentinel)  # type: ignore[arg-type]
                 if self._closed:
                     return
+                worker.join(1.0)  # reaped: its exit code is known (the sentinel fires first)
                 reason = f"tensor-parallel worker (pid {worker.pid}) exited with code {worker.exitcode}"
                 reported = self._reported_errors()
                 self.failure = self.failure or (f"{reason}: {reported}" if reported else reason)
