@@ -57,7 +57,9 @@ class LLMEngine:
             self.runner,
             parts.sampler,
             self.drafter,
-            lambda matchers: self.processor.grammars.fill_bitmask(matchers),
+            # NOTE: a bound method of the processor, not a closure over the engine: a reference
+            # cycle would keep a dropped engine (and its KV cache) alive until the next GC pass.
+            self.processor.fill_bitmask,
             self.hf_config.vocab_size,
         )
         self.last_schedule: SchedulerOutput | None = None

@@ -169,6 +169,10 @@ class OutputProcessor:
             self._grammars = GrammarMatchers(token_bytes(self.tokenizer), self.eos_token_id, self.vocab_size)
         return self._grammars
 
+    def fill_bitmask(self, matchers: list[int]) -> np.ndarray:
+        """The token bitmasks of these grammar matchers (the executor calls it on its mask thread)."""
+        return self.grammars.fill_bitmask(matchers)
+
     def structured_output_stats(self) -> StructuredOutputStats:
         grammars = self._grammars
         if grammars is None:
