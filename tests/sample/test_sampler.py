@@ -8,6 +8,7 @@ import torch
 
 from pagedrs import SamplingParams
 from pagedrs.sample import Sampler, SamplingRow, cpu_ops
+from pagedrs.sample import ops as sample_ops
 from pagedrs.sample import sampler as sampler_module
 from tests.helpers.stats import chi_square_p_value
 
@@ -282,7 +283,7 @@ def test_chunked_top_k_equals_topk(vocab, k):
     torch.manual_seed(vocab + k)
     logits = torch.randn(9, vocab) * 3
     logits[0, :] = 1.0  # every value tied: any k of them will do
-    values, ids = sampler_module._top_k(logits, k)
+    values, ids = sample_ops.chunked_top_k(logits, k)
     expected_values, expected_ids = logits.topk(k, dim=-1)
     assert torch.equal(values, expected_values)
     assert torch.equal(logits.gather(1, ids), values)
@@ -297,4 +298,4 @@ def test_chunked_argmax_is_the_first_largest_index(vocab):
     logits[2, [vocab // 3, vocab // 2, vocab - 1]] = 9.0  # three tied maxima: the first
     logits[3, -1] = float("inf")
     logits[4] = float("-inf")
-    assert sampler_module._argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert sample_ops.chunked_argmax(logits).tolist() == logits.argmax(dim=-1).tolist()

@@ -37,6 +37,14 @@ import numpy as np
 import torch
 
 from pagedrs.sample import cpu_ops
+from pagedrs.sample.ops import (
+    InverseCdf,
+    chunked_argmax,
+    chunked_top_k,
+    filtered_distribution,
+    row_index,
+    sort_filtered,
+)
 from pagedrs.sample.penalties import PenaltyState
 from pagedrs.sampling_params import SamplingParams
 
@@ -119,10 +127,6 @@ _BLOCKED_BITS = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1) == 0
 holds its bits ``8k .. 8k + 7``)."""
 
 
-def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
-
-
 class _Batch:
     """A step's rows, grouped, with their parameters as device vectors. Rebuilt only when the
     rows change (in steady decoding they don't)."""
@@ -132,8 +136,8 @@ class _Batch:
         self.num_rows = len(rows)
         self.greedy = [i for i, p in enumerate(params) if p.is_greedy]
         self.random = [i for i, p in enumerate(params) if not p.is_greedy]
-        self.random_index = _index(self.random, device)
-        self.greedy_index = _index(self.greedy, device)
+        self.random_index = row_index(self.random, device)
+        self.greedy_index = row_index(self.greedy, device)
         # From here on, rows are positions within the random rows.
         self.params = [params[i] for i in self.random]
         self.generators = [rows[i].generator for i in self.random]
@@ -150,14 +154,14 @@ class _Batch:
         self.top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else 0 for p in self.params], device=device)
         self.top_p = torch.tensor([p.top_p for p in self.params], device=device)
         if self.windowed:
-            self.windowed_index = _index(self.windowed, device)
+            self.windowed_index = row_index(self.windowed, device)
             self.windowed_width = [windows[j] for j in self.windowed]
             self.row_window = torch.tensor(self.windowed_width, device=device).unsqueeze(1)
             self.windowed_temperature = self.temperature[self.windowed_index]
             self.windowed_any_top_p = any(self.params[j].top_p < 1 for j in self.windowed)
             self.windowed_top_p = self.top_p[self.windowed_index].unsqueeze(1)
             self.windowed_min_p = self.log_min_p[self.windowed_index].exp().unsqueeze(1)
-        self.full_index = _index(self.full, device)
+        self.full_index = row_index(self.full, device)
         self.full_generators = [self.generators[j] for j in self.full] if self.any_seeded else None
         self.full_temperature = self.temperature[self.full_index]
         self.full_unit_temperature = all(self.params[j].temperature == 1 for j in self.full)
@@ -173,14 +177,14 @@ class _Batch:
         penalized = [i for i, row in enumerate(rows) if row.penalty_slot is not None]
         self.any_penalties = bool(penalized)
         if penalized:
-            self.penalty_rows = _index(penalized, device)
+            self.penalty_rows = row_index(penalized, device)
             self.penalty_slots_host = np.array([rows[i].penalty_slot for i in penalized], dtype=np.int64)
             self.penalty_slots = torch.from_numpy(self.penalty_slots_host).to(device)
             repetition = [params[i].repetition_penalty for i in penalized]
             self.repetition = torch.tensor(repetition, device=device) if any(r != 1 for r in repetition) else None
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        self.logprob_rows = _index(logprob_rows, device) if logprob_rows else None
+        self.logprob_rows = row_index(logprob_rows, device) if logprob_rows else None
         self.all_logprobs = len(logprob_rows) == len(rows)
         self.num_top_logprobs = max((params[i].logprobs or 0 for i in logprob_rows), default=0)
 
@@ -241,16 +245,16 @@ class Sampler:
             if banned:
                 ban_rows = [row for row, token_ids in banned for _ in token_ids]
                 ban_ids = [token for _, token_ids in banned for token in token_ids]
-                logits[_index(ban_rows, self.device), _index(ban_ids, self.device)] = float("-inf")
+                logits[row_index(ban_rows, self.device), row_index(ban_ids, self.device)] = float("-inf")
             if allowed is not None:
                 self._mask(logits, *allowed)
         if not batch.random:
-            token_ids = _argmax(logits)
+            token_ids = chunked_argmax(logits)
         elif not batch.greedy:
             token_ids = self._sample(logits, batch)
         else:
             token_ids = torch.empty(len(logits), dtype=torch.long, device=logits.device)
-            token_ids[batch.greedy_index] = _argmax(logits[batch.greedy_index])
+            token_ids[batch.greedy_index] = chunked_argmax(logits[batch.greedy_index])
             token_ids[batch.random_index] = self._sample(logits[batch.random_index], batch)
         if batch.any_penalties:
             self.penalties.record(batch.penalty_slots, batch.penalty_slots_host, token_ids[batch.penalty_rows])
@@ -267,7 +271,7 @@ class Sampler:
         if self._blocked_bits is None:
             self._blocked_bits = _BLOCKED_BITS.to(self.device)
         blocked = self._blocked_bits[words.int()].view(len(rows), -1)[:, : logits.shape[1]]
-        index = _index(rows, self.device)
+        index = row_index(rows, self.device)
         logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
@@ -283,7 +287,7 @@ class Sampler:
 
     def _sample_windowed(self, logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
         """Rows with a top-k: candidates are their ``k`` most likely tokens."""
-        values, token_ids = _top_k(logits, batch.window)  # most likely first
+        values, token_ids = chunked_top_k(logits, batch.window)  # most likely first
         values = values / batch.windowed_temperature  # a positive scale keeps the order
         ranks = torch.arange(batch.window, device=logits.device).unsqueeze(0)
         keep = ranks < batch.row_window
@@ -313,7 +317,7 @@ class Sampler:
         sorted_rows = [row for row, is_sorted in enumerate(batch.full_sorted) if is_sorted]
         if sorted_rows:
             # A top-k past the window (rare): top-k and top-p by a full sort, up front.
-            rows = _index(sorted_rows, logits.device)
+            rows = row_index(sorted_rows, logits.device)
             positions = batch.full_index[rows]
             logits = logits.clone()
             logits[rows] = (
@@ -333,7 +337,7 @@ class Sampler:
             token_ids, pending = self._draw_full_with_torch(logits, batch, top_p, generators)
         if pending:
             # Still rejected after every round (a tiny top_p over a flat distribution): sort.
-            rows = _index(pending, logits.device)
+            rows = row_index(pending, logits.device)
             positions = batch.full_index[rows]
             probs = filtered_distribution(
                 logits[rows], temperature[rows], batch.top_k[positions], batch.top_p[positions], batch.full_min_p[rows]
@@ -360,7 +364,7 @@ class Sampler:
         for _ in range(MAX_REJECTION_ROUNDS):
             if not pending:
                 break
-            rows = None if len(pending) == len(relative) else _index(pending, logits.device)
+            rows = None if len(pending) == len(relative) else row_index(pending, logits.device)
             # NOTE: the draw is in the nucleus iff the tokens strictly more likely than it hold
             # less than top_p of the mass; a rejected row draws again (rejection sampling).
             row_relative = relative if rows is None else relative[rows]
@@ -370,7 +374,7 @@ class Sampler:
             rejected = (before >= row_top_p * row_relative.sum(dim=-1)).tolist()
             pending = [row for row, reject in zip(pending, rejected) if reject]
             if pending:
-                token_ids[_index(pending, logits.device)] = sampler.draw(self.uniforms(pending, generators), pending)
+                token_ids[row_index(pending, logits.device)] = sampler.draw(self.uniforms(pending, generators), pending)
         return token_ids, pending
 
     def uniforms(
@@ -429,102 +433,3 @@ class Sampler:
             top_token_ids=host[:, 3 : 3 + num_top].astype(np.int64),
             top_logprobs=host[:, 3 + num_top :],
         )
-
-
-class InverseCdf:
-    """Draws from rows of unnormalized probabilities ``[N, V]`` by inverse CDF in two
-    levels: a cumulative sum over blocks of `BLOCK` tokens picks the block, one over the
-    block's tokens picks the token, so no ``[N, V]`` cumulative sum is ever written."""
-
-    BLOCK = 1024
-
-    def __init__(self, weights: torch.Tensor):
-        self.weights = weights
-        num_rows, vocab = weights.shape
-        num_full = vocab // self.BLOCK
-        sums = [weights[:, : num_full * self.BLOCK].view(num_rows, num_full, self.BLOCK).sum(dim=-1)]
-        if vocab % self.BLOCK:
-            sums.append(weights[:, num_full * self.BLOCK :].sum(dim=-1, keepdim=True))
-        self.block_cdf = torch.cat(sums, dim=1).cumsum(dim=-1)
-
-    def draw(self, uniform: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
-        """One token per row (``rows`` of the weights, or all) for these uniforms."""
-        weights, block_cdf = self.weights, self.block_cdf
-        if rows is not None:
-            index = _index(rows, weights.device)
-            weights, block_cdf = weights[index], block_cdf[index]
-        vocab = weights.shape[-1]
-        target = (uniform * block_cdf[:, -1]).unsqueeze(1)
-        block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[-1] - 1)
-        below = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-        columns = block * self.BLOCK + torch.arange(self.BLOCK, device=weights.device).unsqueeze(0)
-        in_vocab = columns < vocab
-        block_weights = weights.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(~in_vocab, 0.0)
-        inner_cdf = block_weights.cumsum(dim=-1)
-        offset = torch.searchsorted(inner_cdf, target - below, right=True).clamp_(max=self.BLOCK - 1)
-        # NOTE: float32 rounding (block sums and the inner cumulative sum add in different
-        # orders) may land a draw on a zero-weight token; it then takes the block's most
-        # likely token instead.
-        zero = block_weights.gather(1, offset) == 0
-        offset = torch.where(zero, block_weights.argmax(dim=-1, keepdim=True), offset)
-        return (block * self.BLOCK + offset).squeeze(1)
-
-
-def _argmax(logits: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """``logits.argmax(-1)`` (the first index of the largest value), from the maxima of
-    ``chunk``-token chunks and one chunk per row: torch's CPU ``amax`` runs ~4x faster than its
-    ``argmax`` over a large vocabulary."""
-    num_rows, vocab = logits.shape
-    if vocab % chunk or vocab < 4 * chunk:
-        return logits.argmax(dim=-1)
-    maxima = logits.reshape(num_rows, vocab // chunk, chunk).amax(dim=-1)
-    # The first chunk holding the row's maximum holds its first occurrence.
-    first_chunk = (maxima == maxima.amax(dim=-1, keepdim=True)).to(torch.uint8).argmax(dim=-1, keepdim=True)
-    columns = first_chunk * chunk + torch.arange(chunk, device=logits.device)
-    return (first_chunk * chunk + logits.gather(1, columns).argmax(dim=-1, keepdim=True)).squeeze(1)
-
-
-def _top_k(logits: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits.topk(k)`` (values and ids, most likely first), reading the row once: the k
-    largest values lie in the chunks whose maxima are the k largest chunk maxima (a chunk
-    holding one of them has a maximum at least as large), so only those ``k * chunk``
-    candidates are ranked. ~5x faster than ``topk`` over a 49K vocabulary at k = 50."""
-    num_rows, vocab = logits.shape
-    num_chunks = vocab // chunk
-    if num_chunks < 4 * k:
-        return logits.topk(k, dim=-1)
-    covered = num_chunks * chunk
-    maxima = logits[:, :covered].reshape(num_rows, num_chunks, chunk).amax(dim=-1)
-    top_chunks = maxima.topk(k, dim=-1).indices
-    columns = (top_chunks.unsqueeze(-1) * chunk + torch.arange(chunk, device=logits.device)).reshape(num_rows, -1)
-    if covered < vocab:
-        tail = torch.arange(covered, vocab, device=logits.device).expand(num_rows, -1)
-        columns = torch.cat([columns, tail], dim=1)
-    values, positions = logits.gather(1, columns).topk(k, dim=-1)
-    return values, columns.gather(1, positions)
-
-
-def filtered_distribution(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
-    """Each row's sampling distribution ``[R, V]``, by a full sort: temperature (``[R, 1]``),
-    top-k (``[R]``, 0: none), top-p over the top-k survivors (``[R]``), then min-p relative to
-    the most likely token (``[R, 1]``). For the rare row the windows do not serve, and for
-    speculative verification, which needs the whole distribution."""
-    scaled = logits / temperature
-    filtered = sort_filtered(scaled, top_k, top_p)
-    relative = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()
-    return filtered.masked_fill(relative < min_p, float("-inf")).softmax(dim=-1)
-
-
-def sort_filtered(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-k and top-p by a full sort: for the rare row whose candidates do not fit a window."""
-    vocab = scaled.shape[-1]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=scaled.device).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_logits = sorted_logits.masked_fill((before >= top_p.unsqueeze(1)) & (ranks > 0), float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)

@@ -43,7 +43,7 @@ def speculates(params: SamplingParams) -> bool:
 @torch.inference_mode()
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Each row's sampling distribution ``[R, V]`` under its request's temperature, top-k, top-p
-    and min-p, as the sampler applies them (`pagedrs.sample.sampler.filtered_distribution`). Rows must
+    and min-p, as the sampler applies them (`pagedrs.sample.ops.filtered_distribution`). Rows must
     not be greedy."""
     device, vocab = logits.device, logits.shape[-1]
     return filtered_distribution(
