@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import MISSING, dataclass, field, fields
+import types
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pagedrs.memory import parse_bytes
@@ -201,7 +202,7 @@ def check_value(name: str, value: Any, hint: Any, minimum: float | None = None) 
     """Raises ``ValueError`` unless ``value`` is of the type ``hint`` (ints, floats, bools,
     strings, ``Literal`` sets, ``None`` in a union; other classes by ``isinstance``) and, as
     a number, at least ``minimum``."""
-    options = get_args(hint) if get_origin(hint) in (Union, _union_type()) else (hint,)
+    options = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
     if value is None:
         if type(None) in options:
             return
@@ -243,12 +244,6 @@ def _describe(options: tuple[Any, ...]) -> str:
     return " or ".join(words)
 
 
-def _union_type() -> Any:
-    import types
-
-    return types.UnionType
-
-
 def _check_device(device: str) -> None:
     kind, _, index = device.partition(":")
     if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
@@ -273,14 +268,6 @@ def check_fields(config: Any) -> None:
         choices = spec.metadata.get("choices")
         if choices and value is not None and value not in choices:
             raise ValueError(f"{spec.name} must be one of {', '.join(choices)}, got {value!r}")
-
-
-def field_default(config_class: type, name: str) -> Any:
-    """A dataclass field's default (for code that must name it without an instance)."""
-    for spec in fields(config_class):
-        if spec.name == name and spec.default is not MISSING:
-            return spec.default
-    raise KeyError(name)
 
 
 _DTYPE_NAMES = get_args(Dtype)[1:]

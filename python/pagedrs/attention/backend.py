@@ -9,7 +9,7 @@ The runner asks the backend object, never its name: ``backend.metadata.build(...
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, get_args
 
 import numpy as np
 import torch
@@ -17,9 +17,10 @@ import torch
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 from pagedrs.attention.cuda_backend import KernelPlan
 from pagedrs.attention.torch_ref import AttentionMetadata as TorchAttentionMetadata
+from pagedrs.config import AttentionBackendName
 from pagedrs.kernels import cuda as cuda_kernels
 
-BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
+BACKENDS: tuple[str, ...] = get_args(AttentionBackendName)
 """The ``attention_backend`` values; ``"auto"`` picks one of the others."""
 
 
