@@ -134,6 +134,9 @@ class SchedulerOutput:
     def context_lens(self) -> npt.NDArray[np.int32]:
         """Tokens each sequence attends to, this step's included. ``[num_seqs]``"""
     @property
+    def prompt_lens(self) -> npt.NDArray[np.int32]:
+        """Prompt length of each sequence's request. ``[num_seqs]``"""
+    @property
     def block_tables(self) -> npt.NDArray[np.int32]:
         """Block tables, zero-padded past each row's blocks. ``[num_seqs, max_blocks]``"""
     @property

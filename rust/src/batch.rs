@@ -79,6 +79,9 @@ pub struct SchedulerOutput {
     /// Tokens each sequence attends to (computed before this step + this step's).
     /// `[num_seqs]`
     pub context_lens: Vec<i32>,
+    /// Prompt length of each sequence's request (what length-dependent rotary embeddings
+    /// choose their frequencies by). `[num_seqs]`
+    pub prompt_lens: Vec<i32>,
     /// Block tables, row-major `[num_seqs, block_table_width]`, zero-padded.
     pub block_tables: Vec<i32>,
     /// Columns of `block_tables`: the most blocks any scheduled sequence needs.
@@ -142,6 +145,8 @@ pub(crate) struct ScheduledSeq {
     pub num_samples: usize,
     /// Whether these tokens are a decode (one generated token) rather than a prefill.
     pub is_decode: bool,
+    /// Its request's prompt length.
+    pub num_prompt_tokens: usize,
 }
 
 impl SchedulerOutput {
@@ -169,6 +174,7 @@ impl SchedulerOutput {
             slot_mapping: Vec::with_capacity(num_tokens),
             query_start_loc,
             context_lens: Vec::with_capacity(num_seqs),
+            prompt_lens: Vec::with_capacity(num_seqs),
             block_tables: vec![0; width * num_seqs],
             block_table_width: width,
             logits_indices: Vec::with_capacity(num_logits),
@@ -208,6 +214,7 @@ impl SchedulerOutput {
         }));
         self.query_start_loc.push(self.input_token_ids.len() as i32);
         self.context_lens.push(end as i32);
+        self.prompt_lens.push(seq.num_prompt_tokens as i32);
         let num_blocks = end.div_ceil(block_size);
         let width = self.block_table_width;
         let out = &mut self.block_tables[row * width..row * width + num_blocks];

@@ -33,6 +33,8 @@ pub(super) struct PySchedulerOutput {
     query_start_loc: Py<PyArray1<i32>>,
     /// Tokens each sequence attends to, this step's included. `int32 [num_seqs]`
     context_lens: Py<PyArray1<i32>>,
+    /// Prompt length of each sequence's request. `int32 [num_seqs]`
+    prompt_lens: Py<PyArray1<i32>>,
     /// Zero-padded block tables. `int32 [num_seqs, max_blocks]`
     block_tables: Py<PyArray2<i32>>,
     /// Input rows to sample from. `int64 [num_logits]`
@@ -95,6 +97,7 @@ impl PySchedulerOutput {
             slot_mapping: out.slot_mapping.into_pyarray(py).unbind(),
             query_start_loc: out.query_start_loc.into_pyarray(py).unbind(),
             context_lens: out.context_lens.into_pyarray(py).unbind(),
+            prompt_lens: out.prompt_lens.into_pyarray(py).unbind(),
             block_tables: block_tables.into_pyarray(py).unbind(),
             logits_indices: out.logits_indices.into_pyarray(py).unbind(),
             logits_request_indices: out.logits_request_indices.into_pyarray(py).unbind(),

@@ -153,6 +153,7 @@ impl Scheduler {
                 num_drafts: 0,
                 num_samples: if is_partial { 0 } else { num_seats },
                 is_decode: false,
+                num_prompt_tokens: seq.num_prompt_tokens,
             });
             let position = self.running.partition_point(|other| self.sequences[*other].key < key);
             self.running.insert(position, id);

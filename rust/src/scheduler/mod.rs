@@ -240,6 +240,7 @@ impl Scheduler {
                 num_drafts,
                 num_samples: if caught_up { 1 + seq.num_pending_forks } else { 0 },
                 is_decode: lacks_one && start >= seq.num_prompt_tokens,
+                num_prompt_tokens: seq.num_prompt_tokens,
             });
             index += 1;
         }

@@ -72,6 +72,7 @@ fn output_arrays_describe_the_batch() {
     assert_eq!(out.input_token_ids, vec![10, 11, 12, 13, 14, 15]);
     assert_eq!(out.query_start_loc, vec![0, 6]);
     assert_eq!(out.context_lens, vec![6]);
+    assert_eq!(out.prompt_lens, vec![6]);
     let table = s.kv_cache().block_table(out.sequence_ids[0]).unwrap().to_vec();
     let slot = |p: usize| (table[p / 4].0 as usize * 4 + p % 4) as i64;
     assert_eq!(out.slot_mapping, (0..6).map(slot).collect::<Vec<_>>());
@@ -82,6 +83,7 @@ fn output_arrays_describe_the_batch() {
     assert_eq!(out.positions, vec![6]);
     assert_eq!(out.slot_mapping, vec![slot(6)]);
     assert_eq!(out.context_lens, vec![7]);
+    assert_eq!(out.prompt_lens, vec![6]);
     assert_eq!((out.num_prefill_tokens, out.num_decode_tokens), (0, 1));
 }
 
