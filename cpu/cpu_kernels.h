@@ -24,7 +24,7 @@ namespace pagedrs_cpu {
 // and values must already be in the caches.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                     const at::Tensor& context_lens, double scale, int64_t sliding_window);
+                     const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap);
 
 // sampling.cpp: the sampled tokens' logprobs and ranks and each row's top logprobs (all four
 // outputs written) of logits [num_rows, vocab_size].

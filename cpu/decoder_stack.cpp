@@ -365,11 +365,11 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         at::Tensor rows_query = query.index_select(0, *kernel_rows);
         at::Tensor rows_out = at::empty_like(rows_query);
         pagedrs_cpu::paged_attention(rows_out, rows_query, key_cache, value_cache, *block_tables, *cu_seqlens_q,
-                                     *context_lens, scale, sliding_window);
+                                     *context_lens, scale, sliding_window, 0.0);
         attended.index_copy_(0, *kernel_rows, rows_out);
       } else {
         pagedrs_cpu::paged_attention(attended, query, key_cache, value_cache, *block_tables, *cu_seqlens_q,
-                                     *context_lens, scale, sliding_window);
+                                     *context_lens, scale, sliding_window, 0.0);
       }
     }
     const int64_t group = num_heads_ / num_kv_heads_;

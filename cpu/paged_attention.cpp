@@ -182,6 +182,7 @@ struct Args {
   int max_blocks_per_seq;
   int sliding_window;
   float scale;
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
 };
 
 // Per-thread scratch, sized once per call. A "vector" is one (query row, query head) of an item.
@@ -304,6 +305,10 @@ void attend_item(const Args& args, const WorkItem& item, Scratch& scratch) {
       int t = begin;
       for (; t + 4 <= end; t += 4) dot4(q, key_rows + t, head_size, row_scores + t);
       for (; t < end; ++t) row_scores[t] = dot(q, key_rows[t], head_size);
+      if (args.softcap > 0.f) {
+        const float cap = args.softcap, inverse = 1.f / args.softcap;
+        for (t = begin; t < end; ++t) row_scores[t] = cap * std::tanh(row_scores[t] * inverse);
+      }
       std::fill(row_scores + end, row_scores + tile_len, kNegInf);
     }
     // (2) Online softmax: bring each vector's running maximum, sum and output up to date.
@@ -404,7 +409,8 @@ namespace pagedrs_cpu {
 // runner's contract, rust/src/batch.rs).
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                     const at::Tensor& context_lens, double scale, int64_t sliding_window) {
+                     const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap) {
+  TORCH_CHECK(softcap >= 0, "pagedrs_cpu: softcap must be >= 0 (0: none), got ", softcap);
   check_cache(key_cache, "key_cache");
   check_cache(value_cache, "value_cache");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == value_cache.scalar_type(),
@@ -464,6 +470,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   args.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
   args.sliding_window = static_cast<int>(sliding_window);
   args.scale = static_cast<float>(scale);
+  args.softcap = static_cast<float>(softcap);
   const auto items = work_items(args.cu_seqlens_q, static_cast<int>(num_seqs), args.num_kv_heads);
   switch (dtype) {
     case at::kFloat: run<float>(args, items); break;

@@ -10,7 +10,7 @@
 TORCH_LIBRARY(pagedrs_cpu, m) {
   // paged_attention.cpp
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor cu_seqlens_q, Tensor context_lens, float scale, int sliding_window) -> ()");
+        "Tensor cu_seqlens_q, Tensor context_lens, float scale, int sliding_window, float softcap) -> ()");
   // sampling.cpp
   m.def("logprob_stats(Tensor logits, Tensor token_ids, int num_top, Tensor(a!) logprobs, Tensor(b!) ranks, "
         "Tensor(c!) top_ids, Tensor(d!) top_logprobs) -> ()");

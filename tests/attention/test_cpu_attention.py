@@ -124,7 +124,7 @@ def test_inconsistent_layouts_are_refused():
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="longer than its block table"):
         ops.paged_attention(
-            out, query, key_cache, key_cache, tables, cu, torch.tensor([5, 17], dtype=torch.int32), 1.0, 0
+            out, query, key_cache, key_cache, tables, cu, torch.tensor([5, 17], dtype=torch.int32), 1.0, 0, 0.0
         )
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.paged_attention(
@@ -137,6 +137,7 @@ def test_inconsistent_layouts_are_refused():
             torch.tensor([12, 3], dtype=torch.int32),
             1.0,
             0,
+            0.0,
         )
     with pytest.raises(RuntimeError, match="do not group"):
         ops.paged_attention(
@@ -149,10 +150,11 @@ def test_inconsistent_layouts_are_refused():
             torch.tensor([1, 1], dtype=torch.int32),
             1.0,
             0,
+            0.0,
         )
     with pytest.raises(RuntimeError, match="dtype"):
         ops.paged_attention(
-            out, query.double(), key_cache, key_cache, tables, cu, torch.tensor([1, 1], dtype=torch.int32), 1.0, 0
+            out, query.double(), key_cache, key_cache, tables, cu, torch.tensor([1, 1], dtype=torch.int32), 1.0, 0, 0.0
         )
 
 

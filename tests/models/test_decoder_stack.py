@@ -45,6 +45,7 @@ def step_arrays(seqs, vocab_size: int, seed: int) -> StepArrays:
         slot_mapping=arrays["slot_mapping"],
         query_start_loc=arrays["query_start_loc"],
         context_lens=arrays["context_lens"],
+        prompt_lens=arrays["context_lens"],
         block_tables=arrays["block_tables"],
         logits_rows=np.arange(num_tokens, dtype=np.int64),
         block_copies=np.zeros((0, 2), dtype=np.int64),

@@ -43,6 +43,7 @@ def select_backend(
     num_kv_heads: int = 1,
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
+    softcap: bool = False,
 ) -> AttentionBackend:
     """The backend ``attention_backend=name`` runs for a model of this attention shape on
     ``device``: the one place the choice is made.
@@ -55,9 +56,17 @@ def select_backend(
       kernels that cannot run.
     - ``"triton"``: the Triton kernels for every phase (on a CPU only under
       ``TRITON_INTERPRET=1``, which is how the tests run them).
+
+    ``softcap``: the model softcaps attention scores (Gemma 2), which the CUDA kernels do
+    not: on a GPU ``"auto"`` then plans Triton for both phases, and ``"cuda"`` is refused.
     """
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if softcap and name == "cuda":
+        raise ValueError("attention_backend 'cuda' has no attention softcap (this model's); use 'triton' or 'auto'")
+    if softcap and name == "auto" and device.type == "cuda":
+        usable = triton_runtime.available() and why_not("triton", head_dim, num_heads, num_kv_heads, block_size) is None
+        name = "triton" if usable else "torch"
     kind = _kind(name, device, head_dim, num_heads, num_kv_heads, block_size)
     if kind == "torch":
         return TorchBackend()

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedrs.attention.torch_ref import write_kv
+from pagedrs.attention.torch_ref import attend_gathered, write_kv
 from pagedrs.kernels import cpu as cpu_kernels
 
 SDPA_MIN_ROWS = 32
@@ -123,15 +123,17 @@ class CpuAttentionMetadata:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Writes this step's ``key``/``value`` (``[T, KVH, D]``) into the caches, then attends
-        every query row (``[T, H, D]``) over its sequence's paged context. Returns ``[T, H, D]``."""
+        every query row (``[T, H, D]``) over its sequence's paged context. Returns ``[T, H, D]``.
+        ``softcap``: scores become ``softcap * tanh(score / softcap)`` (Gemma 2)."""
         write_kv(key, value, key_cache, value_cache, self.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype)
         if self.kernel is not None:
-            self._attend_kernel(self.kernel, query, key_cache, value_cache, scale, out)
+            self._attend_kernel(self.kernel, query, key_cache, value_cache, scale, softcap or 0.0, out)
         for chunk in self.sdpa_chunks:
-            _attend_sdpa(chunk, query, key_cache, value_cache, scale, out)
+            _attend_sdpa(chunk, query, key_cache, value_cache, scale, softcap, out)
         return out
 
     def _attend_kernel(
@@ -141,6 +143,7 @@ class CpuAttentionMetadata:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         scale: float,
+        softcap: float,
         out: torch.Tensor,
     ) -> None:
         q = query if group.rows is None else query.index_select(0, group.rows)
@@ -155,6 +158,7 @@ class CpuAttentionMetadata:
             group.context_lens,
             scale,
             self.sliding_window,
+            softcap,
         )
         if group.rows is not None:
             out.index_copy_(0, group.rows, o)
@@ -207,12 +211,25 @@ def _attend_sdpa(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     scale: float,
+    softcap: float | None,
     out: torch.Tensor,
 ) -> None:
     """One chunk's rows over its own gathered context; grouped-query attention by viewing the
-    query heads as ``[KVH, group]`` against keys broadcast over the group (no repeat)."""
+    query heads as ``[KVH, group]`` against keys broadcast over the group (no repeat). SDPA
+    has no softcap: a softcapped chunk goes through the reference's attention instead."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_rows, num_heads = chunk.end - chunk.start, query.shape[1]
+    if softcap:
+        keys = key_cache[chunk.blocks].flatten(0, 1)[: chunk.context_len]
+        values = value_cache[chunk.blocks].flatten(0, 1)[: chunk.context_len]
+        mask = chunk.mask
+        if mask is None:
+            mask = torch.ones(num_rows, chunk.context_len, dtype=torch.bool).tril(chunk.context_len - num_rows)
+        out[chunk.start : chunk.end] = attend_gathered(
+            query[chunk.start : chunk.end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask.unsqueeze(0),
+            scale, softcap
+        ).squeeze(0)
+        return
     # [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].
     q = query[chunk.start : chunk.end].transpose(0, 1).unflatten(0, (num_kv_heads, num_heads // num_kv_heads))
     keys = key_cache[chunk.blocks].flatten(0, 1)[: chunk.context_len].transpose(0, 1).unsqueeze(1)

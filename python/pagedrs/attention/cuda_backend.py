@@ -210,8 +210,10 @@ class CudaAttentionMetadata:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """Writes this step's keys/values, then attends every query row (``[T, H, D]``)."""
+        """Writes this step's keys/values, then attends every query row (``[T, H, D]``).
+        ``softcap`` (Gemma 2) runs on the Triton kernels only (`select_backend` plans them)."""
         if self.cuda_writes:
             cuda_kernels.load().reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping)
         else:
@@ -239,7 +241,10 @@ class CudaAttentionMetadata:
                     self.sliding_window,
                     launch.config,
                     launch.num_segments,
+                    softcap or 0.0,
                 )
+            elif softcap:
+                raise ValueError("the CUDA attention kernels have no softcap: use attention_backend='triton'")
             elif decode:
                 cuda_kernels.load().paged_attention(
                     o,

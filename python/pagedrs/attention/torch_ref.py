@@ -114,10 +114,12 @@ class AttentionMetadata:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """`paged_attention` with this step's layout (the interface every backend's
-        metadata offers the model)."""
-        return paged_attention(query, key, value, key_cache, value_cache, self, scale)
+        metadata offers the model). ``softcap``: scores become ``softcap * tanh(score /
+        softcap)`` before the softmax (Gemma 2)."""
+        return paged_attention(query, key, value, key_cache, value_cache, self, scale, softcap)
 
 
 def write_kv(
@@ -133,8 +135,13 @@ def write_kv(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
-def _attend(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+def attend_gathered(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention of ``[B, L, H, D]`` queries over ``[B, C, KVH, D]`` keys and
     values with a ``[B, L, C]`` mask; softmax in float32. Returns ``[B, L, H, D]``."""
@@ -143,6 +150,8 @@ def _attend(
     group = num_heads // num_kv_heads
     q = query.reshape(batch, length, num_kv_heads, group, head_dim)
     scores = torch.einsum("blkgd,bckd->bkglc", q.float(), keys.float()) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask[:, None, None, :, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkglc,bckd->blkgd", probs, values.float())
@@ -157,6 +166,7 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Writes this step's ``key``/``value`` (``[T, KVH, D]``) into the caches, then attends
     every query (``[T, H, D]``) over its sequence's paged context. Returns ``[T, H, D]``."""
@@ -170,19 +180,21 @@ def paged_attention(
         return gathered.reshape(*blocks.shape[:-1], -1, num_kv_heads, head_dim)
 
     if len(meta.decode_rows):
-        out[meta.decode_rows] = _attend(
+        out[meta.decode_rows] = attend_gathered(
             query[meta.decode_rows].unsqueeze(1),
             context(key_cache, meta.decode_blocks),
             context(value_cache, meta.decode_blocks),
             meta.decode_mask.unsqueeze(1),
             scale,
+            softcap,
         ).squeeze(1)
     for chunk in meta.prefills:
-        out[chunk.start : chunk.end] = _attend(
+        out[chunk.start : chunk.end] = attend_gathered(
             query[chunk.start : chunk.end].unsqueeze(0),
             context(key_cache, chunk.blocks).unsqueeze(0),
             context(value_cache, chunk.blocks).unsqueeze(0),
             chunk.mask.unsqueeze(0),
             scale,
+            softcap,
         ).squeeze(0)
     return out

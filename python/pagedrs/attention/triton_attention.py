@@ -128,6 +128,7 @@ def paged_attention(
     sliding_window: int,
     config: TileConfig,
     num_segments: int = 1,
+    softcap: float = 0.0,
 ) -> None:
     """Writes ``out`` (``[num_rows, num_heads, head_dim]``) for the rows the tiles cover. With
     split-K, the parts go through a float32 workspace allocated here (inside a CUDA graph's
@@ -170,6 +171,7 @@ def paged_attention(
             tile_rows,
             scale,
             sliding_window,
+            softcap,
             block_tables.shape[1],
             num_heads,
             num_kv_heads,

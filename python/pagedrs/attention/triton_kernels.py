@@ -12,7 +12,7 @@ import triton.language as tl
 NEG_LARGE: tl.constexpr = tl.constexpr(-1.0e30)
 
 
-@triton.jit(do_not_specialize=["sliding_window", "max_blocks_per_seq"])
+@triton.jit(do_not_specialize=["sliding_window", "softcap", "max_blocks_per_seq"])
 def attention(
     out_ptr,  # [num_rows, num_heads, head_dim], or the segment workspace
     max_ptr,  # [num_rows, num_heads, num_segments] float32 (segments only)
@@ -27,6 +27,7 @@ def attention(
     tile_rows_ptr,  # [num_tiles] int32: the first query row of each tile
     scale,
     sliding_window,  # 0: none
+    softcap,  # 0: none; else scores become softcap * tanh(score / softcap) (Gemma 2)
     max_blocks_per_seq,
     num_heads,
     num_kv_heads,
@@ -95,6 +96,8 @@ def attention(
         else:
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale
+        if softcap > 0:
+            scores = softcap * (2 * tl.sigmoid(2 * scores / softcap) - 1)  # tanh
         visible = (t[None, :] <= position[:, None]) & (t[None, :] >= lo) & t_ok[None, :] & row_ok[:, None]
         if sliding_window > 0:
             visible = visible & (t[None, :] > position[:, None] - sliding_window)

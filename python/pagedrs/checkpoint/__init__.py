@@ -44,6 +44,41 @@ class WeightHandle(Protocol):
     def __getitem__(self, index: Any) -> torch.Tensor: ...
 
 
+class RowSlice:
+    """Rows ``start .. start + size`` of a checkpoint tensor, read lazily: a part of a fused
+    tensor (Phi-3's ``qkv_proj``) as a tensor of its own. Indexing and, for a GGUF tensor,
+    ``packed_rows`` / ``packed_cols`` read just those rows; ``ggml_type`` and ``quantized``
+    are the tensor's."""
+
+    def __init__(self, handle: WeightHandle, start: int, size: int):
+        if start < 0 or start + size > handle.shape[0]:
+            raise ValueError(f"rows {start}:{start + size} are outside a tensor of {handle.shape[0]} rows")
+        self._handle, self._start, self._size = handle, start, size
+        self.shape = (size, *tuple(handle.shape)[1:])
+
+    def _rows(self, key: Any) -> slice:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"a row slice is indexed by contiguous slices, not {key!r}")
+        start, stop, _ = key.indices(self._size)
+        return slice(self._start + start, self._start + max(start, stop))
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if isinstance(index, tuple):
+            return self._handle[(self._rows(index[0]), *index[1:])]
+        return self._handle[self._rows(index)]
+
+    def packed_rows(self, rows: slice = slice(None)) -> torch.Tensor:
+        return self._handle.packed_rows(self._rows(rows))  # type: ignore[attr-defined]
+
+    def packed_cols(self, cols: slice) -> torch.Tensor:
+        return self._handle.packed_cols(cols)[self._start : self._start + self._size]  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("ggml_type", "quantized"):  # a GGUF tensor's, where the handle is one
+            return getattr(self._handle, name)
+        raise AttributeError(name)
+
+
 class SafetensorsHandle:
     """A tensor of a memory-mapped safetensors file; a slice reads only its bytes."""
 

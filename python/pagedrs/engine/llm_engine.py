@@ -52,6 +52,7 @@ class LLMEngine:
             config.max_num_seqs,
             self.info.device,
             speculative=self.info.speculative is not None,
+            rope_salt=self.runner.model.cache_salt,
         )
         self.executor = Executor(
             self.runner,

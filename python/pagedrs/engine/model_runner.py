@@ -17,7 +17,8 @@ from pagedrs.engine.step_arrays import StepArrays
 from pagedrs.layers.linear import TensorParallel
 from pagedrs.models import build_model
 from pagedrs.models.cpu_stack import CpuDecoderStack, why_unsupported
-from pagedrs.models.llama import LlamaFamilyForCausalLM
+from pagedrs.layers.rotary import rope_lengths
+from pagedrs.models.decoder import DecoderForCausalLM
 from pagedrs.models.loader import load_config, resolve_model
 from pagedrs.quant.loading import load_weights
 
@@ -60,7 +61,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaFamilyForCausalLM,
+        model: DecoderForCausalLM,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -74,7 +75,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention_backend: AttentionBackend = select_backend(
-            attention_backend, device, model.head_dim, model.num_heads, model.num_kv_heads, block_size, dtype=dtype
+            attention_backend,
+            device,
+            model.head_dim,
+            model.num_heads,
+            model.num_kv_heads,
+            block_size,
+            dtype=dtype,
+            softcap=model.softcap,
         )
         """Builds each step's attention metadata and copies blocks; on the GPU kernels it holds
         their `KernelPlan` (which of CUDA and Triton runs decode and prefill)."""
@@ -84,7 +92,8 @@ class ModelRunner:
         if why_unsupported(model, device, self.attention_backend) is None:
             self.cpu_stack = CpuDecoderStack(model)
         self.inputs = StagedInputs(device)
-        graphed = graphs is not None and self.attention_backend.graphable
+        # NOTE: a captured step holds one metadata: models whose layers differ in window run eagerly.
+        graphed = graphs is not None and self.attention_backend.graphable and len(model.attention_windows) == 1
         # With graphs, one block past the scheduler's takes the padding rows' keys/values.
         shape = (num_blocks + int(graphed), block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
@@ -131,21 +140,29 @@ class ModelRunner:
                 )
         # Everything the step reads on the device goes over in one copy (on CUDA).
         with self.inputs.one_copy():
-            meta = self.attention_backend.metadata.build(
-                positions=out.positions,
-                slot_mapping=out.slot_mapping,
-                query_start_loc=out.query_start_loc,
-                context_lens=out.context_lens,
-                block_tables=out.block_tables,
-                block_size=self.block_size,
-                sliding_window=self.model.sliding_window,
-                device=self.device,
-                upload=self.inputs.upload,
-            )
+            # One metadata per distinct window of the layers (one for most models).
+            metas = {
+                window: self.attention_backend.metadata.build(
+                    positions=out.positions,
+                    slot_mapping=out.slot_mapping,
+                    query_start_loc=out.query_start_loc,
+                    context_lens=out.context_lens,
+                    block_tables=out.block_tables,
+                    block_size=self.block_size,
+                    sliding_window=window,
+                    device=self.device,
+                    upload=self.inputs.upload,
+                )
+                for window in self.model.attention_windows
+            }
             input_token_ids, positions, logits_rows = self.inputs.upload(
                 out.input_token_ids, out.positions, out.logits_rows
             )
+            lengths = None
+            if self.model.length_dependent_rope:
+                lengths = self.inputs.upload(rope_lengths(out.positions, out.query_start_loc, out.prompt_lens))[0]
             copies = self.inputs.upload(out.block_copies)[0] if len(out.block_copies) else None
         if copies is not None:
             self.attention_backend.copy_blocks(self.kv_caches, copies)
-        return self.model(input_token_ids, positions, self.kv_caches, meta, logits_rows, self.cpu_stack)
+        meta = next(iter(metas.values())) if len(metas) == 1 else metas
+        return self.model(input_token_ids, positions, self.kv_caches, meta, logits_rows, self.cpu_stack, lengths)

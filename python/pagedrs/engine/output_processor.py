@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,8 +44,12 @@ class OutputProcessor:
         max_num_seqs: int,
         device: torch.device,
         speculative: bool,
+        rope_salt: Callable[[int], str | None] | None = None,
     ):
+        """``rope_salt``: what a prompt of this length adds to its cache salt (the model's
+        `cache_salt`: length-dependent rotary embeddings rotate its keys by its length)."""
         self.scheduler = scheduler
+        self._rope_salt = rope_salt
         self.tokenizer = tokenizer
         self.sampler = sampler
         self.vocab_size = vocab_size
@@ -99,6 +104,9 @@ class OutputProcessor:
         if params.structured_outputs is not None:
             grammar_id = self.grammars.compile(*params.structured_outputs.kind_and_spec())
         request = self._new_request(request_id, text, token_ids, params, stop_token_ids, grammar_id)
+        rope_salt = self._rope_salt(len(token_ids)) if self._rope_salt is not None else None
+        if rope_salt is not None:
+            cache_salt = rope_salt if cache_salt is None else f"{cache_salt}|{rope_salt}"
         try:
             self.scheduler.add_request(
                 request_id,

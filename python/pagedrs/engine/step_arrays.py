@@ -19,6 +19,7 @@ class StepArrays(NamedTuple):
     slot_mapping: np.ndarray
     query_start_loc: np.ndarray
     context_lens: np.ndarray
+    prompt_lens: np.ndarray
     block_tables: np.ndarray
     logits_rows: np.ndarray
     """Rows to sample from, then rows for prompt logprobs."""
@@ -35,6 +36,7 @@ class StepArrays(NamedTuple):
             out.slot_mapping,
             out.query_start_loc,
             out.context_lens,
+            out.prompt_lens,
             out.block_tables,
             rows,
             out.block_copies,

@@ -44,6 +44,7 @@ _LAYOUT = tuple(
         (np.int64, False),  # slot_mapping
         (np.int32, False),  # query_start_loc
         (np.int32, False),  # context_lens
+        (np.int32, False),  # prompt_lens
         (np.int32, True),  # block_tables
         (np.int64, False),  # logits_rows
         (np.int64, True),  # block_copies

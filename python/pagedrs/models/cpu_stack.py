@@ -1,7 +1,7 @@
 """A Llama-family model's decoder layers on the CPU as one compiled call per step
 (``torch.classes.pagedrs_cpu.DecoderStack``, ``cpu/decoder_stack.cpp``).
 
-The Python layers (`pagedrs.models.llama`) issue ~140 small aten ops per layer; at one token
+The Python layers (`pagedrs.models.decoder`) issue ~140 small aten ops per layer; at one token
 per step each costs more to dispatch than to compute, and in a single-stream decode of the
 default model they took as long as the matmuls. The stack runs the same arithmetic (the same
 matmuls, the same paged attention and SDPA split as `CpuAttentionMetadata`) in C++ over the
@@ -27,7 +27,7 @@ from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
-    from pagedrs.models.llama import LlamaFamilyForCausalLM
+    from pagedrs.models.decoder import DecoderForCausalLM
 
 F32 = 0
 """ggml's type id of float32: how the stack is told a linear is a dense float32 weight."""
@@ -47,7 +47,7 @@ def _linear_type(module: nn.Module) -> int | None:
     return None
 
 
-def _linears(model: LlamaFamilyForCausalLM) -> list[nn.Module]:
+def _linears(model: DecoderForCausalLM) -> list[nn.Module]:
     """Every decoder layer's four linears, in the stack's order."""
     linears: list[nn.Module] = []
     for layer in model.decoder_layers():
@@ -57,13 +57,16 @@ def _linears(model: LlamaFamilyForCausalLM) -> list[nn.Module]:
 
 
 def why_unsupported(
-    model: LlamaFamilyForCausalLM, device: torch.device, attention_backend: AttentionBackend
+    model: DecoderForCausalLM, device: torch.device, attention_backend: AttentionBackend
 ) -> str | None:
     """Why the stack cannot run this model's layers, or ``None`` when it can."""
     if device.type != "cpu" or attention_backend.metadata is not CpuAttentionMetadata:  # the layout it reads
         return f"it runs on the CPU attention backend (this model uses {attention_backend.name!r} on {device})"
     if model.tp.size > 1:
         return "tensor parallelism all-reduces inside each layer"
+    family_blocker = _family_blocker(model)
+    if family_blocker is not None:
+        return family_blocker
     if model.head_dim % 2 or model.head_dim > MAX_HEAD_DIM:
         return f"it rotates even head sizes up to {MAX_HEAD_DIM} (this model's is {model.head_dim})"
     if model.norm.weight.dtype != torch.float32:
@@ -74,10 +77,27 @@ def why_unsupported(
     return None
 
 
+def _family_blocker(model: DecoderForCausalLM) -> str | None:
+    """What of the model's block the stack does not compute (it runs Llama's block: pre-norms
+    of Llama's kind, SiLU, one window, one full-width rotary embedding, no multipliers)."""
+    family = model.family
+    if family.norm_placement != "pre" or family.norm != "llama" or family.qk_norm == "full":
+        return f"it computes Llama's norms (this model's are {family.norm} norms, placed {family.norm_placement!r})"
+    if model.decoder_layers()[0].mlp.activation != "silu":
+        return f"its MLP is SiLU's (this model's is {model.decoder_layers()[0].mlp.activation!r})"
+    if len(model.attention_windows) > 1 or len(model.ropes) > 1:
+        return "its layers share one window and one rotary embedding (this model's differ)"
+    if model.softcap or model.embedding_scale != 1.0 or family.granite_multipliers:
+        return "it has no softcap, embedding scale or residual multiplier"
+    if model.rotary.rotary_dim != model.head_dim:
+        return "it rotates whole heads (this model rotates part of each)"
+    return None
+
+
 class CpuDecoderStack:
     """Runs every decoder layer of ``model`` for a step, in place on the hidden states."""
 
-    def __init__(self, model: LlamaFamilyForCausalLM):
+    def __init__(self, model: DecoderForCausalLM):
         cpu_kernels.load()
         config = model.config
         layers = model.decoder_layers()
@@ -88,12 +108,14 @@ class CpuDecoderStack:
             model.num_kv_heads,
             model.head_dim,
             config.intermediate_size,
-            float(layers[0].input_layernorm.eps),
+            float(model.norm.eps),
         )
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = [None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm)]
-            args: list[Any] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *norms]
+            input_norm = layer.input_layernorm
+            assert input_norm is not None  # a "pre" block (`_family_blocker`)
+            args: list[Any] = [input_norm.weight, layer.post_attention_layernorm.weight, *norms]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 args += [linear.weight, _linear_type(linear), linear.bias]
             self._stack.add_layer(*args)

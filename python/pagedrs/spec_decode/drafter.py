@@ -129,6 +129,7 @@ class DraftModelProposer:
             out.slot_mapping[keep],
             query_start,
             (out.context_lens - num_drafts).astype(np.int32),
+            out.prompt_lens,
             out.block_tables,
             (query_start[speculating + 1] - 1).astype(np.int64),
             out.block_copies,
@@ -151,6 +152,7 @@ class DraftModelProposer:
             blocks * self.block_size + positions % self.block_size,
             np.arange(len(seqs) + 1, dtype=np.int32),
             (positions + 1).astype(np.int32),
+            out.prompt_lens[seqs],
             block_tables,
             # The last pass only writes KV; it still reads one row (see `propose`).
             np.flatnonzero(wants_logits).astype(np.int64) if wants_logits.any() else np.zeros(1, np.int64),

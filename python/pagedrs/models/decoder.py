@@ -1,0 +1,391 @@
+"""The dense decoder every registered family runs on (`pagedrs.models.registry`): Llama's
+block, switched by the family's settings and the Hugging Face config (Mistral, Qwen2/3,
+Gemma 1/2/3, Phi-3, Granite, OLMo 2).
+
+Each layer has its own attention spec (`LayerAttention`: window, softcap, scale, rotary), so
+models that mix sliding and global layers (Gemma 2/3, Qwen2/3 ``use_sliding_window``) run
+each layer with its own; the step's attention metadata is built once per distinct window
+(`DecoderForCausalLM.attention_windows`) and every layer reads the one for its window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedrs.attention import AttentionMetadata
+from pagedrs.checkpoint import RowSlice, WeightHandle
+from pagedrs.layers import fused
+from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
+from pagedrs.layers.norm import RMSNorm
+from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, get_rope
+from pagedrs.models.registry import Family, family_of
+
+if TYPE_CHECKING:
+    from pagedrs.attention.cpu_backend import CpuAttentionMetadata
+    from pagedrs.models.cpu_stack import CpuDecoderStack
+
+StepAttention = AttentionMetadata | Mapping[int | None, AttentionMetadata]
+"""A step's attention metadata: one for every layer, or one per window (`attention_windows`)."""
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends."""
+
+    window: int | None
+    """Keys a query sees, its own included (``None``: all of them)."""
+    softcap: float | None
+    """Scores become ``softcap * tanh(score / softcap)`` (Gemma 2)."""
+    scale: float
+    rope: str
+    """Its rotary embedding: a key of `DecoderForCausalLM.ropes`."""
+
+
+def layer_attention(config: Any, family: Family, head_dim: int) -> list[LayerAttention]:
+    """Each layer's attention spec, from the config; ``ValueError`` for what pagedrs does not
+    implement (bidirectional attention, unknown layer types)."""
+    num_layers = config.num_hidden_layers
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
+    window = getattr(config, "sliding_window", None)
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if family.window_on_every_layer:
+        layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    elif not layer_types:
+        layer_types = ["full_attention"] * num_layers
+    if len(layer_types) != num_layers or any(kind not in _LAYER_TYPES for kind in layer_types):
+        raise ValueError(f"layer_types must name {num_layers} layers among {_LAYER_TYPES}, got {layer_types!r}")
+    if "sliding_attention" in layer_types and (window is None or int(window) <= 0):
+        raise ValueError(f"sliding-attention layers need a positive sliding_window, got {window!r}")
+    if family.granite_multipliers:
+        scale = float(config.attention_multiplier)
+    elif family.query_pre_attn_scalar:
+        scale = float(config.query_pre_attn_scalar) ** -0.5
+    else:
+        scale = head_dim**-0.5
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    params = getattr(config, "rope_parameters", None) or {}
+    per_type = bool(params) and all(isinstance(value, dict) for value in params.values())
+    return [
+        LayerAttention(
+            window=int(window) if kind == "sliding_attention" else None,
+            softcap=float(softcap) if softcap else None,
+            scale=scale,
+            rope=kind if per_type else "default",
+        )
+        for kind in layer_types
+    ]
+
+
+def _norm(config: Any, family: Family, size: int, dtype: torch.dtype) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, dtype, style=family.norm)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, family: Family, spec: LayerAttention, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        # Qwen2 has q/k/v biases whatever the config says; `attention_bias` (Llama, Mistral,
+        # Qwen3, Gemma, Granite, OLMo 2) puts biases on q/k/v and on the output projection.
+        output_bias = bool(getattr(config, "attention_bias", False))
+        bias = family.qkv_bias or output_bias
+        self.spec = spec
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        # NOTE: with fewer KV heads than ranks, each rank holds one KV head (a copy of it on
+        # `kv_replicas` ranks), serving the query heads that share it.
+        kv_replicas = tp.replicas(num_kv_heads, "num_key_value_heads")
+        self.num_kv_heads = num_kv_heads * kv_replicas // tp.size
+        q_size, kv_size = config.num_attention_heads * self.head_dim, num_kv_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [q_size, kv_size, kv_size], bias, tp, dtype, replicas=[1, kv_replicas, kv_replicas]
+        )
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, output_bias, tp, dtype)
+        self.full_qk_norm = family.qk_norm == "full"
+        if self.full_qk_norm and tp.size > 1:
+            # NOTE: a norm over every head's features would need an all-reduce across ranks.
+            raise ValueError("q/k norms over all heads (OLMo 2) do not run with tensor parallelism yet")
+        q_norm_size = q_size if self.full_qk_norm else self.head_dim
+        k_norm_size = kv_size if self.full_qk_norm else self.head_dim
+        self.q_norm = _norm(config, family, q_norm_size, dtype) if family.qk_norm else None
+        self.k_norm = _norm(config, family, k_norm_size, dtype) if family.qk_norm else None
+
+    @property
+    def scale(self) -> float:
+        return self.spec.scale
+
+    def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        if self.full_qk_norm and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if not self.full_qk_norm and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.spec.softcap:
+            out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.spec.scale, softcap=self.spec.softcap)
+        else:
+            out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.spec.scale)
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any, family: Family, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        self.activation = getattr(config, family.activation_key, None) or "silu"
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not supported ({', '.join(_ACTIVATIONS)})")
+        self._act = _ACTIVATIONS[self.activation]
+        intermediate = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [intermediate, intermediate], bias, tp, dtype)
+        self.down_proj = RowParallelLinear(intermediate, config.hidden_size, bias, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.activation == "silu" and fused.enabled(gate_up):
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self._act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, family: Family, spec: LayerAttention, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        size = config.hidden_size
+        self.placement = family.norm_placement
+        self.input_layernorm = _norm(config, family, size, dtype) if self.placement != "post" else None
+        self.self_attn = Attention(config, family, spec, tp, dtype)
+        # "pre": the norm before the MLP (Hugging Face's name for it); else the one after attention.
+        self.post_attention_layernorm = _norm(config, family, size, dtype)
+        sandwich = self.placement == "sandwich"
+        self.pre_feedforward_layernorm = _norm(config, family, size, dtype) if sandwich else None
+        self.post_feedforward_layernorm = _norm(config, family, size, dtype) if self.placement != "pre" else None
+        self.mlp = MLP(config, family, tp, dtype)
+        self.residual_multiplier = float(config.residual_multiplier) if family.granite_multipliers else 1.0
+
+    def norms(self) -> dict[str, RMSNorm | None]:
+        """The layer's norms by checkpoint name."""
+        return {
+            "input_layernorm": self.input_layernorm,
+            "post_attention_layernorm": self.post_attention_layernorm,
+            "pre_feedforward_layernorm": self.pre_feedforward_layernorm,
+            "post_feedforward_layernorm": self.post_feedforward_layernorm,
+            "self_attn.q_norm": self.self_attn.q_norm,
+            "self_attn.k_norm": self.self_attn.k_norm,
+        }
+
+    def forward(self, hidden, cos, sin, kv_cache, meta):
+        if self.placement == "pre":
+            attended = self.self_attn(cast(RMSNorm, self.input_layernorm)(hidden), cos, sin, kv_cache, meta)
+            if self.residual_multiplier != 1.0:
+                attended = attended * self.residual_multiplier
+            elif fused.enabled(hidden) and self.post_attention_layernorm.plain:
+                # the residual add and the norm after it in one kernel (GPU)
+                norm = self.post_attention_layernorm
+                hidden, normed = fused.add_rms_norm(hidden, attended, norm.weight, norm.eps)
+                return hidden + self.mlp(normed)
+            hidden = hidden + attended
+            out = self.mlp(self.post_attention_layernorm(hidden))
+            return hidden + (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out)
+        normed = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(normed, cos, sin, kv_cache, meta))
+        normed = hidden if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(hidden)
+        return hidden + cast(RMSNorm, self.post_feedforward_layernorm)(self.mlp(normed))
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder-only model of a registered family for a flat batch of tokens."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel):
+        super().__init__()
+        self.config = config
+        self.family = family = family_of(config)
+        self.tp = tp
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        specs = layer_attention(config, family, head_dim)
+        # Every rotary embedding first (a bad rotary config fails before any layer is built).
+        self.ropes = nn.ModuleDict({key: get_rope(config, head_dim, None if key == "default" else key) for key in
+                                    dict.fromkeys(spec.rope for spec in specs)})
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        layers = [DecoderLayer(config, family, spec, tp, dtype) for spec in specs]
+        self.layers = nn.ModuleList(layers)
+        self.norm = _norm(config, family, config.hidden_size, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (
+            None if self.tie_word_embeddings else VocabEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        )
+        attn = layers[0].self_attn
+        self.num_kv_heads = attn.num_kv_heads
+        self.num_heads = attn.num_heads
+        self.head_dim = attn.head_dim
+        self.layer_specs = specs
+        self.attention_windows: tuple[int | None, ...] = tuple(dict.fromkeys(spec.window for spec in specs))
+        """The distinct windows of the layers: the step's metadata is built once for each."""
+        self.sliding_window = self.attention_windows[0] if len(self.attention_windows) == 1 else None
+        """The window every layer shares (``None``: none, or the layers differ)."""
+        self.softcap = any(spec.softcap for spec in specs)
+        self.embedding_scale = 1.0
+        if family.embedding_scale == "sqrt_hidden":
+            self.embedding_scale = math.sqrt(config.hidden_size)
+        elif family.embedding_scale == "multiplier":
+            self.embedding_scale = float(config.embedding_multiplier)
+        self.logits_scaling = float(config.logits_scaling) if family.granite_multipliers else 1.0
+        final_softcap = getattr(config, "final_logit_softcapping", None)
+        self.final_logit_softcap = float(final_softcap) if final_softcap else None
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The rotary embedding of the first layer (the only one, for most families)."""
+        return cast(RotaryEmbedding, self.ropes[self.layer_specs[0].rope])
+
+    @property
+    def length_dependent_rope(self) -> bool:
+        """Whether any rotary embedding follows the sequence's length (`rope_lengths`)."""
+        return any(cast(RotaryEmbedding, rope).length_dependent for rope in self.ropes.values())
+
+    def cache_salt(self, prompt_len: int) -> str | None:
+        """What a request's prefix-cache salt must carry for its keys to be shared exactly
+        (`RotaryEmbedding.cache_salt`)."""
+        salts = [cast(RotaryEmbedding, rope).cache_salt(prompt_len) for rope in self.ropes.values()]
+        return "|".join(salt for salt in salts if salt) or None
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder layers, typed."""
+        return cast(list[DecoderLayer], list(self.layers))  # ModuleList's stubs lose the element type
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: StepAttention,
+        logits_indices: torch.Tensor,
+        decoder_stack: CpuDecoderStack | None = None,
+        rope_lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Runs the step's tokens; returns float32 logits of the ``logits_indices`` rows.
+        ``meta``: one metadata for every layer, or one per window; ``decoder_stack``: the
+        layers as one compiled call on the CPU, when the runner picked that strategy
+        (`pagedrs.models.cpu_stack`); ``None``: the Python layers. ``rope_lengths``: each
+        token's length for length-dependent rotary embeddings (`pagedrs.layers.rotary`)."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embedding_scale != 1.0:
+            # As transformers: the scale in the model's dtype (Gemma's normalizer).
+            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        cos_sin = {
+            key: cast(RotaryEmbedding, rope).cos_sin(positions, hidden.dtype, rope_lengths)
+            for key, rope in self.ropes.items()
+        }
+        if decoder_stack is not None:
+            cos, sin = cos_sin[self.layer_specs[0].rope]
+            # NOTE: the stack overwrites `hidden` in place; the embedding lookups return a new
+            # tensor (never a view of the weights), so nothing else sees it change.
+            decoder_stack(hidden, cos, sin, kv_caches, cast("CpuAttentionMetadata", meta))
+        else:
+            for layer, spec, kv_cache in zip(self.decoder_layers(), self.layer_specs, kv_caches):
+                layer_meta = meta[spec.window] if isinstance(meta, Mapping) else meta
+                cos, sin = cos_sin[spec.rope]
+                hidden = layer(hidden, cos, sin, kv_cache, layer_meta)
+        hidden = self.norm(hidden[logits_indices])
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = head.logits(hidden)
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        logits = logits.float()
+        if self.final_logit_softcap is not None:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, WeightHandle]]) -> None:
+        """Loads Hugging Face checkpoint tensors (lazy handles of the full tensors), each into
+        this rank's shard, reading only that shard. Fails on a missing or unexpected tensor."""
+        loaded: set[str] = set()
+        expected = {name for name, _ in self.named_parameters()}
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            for part_name, part in self._split_fused(name, tensor):
+                loaded.update(self._load_one(part_name, part))
+        if self.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = {name for name in expected if name not in loaded}
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _split_fused(self, name: str, tensor: WeightHandle) -> list[tuple[str, WeightHandle]]:
+        """A fused checkpoint tensor (Phi-3's ``qkv_proj`` / ``gate_up_proj``) as its parts,
+        row ranges read lazily; any other tensor as it is."""
+        if not self.family.fused_checkpoint:
+            return [(name, tensor)]
+        config = self.config
+        if ".self_attn.qkv_proj." in name:
+            q_size = config.num_attention_heads * self.head_dim
+            kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * self.head_dim
+            bounds = [("q_proj", 0, q_size), ("k_proj", q_size, kv_size), ("v_proj", q_size + kv_size, kv_size)]
+            return [(name.replace("qkv_proj", part), RowSlice(tensor, start, size)) for part, start, size in bounds]
+        if ".mlp.gate_up_proj." in name:
+            size = config.intermediate_size
+            return [(name.replace("gate_up_proj", "gate_proj"), RowSlice(tensor, 0, size)),
+                    (name.replace("gate_up_proj", "up_proj"), RowSlice(tensor, size, size))]
+        return [(name, tensor)]
+
+    def _load_one(self, name: str, tensor: WeightHandle) -> list[str]:
+        name = name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            self.embed_tokens.load(tensor)
+            return ["embed_tokens.weight"]
+        if name == "lm_head.weight":
+            if self.lm_head is None:
+                return []  # tied: the embedding serves as the head
+            self.lm_head.load(tensor)
+            return ["lm_head.weight"]
+        if name == "norm.weight":
+            self.norm.load(tensor)
+            return ["norm.weight"]
+        parts = name.split(".")
+        if parts[0] != "layers":
+            raise ValueError(f"unexpected checkpoint tensor {name!r}")
+        layer = self.decoder_layers()[int(parts[1])]
+        prefix = f"layers.{parts[1]}."
+        rest, kind = ".".join(parts[2:-1]), parts[-1]
+        attn, mlp = layer.self_attn, layer.mlp
+        fused_parts = {
+            "self_attn.q_proj": (attn.qkv_proj, 0, "self_attn.qkv_proj"),
+            "self_attn.k_proj": (attn.qkv_proj, 1, "self_attn.qkv_proj"),
+            "self_attn.v_proj": (attn.qkv_proj, 2, "self_attn.qkv_proj"),
+            "mlp.gate_proj": (mlp.gate_up_proj, 0, "mlp.gate_up_proj"),
+            "mlp.up_proj": (mlp.gate_up_proj, 1, "mlp.gate_up_proj"),
+        }
+        if rest in fused_parts:
+            module, shard, target = fused_parts[rest]
+            (module.load if kind == "weight" else module.load_bias)(shard, tensor)
+            return [f"{prefix}{target}.{kind}"]
+        if rest in ("self_attn.o_proj", "mlp.down_proj"):
+            projection = attn.o_proj if rest == "self_attn.o_proj" else mlp.down_proj
+            (projection.load if kind == "weight" else projection.load_bias)(tensor)
+            return [f"{prefix}{rest}.{kind}"]
+        norm = layer.norms().get(rest)
+        if norm is not None and kind == "weight":
+            norm.load(tensor)
+            return [f"{prefix}{rest}.weight"]
+        raise ValueError(f"unexpected checkpoint tensor {name!r}")

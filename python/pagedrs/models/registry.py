@@ -1,0 +1,129 @@
+"""Which Hugging Face architectures pagedrs runs: one row per architecture, naming the model
+class and the family's settings (`Family`). Adding a family whose layers are built from the
+shared blocks is a row here (and a row in the tests' table); one whose block structure
+differs adds its own model file and names its class in the row.
+
+The settings say how a family differs from Llama; everything a config can say on top
+(biases, head size, windows, rotary type, softcaps, multipliers) is read from the config by
+the model itself, and a setting the model does not implement is refused at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+NormPlacement = Literal["pre", "sandwich", "post"]
+NormStyle = Literal["llama", "float32", "gemma"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one family's decoder differs from Llama's."""
+
+    qkv_bias: bool = False
+    """Biases on q/k/v whatever the config says (Qwen2)."""
+    qk_norm: Literal["head", "full"] | None = None
+    """RMSNorm of q and k: per head (Qwen3, Gemma 3) or over all heads at once (OLMo 2)."""
+    norm: NormStyle = "llama"
+    """How RMSNorm applies its weight (`pagedrs.layers.norm.RMSNorm`): ``llama``, ``float32``
+    (OLMo 2), ``gemma`` (``1 + weight``)."""
+    norm_placement: NormPlacement = "pre"
+    """``pre``: a norm before attention and before the MLP (Llama); ``sandwich``: also one on
+    each output (Gemma 2/3: ``post_attention``, ``pre_feedforward``, ``post_feedforward``);
+    ``post``: only the norms of the outputs (OLMo 2)."""
+    embedding_scale: Literal["sqrt_hidden", "multiplier"] | None = None
+    """Embeddings times ``sqrt(hidden_size)`` (Gemma) or ``embedding_multiplier`` (Granite)."""
+    granite_multipliers: bool = False
+    """Granite's ``attention_multiplier`` (the scale), ``residual_multiplier`` and
+    ``logits_scaling``."""
+    query_pre_attn_scalar: bool = False
+    """The attention scale is ``query_pre_attn_scalar ** -0.5`` (Gemma 2/3)."""
+    window_on_every_layer: bool = False
+    """``sliding_window`` applies to every layer (Mistral, Phi-3) rather than to the layers
+    ``layer_types`` names ``sliding_attention`` (Qwen2/3, Gemma 2/3)."""
+    fused_checkpoint: bool = False
+    """The checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused (Phi-3)."""
+    activation_key: str = "hidden_act"
+    """The config key naming the MLP's activation (Gemma 2/3: ``hidden_activation``)."""
+
+
+LLAMA = Family()
+
+# architecture -> (model class, family); `model_type` -> architecture for GGUF files (which
+# name no architecture).
+_ROWS: dict[str, tuple[str, Family]] = {
+    "LlamaForCausalLM": ("decoder", LLAMA),
+    "MistralForCausalLM": ("decoder", Family(window_on_every_layer=True)),
+    "Qwen2ForCausalLM": ("decoder", Family(qkv_bias=True)),
+    "Qwen3ForCausalLM": ("decoder", Family(qk_norm="head")),
+    "GemmaForCausalLM": ("decoder", Family(norm="gemma", embedding_scale="sqrt_hidden")),
+    "Gemma2ForCausalLM": (
+        "decoder",
+        Family(
+            norm="gemma",
+            embedding_scale="sqrt_hidden",
+            norm_placement="sandwich",
+            query_pre_attn_scalar=True,
+            activation_key="hidden_activation",
+        ),
+    ),
+    "Gemma3ForCausalLM": (
+        "decoder",
+        Family(
+            qk_norm="head",
+            norm="gemma",
+            embedding_scale="sqrt_hidden",
+            norm_placement="sandwich",
+            query_pre_attn_scalar=True,
+            activation_key="hidden_activation",
+        ),
+    ),
+    "Phi3ForCausalLM": ("decoder", Family(window_on_every_layer=True, fused_checkpoint=True)),
+    "GraniteForCausalLM": ("decoder", Family(embedding_scale="multiplier", granite_multipliers=True)),
+    "Olmo2ForCausalLM": ("decoder", Family(qk_norm="full", norm="float32", norm_placement="post")),
+}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+}
+
+SUPPORTED_ARCHITECTURES = tuple(_ROWS)
+
+
+def architecture_of(config: Any) -> str:
+    """The architecture named by ``config.architectures`` (or, for GGUF files, which carry
+    none, by ``config.model_type``)."""
+    names = list(getattr(config, "architectures", None) or [])
+    if not names and getattr(config, "model_type", None) in _MODEL_TYPES:
+        names = [_MODEL_TYPES[config.model_type]]
+    for name in names:
+        if name in _ROWS:
+            return name
+    raise ValueError(
+        f"unsupported model architecture {names or getattr(config, 'model_type', None)!r}; "
+        f"pagedrs supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def family_of(config: Any) -> Family:
+    """The family settings of ``config``'s architecture."""
+    return _ROWS[architecture_of(config)][1]
+
+
+def model_class_of(config: Any) -> type:
+    """The model class that runs ``config``'s architecture."""
+    kind = _ROWS[architecture_of(config)][0]
+    if kind == "decoder":
+        from pagedrs.models.decoder import DecoderForCausalLM
+
+        return DecoderForCausalLM
+    raise AssertionError(f"no model class {kind!r}")
