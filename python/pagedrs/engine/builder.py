@@ -24,6 +24,7 @@ from pagedrs.engine.parallel import TensorParallelGroup, TensorParallelRunner
 from pagedrs.engine.tp_common import check_parallel_config, launched_setup
 from pagedrs.layers.linear import TensorParallel
 from pagedrs.memory import KVCapacity, kv_cache_capacity
+from pagedrs.layers.rotary import model_positions
 from pagedrs.models import architecture_of, build_model
 from pagedrs.models.loader import load_config, load_tokenizer, resolve_model
 from pagedrs.quant.loading import predicted_weight_bytes
@@ -221,7 +222,7 @@ def _load_draft_config(speculative: SpeculativeConfig | None, hf_config: Any, tp
 def _max_model_len(config: EngineConfig, hf_config: Any, draft: _Draft | None) -> int:
     """``max_model_len`` within the model's positions (a draft model trained on fewer only
     warns: its proposals may be poor, the output stays exact)."""
-    model_max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 2**31)
+    model_max_len = int(model_positions(hf_config) or 2**31)
     max_model_len = min(config.max_model_len or model_max_len, model_max_len)
     draft_max_len = getattr(draft.hf_config, "max_position_embeddings", None) if draft is not None else None
     if draft_max_len is not None and draft_max_len < max_model_len:

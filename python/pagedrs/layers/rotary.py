@@ -64,8 +64,8 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
         if layer_type is None or layer_type not in params:
             raise ValueError(f"the config has rotary settings per layer type {sorted(params)}, none for {layer_type!r}")
         params = dict(params[layer_type])
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
-    merged = {**scaling, **params}
+    # Legacy configs only: transformers 5 answers `rope_scaling` with `rope_parameters` itself.
+    merged = params or dict(getattr(config, "rope_scaling", None) or {})
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
     merged["rope_type"] = rope_type
@@ -77,6 +77,24 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
     if original is not None:
         merged.setdefault("original_max_position_embeddings", original)
     return merged
+
+
+def model_positions(config: Any) -> int | None:
+    """The longest sequence ``config``'s rotary scaling serves (vLLM's rule): past
+    ``max_position_embeddings``, ``factor`` times more for ``linear`` and ``dynamic``, times
+    ``original_max_position_embeddings`` for ``yarn``; ``max_position_embeddings`` for the
+    rest (``llama3`` and ``longrope`` configs state the scaled length there already)."""
+    max_positions = getattr(config, "max_position_embeddings", None)
+    params = getattr(config, "rope_parameters", None) or {}
+    if max_positions is None or (params and all(isinstance(value, dict) for value in params.values())):
+        return max_positions
+    params = rope_parameters(config)
+    factor = params.get("factor")
+    if params["rope_type"] in ("linear", "dynamic") and factor:
+        return int(max_positions * float(factor))
+    if params["rope_type"] == "yarn" and factor and params.get("original_max_position_embeddings"):
+        return int(params["original_max_position_embeddings"] * float(factor))
+    return int(max_positions)
 
 
 def get_rope(config: Any, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:

@@ -222,6 +222,11 @@ class DecoderForCausalLM(nn.Module):
         self.tp = tp
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         specs = layer_attention(config, family, head_dim)
+        partial = getattr(config, "partial_rotary_factor", None) or (getattr(config, "rope_parameters", None) or {}).get(
+            "partial_rotary_factor", 1.0
+        )
+        if not family.partial_rotary and isinstance(partial, (int, float)) and partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported for {type(config).__name__} models")
         # Every rotary embedding first (a bad rotary config fails before any layer is built).
         self.ropes = nn.ModuleDict({key: get_rope(config, head_dim, None if key == "default" else key) for key in
                                     dict.fromkeys(spec.rope for spec in specs)})

@@ -44,6 +44,9 @@ class Family:
     ``layer_types`` names ``sliding_attention`` (Qwen2/3, Gemma 2/3)."""
     fused_checkpoint: bool = False
     """The checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused (Phi-3)."""
+    partial_rotary: bool = False
+    """``partial_rotary_factor`` rotates part of each head (Phi-3 / Phi-4-mini); transformers'
+    other families here ignore it or fail on it, so pagedrs refuses it for them."""
     activation_key: str = "hidden_act"
     """The config key naming the MLP's activation (Gemma 2/3: ``hidden_activation``)."""
 
@@ -79,7 +82,7 @@ _ROWS: dict[str, tuple[str, Family]] = {
             activation_key="hidden_activation",
         ),
     ),
-    "Phi3ForCausalLM": ("decoder", Family(window_on_every_layer=True, fused_checkpoint=True)),
+    "Phi3ForCausalLM": ("decoder", Family(window_on_every_layer=True, fused_checkpoint=True, partial_rotary=True)),
     "GraniteForCausalLM": ("decoder", Family(embedding_scale="multiplier", granite_multipliers=True)),
     "Olmo2ForCausalLM": ("decoder", Family(qk_norm="full", norm="float32", norm_placement="post")),
 }
