@@ -76,12 +76,39 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(path: str, model, types: dict) -> None:
+def llama3_rope_factors(config) -> np.ndarray:
+    """Llama 3's rotary scaling as llama.cpp's converter stores it (``rope_freqs``): one
+    divisor per frequency."""
+    import math
+
+    params = config.rope_parameters
+    base, dim = params["rope_theta"], config.hidden_size // config.num_attention_heads
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    original = params["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            factors.append(1.0)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_gguf(path: str, model, types: dict, extra_tensors: dict | None = None, extra_metadata: dict | None = None) -> None:
     """``model`` (a transformers Llama) as a GGUF file with a tiny SentencePiece vocabulary.
     Tensors given a k-quant type hold random blocks instead (gguf.quants cannot quantize to
-    them): the oracle must then load the file itself."""
+    them): the oracle must then load the file itself. ``extra_tensors`` (GGUF name -> float32
+    array, e.g. ``rope_freqs.weight``) and ``extra_metadata`` (key -> string) are written too."""
     config = model.config
     writer = GGUFWriter(path, "llama")
+    for key, value in (extra_metadata or {}).items():
+        writer.add_string(key, value)
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

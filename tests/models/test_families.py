@@ -48,7 +48,6 @@ def test_whole_prompts_match_hugging_face(family):
     assert llm.engine.scheduler.stats().num_used_blocks == 0
 
 
-@pytest.mark.slow  # every family twice more: ~1 min in all
 def test_chunks_prefix_hits_preemption_and_n2_match_hugging_face(family):
     name, directory, oracle = family
     llm = LLM(directory, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
@@ -60,11 +59,69 @@ def test_chunks_prefix_hits_preemption_and_n2_match_hugging_face(family):
     for prompt, output in zip(PROMPTS, outputs):
         for completion in output.outputs:
             assert_matches(name, oracle, prompt, completion)
-    # Preemption: room for a little over one sequence at a time.
+    # Preemption: 18 blocks, where the two sequences grow to 16 and 10.
     cache = llm.engine.runner.kv_caches[0][0]
     bytes_per_block = 2 * len(llm.engine.runner.kv_caches) * cache[0].numel() * cache.element_size()
-    tight = LLM(directory, block_size=4, max_num_seqs=4, kv_cache_memory=24 * bytes_per_block)
+    tight = LLM(directory, block_size=4, max_num_seqs=4, kv_cache_memory=18 * bytes_per_block)
+    assert tight.engine.runner.kv_caches[0][0].shape[0] == 18
     outputs = generate(tight, PROMPTS)
     assert tight.engine.scheduler.stats().num_preemptions_total > 0
     for prompt, output in zip(PROMPTS, outputs):
         assert_matches(name, oracle, prompt, output.outputs[0])
+
+
+def test_llama3_gguf_applies_its_rope_freqs(tmp_path):
+    """llama.cpp stores Llama 3's rotary scaling only as the ``rope_freqs`` tensor, which
+    transformers' GGUF loader drops: pagedrs applies it, and equals transformers running the
+    same weights with ``rope_type: llama3``, past ``original_max_position_embeddings``."""
+    from tests.helpers.gguf_writer import llama3_rope_factors, write_gguf
+
+    hf_model = save_family("llama3-rope", tmp_path / "hf")
+    oracle = {tuple(prompt): hf_greedy_logprobs(hf_model, prompt, NEW_TOKENS) for prompt in PROMPTS}
+    path = str(tmp_path / "llama3.gguf")
+    write_gguf(path, hf_model, {}, extra_tensors={"rope_freqs.weight": llama3_rope_factors(hf_model.config)})
+    llm = LLM(path)
+    for prompt, output in zip(PROMPTS, generate(llm, PROMPTS)):
+        assert_matches("llama3 gguf", oracle, prompt, output.outputs[0])
+    # Without the tensor the same weights rotate plainly: the long prompt's logprobs differ.
+    plain = str(tmp_path / "plain.gguf")
+    write_gguf(plain, hf_model, {})
+    completion = generate(LLM(plain), PROMPTS[:1])[0].outputs[0]
+    tokens, logprobs, _ = oracle[tuple(PROMPTS[0])]
+    assert completion.token_ids != tokens or any(
+        abs(completion.logprobs[i][t].logprob - expected) > 1e-3 for i, (t, expected) in enumerate(zip(tokens, logprobs))
+    )
+
+
+def test_gguf_metadata_that_would_be_dropped_is_refused(tmp_path):
+    from tests.helpers.gguf_writer import write_gguf
+
+    hf_model = save_family("llama-linear", tmp_path / "hf")
+    path = str(tmp_path / "scaled.gguf")
+    write_gguf(path, hf_model, {}, extra_metadata={"llama.rope.scaling.type": "linear"})
+    with pytest.raises(ValueError, match="llama.rope.scaling.type='linear'"):
+        LLM(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rope_parameters": {"rope_type": "su-perb", "rope_theta": 1e4}}, "rope type 'su-perb' is not supported"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "(needs 'low_freq_factor'|Missing required keys)"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "beta": 1}}, "'beta'"),
+        ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types must name"),
+        ({"hidden_act": "relu"}, "activation 'relu' is not supported"),
+    ],
+    ids=["unknown-type", "missing-setting", "unknown-setting", "unknown-layer-type", "activation"],
+)
+def test_bad_configs_are_refused_before_weights_are_read(tmp_path, change, message):
+    import json
+
+    save_family("llama-linear", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for weights in tmp_path.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")  # reading any weight would fail otherwise
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path))

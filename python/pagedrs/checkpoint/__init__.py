@@ -20,6 +20,11 @@ from typing import Any, Protocol
 import torch
 
 
+ROPE_FACTORS = "rope_freqs.weight"
+"""The name GGUF files' ``rope_freqs`` tensor is read under: Llama 3's rotary scaling as one
+divisor per frequency, which Hugging Face checkpoints do not hold (they compute it)."""
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where a model's files are."""

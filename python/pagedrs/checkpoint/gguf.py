@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf import quants as gguf_quants
 
-from pagedrs.checkpoint import ggml_blocks
+from pagedrs.checkpoint import ROPE_FACTORS, ggml_blocks
 
 FLOAT_TYPES = {
     GGMLQuantizationType.F32: np.float32,
@@ -51,16 +51,23 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
-# Tensors llama.cpp stores that Hugging Face models compute instead.
-_SKIPPED = {"rope_freqs"}
+# Tensors llama.cpp stores that Hugging Face checkpoints do not: Llama 3's rotary scaling,
+# as one divisor per frequency (transformers' GGUF loader drops it, and with it the scaling).
+_EXTRA = {"rope_freqs": ROPE_FACTORS.removesuffix(".weight")}
+
+# Metadata transformers turns into the model's config (`transformers.integrations.ggml`); any
+# other key of the architecture's own (``llama.rope.scaling.type``, ``llama.attention.
+# sliding_window``, ...) would change the computation without reaching the config.
+_IGNORED_KEYS = {"rope.scaling.type": ("none",)}
 
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a Llama-family GGUF tensor; ``None`` for one Hugging Face
-    models do not hold (``rope_freqs``). Raises on a name it does not know."""
+    """The Hugging Face name of a Llama-family GGUF tensor (`ROPE_FACTORS` for Llama 3's
+    ``rope_freqs``, which Hugging Face checkpoints do not hold). Raises on a name it does not
+    know."""
     match = _LAYER.fullmatch(gguf_name)
     if match:
         layer, part, kind = match.groups()
@@ -69,8 +76,8 @@ def hf_name(gguf_name: str) -> str | None:
     match = _GLOBAL.fullmatch(gguf_name)
     if match:
         part, kind = match.groups()
-        if part in _SKIPPED:
-            return None
+        if part in _EXTRA:
+            return f"{_EXTRA[part]}.{kind}"
         if part in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[part]}.{kind}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that pagedrs knows")
@@ -183,6 +190,35 @@ def _field(reader: GGUFReader, key: str) -> Any:
     return None if field is None else field.contents()
 
 
+def check_metadata(reader: GGUFReader, architecture: str) -> None:
+    """Refuses a GGUF file whose architecture metadata holds settings that change the model's
+    computation but that transformers' config does not carry (so pagedrs would silently run
+    without them)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    mapping = GGUF_CONFIG_MAPPING.get(architecture)
+    if mapping is None:
+        raise ValueError(f"GGUF architecture {architecture!r} is not one transformers reads a config from")
+    prefix = f"{architecture}."
+    unknown = []
+    for key in reader.fields:
+        if not key.startswith(prefix):
+            continue
+        name = key.removeprefix(prefix)
+        if name in mapping:
+            continue
+        harmless = _IGNORED_KEYS.get(name)
+        value = _field(reader, key)
+        if harmless is not None and str(value) in harmless:
+            continue
+        unknown.append(f"{key}={value!r}")
+    if unknown:
+        raise ValueError(
+            f"the GGUF file sets {', '.join(sorted(unknown))}, which pagedrs cannot carry into the model "
+            "(transformers' config drops it): refusing to run the model without it"
+        )
+
+
 class GGUFCheckpoint:
     """The tensors of a GGUF file by Hugging Face name (lazy handles over one memory map)."""
 
@@ -190,6 +226,7 @@ class GGUFCheckpoint:
         self.path = os.fspath(path)
         reader = GGUFReader(self.path, "r")
         self.architecture = str(_field(reader, "general.architecture"))
+        check_metadata(reader, self.architecture)
         num_heads = _field(reader, f"{self.architecture}.attention.head_count")
         num_kv_heads = _field(reader, f"{self.architecture}.attention.head_count_kv") or num_heads
         self.tensors: dict[str, GGUFTensor] = {}

@@ -126,9 +126,10 @@ def load_engine_parts(config: EngineConfig) -> EngineParts:
     architecture = architecture_of(hf_config)
     tokenizer = load_tokenizer(source)
     tp_size = config.tensor_parallel_size
-    if tp_size > 1:
-        with torch.device("meta"):  # an indivisible head count fails here, before any rank starts
-            build_model(hf_config, dtype, TensorParallel(0, tp_size))
+    # A setting the model does not implement (a rotary type, an activation) or an indivisible
+    # head count fails here, before any weight is read or any rank starts.
+    with torch.device("meta"):
+        build_model(hf_config, dtype, TensorParallel(0, tp_size))
     speculative = config.speculative_config
     draft = _load_draft_config(speculative, hf_config, tp_size)
     plan = plan_kv_cache(config, source, hf_config, device, dtype, draft)

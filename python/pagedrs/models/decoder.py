@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedrs.attention import AttentionMetadata
-from pagedrs.checkpoint import RowSlice, WeightHandle
+from pagedrs.checkpoint import ROPE_FACTORS, RowSlice, WeightHandle
 from pagedrs.layers import fused
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
 from pagedrs.layers.norm import RMSNorm
@@ -354,7 +354,24 @@ class DecoderForCausalLM(nn.Module):
                     (name.replace("gate_up_proj", "up_proj"), RowSlice(tensor, size, size))]
         return [(name, tensor)]
 
+    def _load_rope_factors(self, tensor: WeightHandle) -> None:
+        """Llama 3's rotary scaling as a GGUF file stores it (``rope_freqs``: each frequency's
+        divisor, llama.cpp's form of the ``llama3`` rule): the plain frequencies divided."""
+        factors = tensor[:].float().reshape(-1)
+        for key, module in self.ropes.items():
+            rope = cast(RotaryEmbedding, module)
+            if type(rope) is not RotaryEmbedding:
+                raise ValueError(f"a GGUF rope_freqs tensor on top of a {type(rope).__name__} ({key}) rotary")
+            if factors.shape != rope.inv_freq.shape:
+                raise ValueError(f"rope_freqs has {len(factors)} values, the rotary needs {len(rope.inv_freq)}")
+            if not bool(torch.isfinite(factors).all()) or bool((factors <= 0).any()):
+                raise ValueError("rope_freqs holds a non-positive or non-finite factor")
+            rope.inv_freq.copy_(rope.base_frequencies().to(rope.inv_freq.device) / factors.to(rope.inv_freq.device))
+
     def _load_one(self, name: str, tensor: WeightHandle) -> list[str]:
+        if name == ROPE_FACTORS:
+            self._load_rope_factors(tensor)
+            return []
         name = name.removeprefix("model.")
         if name == "embed_tokens.weight":
             self.embed_tokens.load(tensor)

@@ -52,7 +52,10 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
 def load_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    try:
+        return AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    except (KeyError, TypeError) as error:  # transformers' own checks of the config's fields
+        raise ValueError(f"the model config of {source.name!r} is invalid: {error}") from error
 
 
 def load_tokenizer(source: ModelSource) -> Any:
