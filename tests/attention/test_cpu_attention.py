@@ -30,7 +30,7 @@ def prefill_route(request, monkeypatch):
     return request.param
 
 
-def attend_both(seqs, *, sliding_window=None, **shape):
+def attend_both(seqs, *, sliding_window=None, softcap=None, **shape):
     """The step through the reference and through the kernel, each on its own copy of the
     caches: (reference out, kernel out, reference caches, kernel caches)."""
     arrays, (query, key, value), caches = make_step(seqs, **shape)
@@ -39,7 +39,7 @@ def attend_both(seqs, *, sliding_window=None, **shape):
     for metadata in (AttentionMetadata, CpuAttentionMetadata):
         key_cache, value_cache = (c.clone() for c in caches)
         meta = metadata.build(**arrays, sliding_window=sliding_window, device=torch.device("cpu"))
-        out = meta.attend(query, key, value, key_cache, value_cache, scale)
+        out = meta.attend(query, key, value, key_cache, value_cache, scale, softcap=softcap)
         results.append((out, key_cache, value_cache))
     (expected, *expected_caches), (actual, *actual_caches) = results
     return expected, actual, expected_caches, actual_caches
@@ -83,6 +83,17 @@ def test_sliding_window_and_half_precision_match_the_reference(dtype, sliding_wi
     )
     assert actual.dtype == dtype
     assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_softcap_matches_the_reference(sliding_window, prefill_route):
+    """Gemma 2's softcap: the kernel caps each score by tanh; SDPA has none, so a capped chunk
+    takes the reference's path."""
+    shape = dict(block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    expected, actual, _, _ = attend_both(MIXED, sliding_window=sliding_window, softcap=0.05, **shape)
+    assert_close(actual, expected, torch.float32)
+    uncapped, _, _, _ = attend_both(MIXED, sliding_window=sliding_window, **shape)
+    assert not torch.allclose(uncapped, expected, atol=1e-3)  # the cap bends these scores
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -26,7 +26,9 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-def _run(batch: Batch, decode: bool, num_segments: int = 1, sliding_window: int = 0) -> torch.Tensor:
+def _run(
+    batch: Batch, decode: bool, num_segments: int = 1, sliding_window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
     """The batch through the Triton kernels: keys/values written, every row attended."""
     write_kv(
         batch.key, batch.value, batch.key_cache, batch.value_cache, torch.from_numpy(batch.slot_mapping).to(DEVICE)
@@ -50,6 +52,7 @@ def _run(batch: Batch, decode: bool, num_segments: int = 1, sliding_window: int 
         sliding_window,
         config,
         num_segments,
+        softcap,
     )
     return out
 
@@ -102,6 +105,18 @@ def test_sliding_window(window, decode, num_segments):
     batch = Batch(contexts, queries, 8, 2, 64, 16, torch.float32, seed=3, device=DEVICE)
     out = _run(batch, decode=decode, num_segments=num_segments, sliding_window=window)
     _assert_close(out, _reference(batch, window), torch.float32)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_softcap_matches_the_reference(decode):
+    """Gemma 2's softcap (scores capped at +-softcap by tanh) with a window, as its layers run."""
+    contexts = [70, 20, 130]
+    queries = [1] * 3 if decode else [20, 20, 1]
+    batch = Batch(contexts, queries, 8, 2, 64, 16, torch.float32, seed=5, device=DEVICE)
+    batch.scale = 2.0  # large scores, so the cap bends them
+    out = _run(batch, decode=decode, num_segments=2, sliding_window=16, softcap=5.0)
+    _assert_close(out, batch.reference(16, softcap=5.0), torch.float32)
+    assert not torch.allclose(out, batch.reference(16), atol=1e-3)  # the cap changed the result
 
 
 def test_split_k_parts_past_a_short_context_weigh_nothing():

@@ -54,7 +54,7 @@ class Batch:
         self.key, self.value = rand(rows, num_kv_heads, head_dim), rand(rows, num_kv_heads, head_dim)
         self.scale = head_dim**-0.5
 
-    def reference(self, sliding_window=None) -> torch.Tensor:
+    def reference(self, sliding_window=None, softcap=None) -> torch.Tensor:
         key_cache, value_cache = self.key_cache.clone(), self.value_cache.clone()
         meta = AttentionMetadata.build(
             positions=self.positions,
@@ -66,7 +66,7 @@ class Batch:
             sliding_window=sliding_window,
             device=self.device,
         )
-        return meta.attend(self.query, self.key, self.value, key_cache, value_cache, self.scale)
+        return meta.attend(self.query, self.key, self.value, key_cache, value_cache, self.scale, softcap=softcap)
 
     def write(self, ops) -> None:
         ops.reshape_and_cache(
