@@ -1,5 +1,5 @@
 """The ``pagedrs`` command: ``serve``, ``bench serve``, ``bench sweep``, ``bench plot``,
-``memory``."""
+``memory``, ``models``."""
 
 from __future__ import annotations
 
@@ -48,7 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
             description="KV bytes per token, blocks, capacity, fit and slack for a model, dtype and block size.",
         )
     )
+    commands.add_parser(
+        "models",
+        help="list the model architectures pagedrs runs",
+        description="The Hugging Face architectures pagedrs runs, their model_type and checkpoint formats.",
+    )
     return parser
+
+
+def print_models() -> None:
+    from pagedrs.models.registry import supported_models
+
+    rows = [("architecture", "model_type", "checkpoints"), *supported_models()]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         from pagedrs.server.launch import serve
 
         return serve(args)
+    if args.command == "models":
+        print_models()
+        return 0
     if args.command == "memory":
         from pagedrs.memory_cli import main as memory_main
 

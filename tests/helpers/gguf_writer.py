@@ -98,13 +98,20 @@ def llama3_rope_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_gguf(path: str, model, types: dict, extra_tensors: dict | None = None, extra_metadata: dict | None = None) -> None:
+def write_gguf(
+    path: str,
+    model,
+    types: dict,
+    extra_tensors: dict | None = None,
+    extra_metadata: dict | None = None,
+    architecture: str = "llama",
+) -> None:
     """``model`` (a transformers Llama) as a GGUF file with a tiny SentencePiece vocabulary.
     Tensors given a k-quant type hold random blocks instead (gguf.quants cannot quantize to
     them): the oracle must then load the file itself. ``extra_tensors`` (GGUF name -> float32
     array, e.g. ``rope_freqs.weight``) and ``extra_metadata`` (key -> string) are written too."""
     config = model.config
-    writer = GGUFWriter(path, "llama")
+    writer = GGUFWriter(path, architecture)
     for key, value in (extra_metadata or {}).items():
         writer.add_string(key, value)
     for name, array in (extra_tensors or {}).items():

@@ -125,3 +125,15 @@ def test_bad_configs_are_refused_before_weights_are_read(tmp_path, change, messa
         weights.write_bytes(b"not a safetensors file")  # reading any weight would fail otherwise
     with pytest.raises(ValueError, match=message):
         LLM(str(tmp_path))
+
+
+def test_gguf_of_an_unread_architecture_is_refused(tmp_path):
+    """llama.cpp stores Phi-3's q/k/v fused and Gemma's norms as 1 + w: such files must not
+    load as if they were Llama's."""
+    from tests.helpers.gguf_writer import write_gguf
+
+    hf_model = save_family("llama-linear", tmp_path / "hf")
+    path = str(tmp_path / "phi3.gguf")
+    write_gguf(path, hf_model, {}, architecture="phi3")
+    with pytest.raises(ValueError, match="GGUF files of architecture 'phi3' are not supported yet"):
+        LLM(path)

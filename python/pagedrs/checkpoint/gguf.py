@@ -55,6 +55,9 @@ _LAYER_NAMES = {
 # as one divisor per frequency (transformers' GGUF loader drops it, and with it the scaling).
 _EXTRA = {"rope_freqs": ROPE_FACTORS.removesuffix(".weight")}
 
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+"""The GGUF architectures whose tensors pagedrs reads (the Llama family's layout)."""
+
 # Metadata transformers turns into the model's config (`transformers.integrations.ggml`); any
 # other key of the architecture's own (``llama.rope.scaling.type``, ``llama.attention.
 # sliding_window``, ...) would change the computation without reaching the config.
@@ -196,6 +199,13 @@ def check_metadata(reader: GGUFReader, architecture: str) -> None:
     without them)."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
+    if architecture not in GGUF_ARCHITECTURES:
+        # NOTE: not only a matter of names: llama.cpp stores Gemma's norms as 1 + w, and
+        # Phi-3's q/k/v fused; such files must not load as if they were Llama's.
+        raise ValueError(
+            f"GGUF files of architecture {architecture!r} are not supported yet (pagedrs reads "
+            f"{', '.join(GGUF_ARCHITECTURES)}; load its safetensors checkpoint instead)"
+        )
     mapping = GGUF_CONFIG_MAPPING.get(architecture)
     if mapping is None:
         raise ValueError(f"GGUF architecture {architecture!r} is not one transformers reads a config from")

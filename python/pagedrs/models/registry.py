@@ -101,6 +101,22 @@ _MODEL_TYPES = {
 
 SUPPORTED_ARCHITECTURES = tuple(_ROWS)
 
+# GGUF files pagedrs reads (its tensor names are the Llama family's, `pagedrs.checkpoint.gguf`).
+_GGUF_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def supported_models() -> list[tuple[str, str, str]]:
+    """``(architecture, model_type, checkpoint formats)`` of every registered architecture."""
+    by_architecture = {architecture: model_type for model_type, architecture in _MODEL_TYPES.items()}
+    return [
+        (
+            architecture,
+            by_architecture.get(architecture, "-"),
+            "safetensors, GGUF" if by_architecture.get(architecture) in _GGUF_MODEL_TYPES else "safetensors",
+        )
+        for architecture in _ROWS
+    ]
+
 
 def architecture_of(config: Any) -> str:
     """The architecture named by ``config.architectures`` (or, for GGUF files, which carry
