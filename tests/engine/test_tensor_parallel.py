@@ -358,3 +358,14 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(tiny_checkpoint):
     assert any("q_proj" in name for name in sharded) and any("down_proj" in name for name in sharded)
     for name in sharded:
         assert reads[name] * 2 == sizes[name], name
+
+
+@pytest.mark.slow  # tensor-parallel ranks
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3-partial-sliding", "granite", "qwen2-sliding"])
+def test_tp2_of_the_other_families_generates_what_tp1_does(family, tmp_path):
+    """Per-layer windows, softcaps, Gemma's norms, Phi-3's fused checkpoint tensors (split
+    across ranks) and Granite's multipliers under tensor parallelism."""
+    from tests.helpers.families import save_family
+
+    save_family(family, tmp_path)
+    compare_tp(str(tmp_path), 2)

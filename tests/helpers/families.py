@@ -80,7 +80,11 @@ def _qwen(version: int, **extra):
 FAMILIES: dict[str, Callable[[], Any]] = {
     "llama3-rope": lambda: _llama(
         rope_parameters=_rope(
-            "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=ORIGINAL_MAX
+            "llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=ORIGINAL_MAX,
         )
     ),
     "llama-linear": lambda: _llama(rope_parameters=_rope("linear", factor=4.0)),

@@ -58,7 +58,9 @@ def test_longrope_and_dynamic_follow_the_length_as_transformers_does():
     assert isinstance(rope, DynamicNTKRope)
     frequencies = rope.frequencies_at(torch.tensor([10, 32, 33, 90]))
     for row, length in enumerate([10, 32, 33, 90]):
-        torch.testing.assert_close(frequencies[row], hf_frequencies(dynamic_config, seq_len=length)[0], rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            frequencies[row], hf_frequencies(dynamic_config, seq_len=length)[0], rtol=1e-6, atol=0
+        )
 
 
 def test_lengths_are_the_prompt_or_the_position():

@@ -89,7 +89,8 @@ def test_llama3_gguf_applies_its_rope_freqs(tmp_path):
     completion = generate(LLM(plain), PROMPTS[:1])[0].outputs[0]
     tokens, logprobs, _ = oracle[tuple(PROMPTS[0])]
     assert completion.token_ids != tokens or any(
-        abs(completion.logprobs[i][t].logprob - expected) > 1e-3 for i, (t, expected) in enumerate(zip(tokens, logprobs))
+        abs(completion.logprobs[i][t].logprob - expected) > 1e-3
+        for i, (t, expected) in enumerate(zip(tokens, logprobs))
     )
 
 
@@ -107,7 +108,10 @@ def test_gguf_metadata_that_would_be_dropped_is_refused(tmp_path):
     ("change", "message"),
     [
         ({"rope_parameters": {"rope_type": "su-perb", "rope_theta": 1e4}}, "rope type 'su-perb' is not supported"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "(needs 'low_freq_factor'|Missing required keys)"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
+            "(needs 'low_freq_factor'|Missing required keys)",
+        ),
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "beta": 1}}, "'beta'"),
         ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types must name"),
         ({"hidden_act": "relu"}, "activation 'relu' is not supported"),

@@ -100,7 +100,7 @@ def test_a_column_shard_copies_only_its_columns(tiny_gguf, name):
 
 def test_unknown_tensor_names_are_refused():
     assert hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
-    assert hf_name("rope_freqs.weight") is None
+    assert hf_name("rope_freqs.weight") == "rope_freqs.weight"  # Llama 3's rotary scaling
     with pytest.raises(ValueError, match="no Hugging Face counterpart"):
         hf_name("blk.0.ffn_gate_exps.weight")
 

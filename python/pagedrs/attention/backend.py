@@ -33,6 +33,7 @@ class AttentionMetadata(Protocol):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 

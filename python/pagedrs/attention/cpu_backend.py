@@ -226,8 +226,12 @@ def _attend_sdpa(
         if mask is None:
             mask = torch.ones(num_rows, chunk.context_len, dtype=torch.bool).tril(chunk.context_len - num_rows)
         out[chunk.start : chunk.end] = attend_gathered(
-            query[chunk.start : chunk.end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask.unsqueeze(0),
-            scale, softcap
+            query[chunk.start : chunk.end].unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            mask.unsqueeze(0),
+            scale,
+            softcap,
         ).squeeze(0)
         return
     # [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].

@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 import torch
 
-
 ROPE_FACTORS = "rope_freqs.weight"
 """The name GGUF files' ``rope_freqs`` tensor is read under: Llama 3's rotary scaling as one
 divisor per frequency, which Hugging Face checkpoints do not hold (they compute it)."""
@@ -69,7 +68,7 @@ class RowSlice:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         if isinstance(index, tuple):
-            return self._handle[(self._rows(index[0]), *index[1:])]
+            return self._handle[(self._rows(index[0]),) + tuple(index[1:])]
         return self._handle[self._rows(index)]
 
     def packed_rows(self, rows: slice = slice(None)) -> torch.Tensor:

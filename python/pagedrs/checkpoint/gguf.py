@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str) -> str:
     """The Hugging Face name of a Llama-family GGUF tensor (`ROPE_FACTORS` for Llama 3's
     ``rope_freqs``, which Hugging Face checkpoints do not hold). Raises on a name it does not
     know."""
@@ -206,7 +206,7 @@ def check_metadata(reader: GGUFReader, architecture: str) -> None:
             f"GGUF files of architecture {architecture!r} are not supported yet (pagedrs reads "
             f"{', '.join(GGUF_ARCHITECTURES)}; load its safetensors checkpoint instead)"
         )
-    mapping = GGUF_CONFIG_MAPPING.get(architecture)
+    mapping = cast("dict[str, Any] | None", GGUF_CONFIG_MAPPING.get(architecture))
     if mapping is None:
         raise ValueError(f"GGUF architecture {architecture!r} is not one transformers reads a config from")
     prefix = f"{architecture}."
@@ -242,8 +242,6 @@ class GGUFCheckpoint:
         self.tensors: dict[str, GGUFTensor] = {}
         for tensor in reader.tensors:
             name = hf_name(tensor.name)
-            if name is None:
-                continue
             row_order = None
             # transformers' LlamaTensorProcessor: only the `llama` architecture is permuted.
             if self.architecture == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):

@@ -23,8 +23,8 @@ from pagedrs.engine.model_runner import ModelRunner, load_model_runner
 from pagedrs.engine.parallel import TensorParallelGroup, TensorParallelRunner
 from pagedrs.engine.tp_common import check_parallel_config, launched_setup
 from pagedrs.layers.linear import TensorParallel
-from pagedrs.memory import KVCapacity, kv_cache_capacity
 from pagedrs.layers.rotary import model_positions
+from pagedrs.memory import KVCapacity, kv_cache_capacity
 from pagedrs.models import architecture_of, build_model
 from pagedrs.models.loader import load_config, load_tokenizer, resolve_model
 from pagedrs.quant.loading import predicted_weight_bytes

@@ -15,9 +15,9 @@ from pagedrs.engine.cuda_graphs import DecodeGraphs, GraphSettings, capture_cuda
 from pagedrs.engine.staging import StagedInputs
 from pagedrs.engine.step_arrays import StepArrays
 from pagedrs.layers.linear import TensorParallel
+from pagedrs.layers.rotary import rope_lengths
 from pagedrs.models import build_model
 from pagedrs.models.cpu_stack import CpuDecoderStack, why_unsupported
-from pagedrs.layers.rotary import rope_lengths
 from pagedrs.models.decoder import DecoderForCausalLM
 from pagedrs.models.loader import load_config, resolve_model
 from pagedrs.quant.loading import load_weights

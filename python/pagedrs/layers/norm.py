@@ -16,7 +16,9 @@ class RMSNorm(nn.Module):
     - ``gemma``: times ``1 + weight`` in float32, then cast (Gemma 1/2/3).
     """
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, style: Literal["llama", "float32", "gemma"] = "llama"):
+    def __init__(
+        self, size: int, eps: float, dtype: torch.dtype, style: Literal["llama", "float32", "gemma"] = "llama"
+    ):
         super().__init__()
         self.eps = eps
         self.style = style

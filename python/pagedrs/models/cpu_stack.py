@@ -56,9 +56,7 @@ def _linears(model: DecoderForCausalLM) -> list[nn.Module]:
     return linears
 
 
-def why_unsupported(
-    model: DecoderForCausalLM, device: torch.device, attention_backend: AttentionBackend
-) -> str | None:
+def why_unsupported(model: DecoderForCausalLM, device: torch.device, attention_backend: AttentionBackend) -> str | None:
     """Why the stack cannot run this model's layers, or ``None`` when it can."""
     if device.type != "cpu" or attention_backend.metadata is not CpuAttentionMetadata:  # the layout it reads
         return f"it runs on the CPU attention backend (this model uses {attention_backend.name!r} on {device})"

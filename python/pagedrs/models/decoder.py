@@ -72,6 +72,7 @@ def layer_attention(config: Any, family: Family, head_dim: int) -> list[LayerAtt
         raise ValueError(f"layer_types must name {num_layers} layers among {_LAYER_TYPES}, got {layer_types!r}")
     if "sliding_attention" in layer_types and (window is None or int(window) <= 0):
         raise ValueError(f"sliding-attention layers need a positive sliding_window, got {window!r}")
+    window = int(window) if window is not None else None
     if family.granite_multipliers:
         scale = float(config.attention_multiplier)
     elif family.query_pre_attn_scalar:
@@ -83,7 +84,7 @@ def layer_attention(config: Any, family: Family, head_dim: int) -> list[LayerAtt
     per_type = bool(params) and all(isinstance(value, dict) for value in params.values())
     return [
         LayerAttention(
-            window=int(window) if kind == "sliding_attention" else None,
+            window=window if kind == "sliding_attention" else None,
             softcap=float(softcap) if softcap else None,
             scale=scale,
             rope=kind if per_type else "default",
@@ -222,14 +223,18 @@ class DecoderForCausalLM(nn.Module):
         self.tp = tp
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         specs = layer_attention(config, family, head_dim)
-        partial = getattr(config, "partial_rotary_factor", None) or (getattr(config, "rope_parameters", None) or {}).get(
-            "partial_rotary_factor", 1.0
-        )
+        partial = getattr(config, "partial_rotary_factor", None) or (
+            getattr(config, "rope_parameters", None) or {}
+        ).get("partial_rotary_factor", 1.0)
         if not family.partial_rotary and isinstance(partial, (int, float)) and partial != 1.0:
             raise ValueError(f"partial_rotary_factor {partial} is not supported for {type(config).__name__} models")
         # Every rotary embedding first (a bad rotary config fails before any layer is built).
-        self.ropes = nn.ModuleDict({key: get_rope(config, head_dim, None if key == "default" else key) for key in
-                                    dict.fromkeys(spec.rope for spec in specs)})
+        self.ropes = nn.ModuleDict(
+            {
+                key: get_rope(config, head_dim, None if key == "default" else key)
+                for key in dict.fromkeys(spec.rope for spec in specs)
+            }
+        )
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         layers = [DecoderLayer(config, family, spec, tp, dtype) for spec in specs]
         self.layers = nn.ModuleList(layers)
@@ -350,8 +355,10 @@ class DecoderForCausalLM(nn.Module):
             return [(name.replace("qkv_proj", part), RowSlice(tensor, start, size)) for part, start, size in bounds]
         if ".mlp.gate_up_proj." in name:
             size = config.intermediate_size
-            return [(name.replace("gate_up_proj", "gate_proj"), RowSlice(tensor, 0, size)),
-                    (name.replace("gate_up_proj", "up_proj"), RowSlice(tensor, size, size))]
+            return [
+                (name.replace("gate_up_proj", "gate_proj"), RowSlice(tensor, 0, size)),
+                (name.replace("gate_up_proj", "up_proj"), RowSlice(tensor, size, size)),
+            ]
         return [(name, tensor)]
 
     def _load_rope_factors(self, tensor: WeightHandle) -> None:
