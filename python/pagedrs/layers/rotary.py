@@ -142,6 +142,8 @@ class RotaryEmbedding(nn.Module):
     """``float32 [rotary_dim / 2]``, a non-persistent buffer (so it follows ``.to(device)``)."""
     length_dependent = False
     """Whether the frequencies depend on the sequence's length (`cos_sin`'s ``lengths``)."""
+    capturable = True
+    """Whether `cos_sin` has no data-dependent shapes (so a CUDA graph can capture it)."""
 
     def __init__(self, rotary_dim: int, theta: float, params: dict[str, Any] | None = None, max_positions: int = 0):
         super().__init__()
@@ -268,6 +270,8 @@ class _LengthDependentRope(RotaryEmbedding):
 class DynamicNTKRope(_LengthDependentRope):
     """Dynamic NTK scaling: past ``max_position_embeddings`` tokens the base is
     ``theta * (factor * length / max - (factor - 1))^(dim / (dim - 2))``."""
+
+    capturable = False  # one set of frequencies per distinct length in the step
 
     def frequencies(self, params: dict[str, Any], max_positions: int) -> torch.Tensor:
         if max_positions <= 0:

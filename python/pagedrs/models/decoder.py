@@ -272,6 +272,13 @@ class DecoderForCausalLM(nn.Module):
         """Whether any rotary embedding follows the sequence's length (`rope_lengths`)."""
         return any(cast(RotaryEmbedding, rope).length_dependent for rope in self.ropes.values())
 
+    @property
+    def capturable(self) -> bool:
+        """Whether a decode step can be captured as a CUDA graph: one window for every layer,
+        rotary embeddings without data-dependent shapes."""
+        ropes = [cast(RotaryEmbedding, rope) for rope in self.ropes.values()]
+        return len(self.attention_windows) == 1 and all(rope.capturable for rope in ropes)
+
     def cache_salt(self, prompt_len: int) -> str | None:
         """What a request's prefix-cache salt must carry for its keys to be shared exactly
         (`RotaryEmbedding.cache_salt`)."""
