@@ -10,10 +10,8 @@ not compute run their Python layers (`pagedrs.models.cpu_stack.why_unsupported` 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -59,6 +57,7 @@ def configs() -> dict[str, object]:
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
+    from benches.bench_single_stream import median_rate
     from tests.helpers.checkpoints import save_word_tokenizer
 
     torch.set_num_threads(2)
@@ -79,12 +78,7 @@ def main() -> None:
             llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
             result: dict[str, object] = {"family": name, "cpu_stack": llm.engine.runner.cpu_stack is not None}
             for setting, params in settings.items():
-                rates = []
-                for _ in range(3):
-                    start = time.perf_counter()
-                    llm.generate([prompt], params, use_tqdm=False)
-                    rates.append(NEW_TOKENS / (time.perf_counter() - start))
-                result[setting] = round(statistics.median(rates), 2)
+                result[setting] = median_rate(llm, prompt, params)
             print(json.dumps(result), flush=True)
             del llm
 

@@ -24,6 +24,11 @@ ROPE_FACTORS = "rope_freqs.weight"
 divisor per frequency, which Hugging Face checkpoints do not hold (they compute it)."""
 
 
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+"""The GGUF architectures whose tensors pagedrs reads (the Llama family's layout,
+`pagedrs.checkpoint.gguf`)."""
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where a model's files are."""

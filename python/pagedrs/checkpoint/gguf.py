@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf import quants as gguf_quants
 
-from pagedrs.checkpoint import ROPE_FACTORS, ggml_blocks
+from pagedrs.checkpoint import GGUF_ARCHITECTURES, ROPE_FACTORS, ggml_blocks
 
 FLOAT_TYPES = {
     GGMLQuantizationType.F32: np.float32,
@@ -54,9 +54,6 @@ _LAYER_NAMES = {
 # Tensors llama.cpp stores that Hugging Face checkpoints do not: Llama 3's rotary scaling,
 # as one divisor per frequency (transformers' GGUF loader drops it, and with it the scaling).
 _EXTRA = {"rope_freqs": ROPE_FACTORS.removesuffix(".weight")}
-
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-"""The GGUF architectures whose tensors pagedrs reads (the Llama family's layout)."""
 
 # Metadata transformers turns into the model's config (`transformers.integrations.ggml`); any
 # other key of the architecture's own (``llama.rope.scaling.type``, ``llama.attention.

@@ -92,9 +92,8 @@ class ModelRunner:
         if why_unsupported(model, device, self.attention_backend) is None:
             self.cpu_stack = CpuDecoderStack(model)
         self.inputs = StagedInputs(device)
-        # NOTE: a captured step holds one metadata (models whose layers differ in window run
-        # eagerly) and no data-dependent shapes (nor does dynamic NTK rotary).
-        graphed = graphs is not None and self.attention_backend.graphable and model.capturable
+        # NOTE: a captured step holds one metadata: models whose layers differ in window run eagerly.
+        graphed = graphs is not None and self.attention_backend.graphable and len(model.attention_windows) == 1
         # With graphs, one block past the scheduler's takes the padding rows' keys/values.
         shape = (num_blocks + int(graphed), block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [

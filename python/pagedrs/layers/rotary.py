@@ -54,13 +54,20 @@ _KEYS: dict[str, set[str]] = {
 }
 
 
+def per_layer_type(config: Any) -> bool:
+    """Whether ``config`` has one set of rotary settings per layer type (Gemma 3's
+    ``sliding_attention`` and ``full_attention``)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return bool(params) and all(isinstance(value, dict) for value in params.values())
+
+
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The rotary settings of ``config`` (of ``layer_type``'s layers, for models with one
     set per layer type, e.g. Gemma 3's ``sliding_attention`` and ``full_attention``):
     ``rope_parameters`` (transformers 5) or the legacy ``rope_scaling`` + ``rope_theta``;
     ``rope_type`` always set. Raises on a config without a rotary base."""
     params = dict(getattr(config, "rope_parameters", None) or {})
-    if params and all(isinstance(value, dict) for value in params.values()):  # one set per layer type
+    if per_layer_type(config):
         if layer_type is None or layer_type not in params:
             raise ValueError(f"the config has rotary settings per layer type {sorted(params)}, none for {layer_type!r}")
         params = dict(params[layer_type])
@@ -85,8 +92,7 @@ def model_positions(config: Any) -> int | None:
     ``original_max_position_embeddings`` for ``yarn``; ``max_position_embeddings`` for the
     rest (``llama3`` and ``longrope`` configs state the scaled length there already)."""
     max_positions = getattr(config, "max_position_embeddings", None)
-    params = getattr(config, "rope_parameters", None) or {}
-    if max_positions is None or (params and all(isinstance(value, dict) for value in params.values())):
+    if max_positions is None or per_layer_type(config):
         return max_positions
     params = rope_parameters(config)
     factor = params.get("factor")
@@ -105,9 +111,9 @@ def get_rope(config: Any, head_dim: int, layer_type: str | None = None) -> Rotar
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported (pagedrs implements {', '.join(ROPE_TYPES)})")
     known = _KEYS[rope_type] | {"rope_type", "rope_theta", "partial_rotary_factor"}
-    # Keys transformers itself leaves in every rope_parameters, read by no variant here.
+    # original_max_position_embeddings: informational outside the types that read it.
+    known |= {"original_max_position_embeddings"}
     unknown = {key for key, value in params.items() if key not in known and value is not None}
-    unknown -= {"original_max_position_embeddings"}  # informational outside the types that read it
     if unknown:
         raise ValueError(f"rope type {rope_type!r}: settings {sorted(unknown)} are not supported")
     partial = float(params["partial_rotary_factor"])
@@ -142,8 +148,6 @@ class RotaryEmbedding(nn.Module):
     """``float32 [rotary_dim / 2]``, a non-persistent buffer (so it follows ``.to(device)``)."""
     length_dependent = False
     """Whether the frequencies depend on the sequence's length (`cos_sin`'s ``lengths``)."""
-    capturable = True
-    """Whether `cos_sin` has no data-dependent shapes (so a CUDA graph can capture it)."""
 
     def __init__(self, rotary_dim: int, theta: float, params: dict[str, Any] | None = None, max_positions: int = 0):
         super().__init__()
@@ -271,8 +275,6 @@ class DynamicNTKRope(_LengthDependentRope):
     """Dynamic NTK scaling: past ``max_position_embeddings`` tokens the base is
     ``theta * (factor * length / max - (factor - 1))^(dim / (dim - 2))``."""
 
-    capturable = False  # one set of frequencies per distinct length in the step
-
     def frequencies(self, params: dict[str, Any], max_positions: int) -> torch.Tensor:
         if max_positions <= 0:
             raise ValueError("rope type 'dynamic' needs max_position_embeddings in the config")
@@ -284,18 +286,13 @@ class DynamicNTKRope(_LengthDependentRope):
         return f"rope-length:{prompt_len}" if prompt_len > self.threshold else None
 
     def frequencies_at(self, lengths: torch.Tensor) -> torch.Tensor:
-        rows = torch.empty(len(lengths), len(self.inv_freq), dtype=torch.float32, device=lengths.device)
-        rows[:] = self.inv_freq
-        long_rows = torch.nonzero(lengths > self.threshold).flatten()
-        if len(long_rows):  # one set per distinct length, as transformers computes it
-            distinct, inverse = torch.unique(lengths[long_rows], return_inverse=True)
-            dim = self.rotary_dim
-            per_length = []
-            for length in distinct.tolist():
-                base = self.theta * ((self.factor * length / self.threshold) - (self.factor - 1)) ** (dim / (dim - 2))
-                per_length.append(self.base_frequencies(base))
-            rows[long_rows] = torch.stack(per_length).to(rows.device)[inverse]
-        return rows
+        # Each token's base, computed in float64 and rounded once (as transformers' Python float),
+        # then raised in float32; lengths up to the threshold keep theta.
+        dim = self.rotary_dim
+        stretched = lengths.clamp(min=self.threshold).double() * (self.factor / self.threshold) - (self.factor - 1)
+        bases = (self.theta * stretched ** (dim / (dim - 2))).float()
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=lengths.device).float() / dim
+        return 1.0 / (bases.unsqueeze(-1) ** exponents.unsqueeze(0))
 
 
 class LongRope(_LengthDependentRope):

@@ -24,7 +24,7 @@ from pagedrs.checkpoint import ROPE_FACTORS, RowSlice, WeightHandle
 from pagedrs.layers import fused
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
 from pagedrs.layers.norm import RMSNorm
-from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, get_rope
+from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, get_rope, per_layer_type
 from pagedrs.models.registry import Family, family_of
 
 if TYPE_CHECKING:
@@ -80,8 +80,7 @@ def layer_attention(config: Any, family: Family, head_dim: int) -> list[LayerAtt
     else:
         scale = head_dim**-0.5
     softcap = getattr(config, "attn_logit_softcapping", None)
-    params = getattr(config, "rope_parameters", None) or {}
-    per_type = bool(params) and all(isinstance(value, dict) for value in params.values())
+    per_type = per_layer_type(config)
     return [
         LayerAttention(
             window=window if kind == "sliding_attention" else None,
@@ -133,18 +132,17 @@ class Attention(nn.Module):
     def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        if self.full_qk_norm and self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        # OLMo 2 normalizes q and k over all heads at once, Qwen3 and Gemma 3 head by head.
+        norms = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
+        if norms is not None and self.full_qk_norm:
+            q, k = norms[0](q), norms[1](k)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if not self.full_qk_norm and self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if norms is not None and not self.full_qk_norm:
+            q, k = norms[0](q), norms[1](k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.spec.softcap:
-            out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.spec.scale, softcap=self.spec.softcap)
-        else:
-            out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.spec.scale)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.spec.scale, softcap=self.spec.softcap)
         return self.o_proj(out.reshape(-1, q_size))
 
 
@@ -194,19 +192,20 @@ class DecoderLayer(nn.Module):
             "self_attn.k_norm": self.self_attn.k_norm,
         }
 
+    def _residual(self, x: torch.Tensor) -> torch.Tensor:
+        """A branch's output as it joins the residual stream (Granite scales it)."""
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
+
     def forward(self, hidden, cos, sin, kv_cache, meta):
         if self.placement == "pre":
             attended = self.self_attn(cast(RMSNorm, self.input_layernorm)(hidden), cos, sin, kv_cache, meta)
-            if self.residual_multiplier != 1.0:
-                attended = attended * self.residual_multiplier
-            elif fused.enabled(hidden) and self.post_attention_layernorm.plain:
+            norm = self.post_attention_layernorm
+            if self.residual_multiplier == 1.0 and norm.plain and fused.enabled(hidden):
                 # the residual add and the norm after it in one kernel (GPU)
-                norm = self.post_attention_layernorm
                 hidden, normed = fused.add_rms_norm(hidden, attended, norm.weight, norm.eps)
                 return hidden + self.mlp(normed)
-            hidden = hidden + attended
-            out = self.mlp(self.post_attention_layernorm(hidden))
-            return hidden + (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out)
+            hidden = hidden + self._residual(attended)
+            return hidden + self._residual(self.mlp(norm(hidden)))
         normed = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
         hidden = hidden + self.post_attention_layernorm(self.self_attn(normed, cos, sin, kv_cache, meta))
         normed = hidden if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(hidden)
@@ -223,11 +222,6 @@ class DecoderForCausalLM(nn.Module):
         self.tp = tp
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         specs = layer_attention(config, family, head_dim)
-        partial = getattr(config, "partial_rotary_factor", None) or (
-            getattr(config, "rope_parameters", None) or {}
-        ).get("partial_rotary_factor", 1.0)
-        if not family.partial_rotary and isinstance(partial, (int, float)) and partial != 1.0:
-            raise ValueError(f"partial_rotary_factor {partial} is not supported for {type(config).__name__} models")
         # Every rotary embedding first (a bad rotary config fails before any layer is built).
         self.ropes = nn.ModuleDict(
             {
@@ -235,6 +229,10 @@ class DecoderForCausalLM(nn.Module):
                 for key in dict.fromkeys(spec.rope for spec in specs)
             }
         )
+        partial = [key for key, rope in self.ropes.items() if cast(RotaryEmbedding, rope).rotary_dim != head_dim]
+        if partial and not family.partial_rotary:
+            # transformers' other families ignore partial_rotary_factor or fail on it.
+            raise ValueError(f"partial_rotary_factor is not supported for {type(config).__name__} models")
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         layers = [DecoderLayer(config, family, spec, tp, dtype) for spec in specs]
         self.layers = nn.ModuleList(layers)
@@ -271,13 +269,6 @@ class DecoderForCausalLM(nn.Module):
     def length_dependent_rope(self) -> bool:
         """Whether any rotary embedding follows the sequence's length (`rope_lengths`)."""
         return any(cast(RotaryEmbedding, rope).length_dependent for rope in self.ropes.values())
-
-    @property
-    def capturable(self) -> bool:
-        """Whether a decode step can be captured as a CUDA graph: one window for every layer,
-        rotary embeddings without data-dependent shapes."""
-        ropes = [cast(RotaryEmbedding, rope) for rope in self.ropes.values()]
-        return len(self.attention_windows) == 1 and all(rope.capturable for rope in ropes)
 
     def cache_salt(self, prompt_len: int) -> str | None:
         """What a request's prefix-cache salt must carry for its keys to be shared exactly

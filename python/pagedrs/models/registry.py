@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pagedrs.checkpoint import GGUF_ARCHITECTURES
+
 NormPlacement = Literal["pre", "sandwich", "post"]
 NormStyle = Literal["llama", "float32", "gemma"]
 
@@ -101,9 +103,6 @@ _MODEL_TYPES = {
 
 SUPPORTED_ARCHITECTURES = tuple(_ROWS)
 
-# GGUF files pagedrs reads (its tensor names are the Llama family's, `pagedrs.checkpoint.gguf`).
-_GGUF_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-
 
 def supported_models() -> list[tuple[str, str, str]]:
     """``(architecture, model_type, checkpoint formats)`` of every registered architecture."""
@@ -112,7 +111,7 @@ def supported_models() -> list[tuple[str, str, str]]:
         (
             architecture,
             by_architecture.get(architecture, "-"),
-            "safetensors, GGUF" if by_architecture.get(architecture) in _GGUF_MODEL_TYPES else "safetensors",
+            "safetensors, GGUF" if by_architecture.get(architecture) in GGUF_ARCHITECTURES else "safetensors",
         )
         for architecture in _ROWS
     ]
