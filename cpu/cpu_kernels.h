@@ -44,31 +44,37 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::T
 // [out_features, row_bytes] of ggml_type; returns [num_tokens, out_features] in x's dtype.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type, int64_t in_features);
 
-// decoder_stack.cpp: a Llama-family model's decoder layers run in one call per step (weights
+// decoder_stack.cpp: a dense model's decoder layers run in one call per step (weights
 // and per-step tensors: the header comment of decoder_stack.cpp). Registered as
 // torch.classes.pagedrs_cpu.DecoderStack, made by make_decoder_stack.
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  // Appends a layer: its two RMSNorm weights, Qwen3's q/k norms (both or neither), then each
-  // linear's weight, ggml type (0: dense float32) and bias.
-  virtual void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
-                         std::optional<at::Tensor> k_norm, at::Tensor qkv, int64_t qkv_type,
-                         std::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type,
+  // Appends a layer: its norms (each optional: before attention, on attention's output, before
+  // the MLP, on the MLP's output), q/k norms (both or neither), each linear's weight, ggml type
+  // (0: dense float32) and bias; then its MLP activation (0 silu, 1 gelu tanh, 2 gelu), residual
+  // multiplier, attention scale, window (0: none) and softcap (0: none), and which of forward's
+  // rotary pairs and sets of chunk masks it reads.
+  virtual void add_layer(std::optional<at::Tensor> input_norm, std::optional<at::Tensor> attn_out_norm,
+                         std::optional<at::Tensor> pre_mlp_norm, std::optional<at::Tensor> mlp_out_norm,
+                         std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, at::Tensor qkv,
+                         int64_t qkv_type, std::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type,
                          std::optional<at::Tensor> o_bias, at::Tensor gate_up, int64_t gate_up_type,
                          std::optional<at::Tensor> gate_up_bias, at::Tensor down, int64_t down_type,
-                         std::optional<at::Tensor> down_bias) = 0;
+                         std::optional<at::Tensor> down_bias, int64_t activation, double residual_multiplier,
+                         double scale, int64_t sliding_window, double softcap, int64_t rope,
+                         int64_t window_index) = 0;
 
   virtual int64_t num_layers() const = 0;
 
   // Runs every layer over the step's rows; hidden [num_tokens, hidden_size] (written) ends as
   // the last layer's output.
-  virtual void forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> key_caches,
-                       std::vector<at::Tensor> value_caches, at::Tensor slot_mapping,
-                       std::optional<at::Tensor> kernel_rows, std::optional<at::Tensor> block_tables,
-                       std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> context_lens,
-                       std::vector<int64_t> chunk_bounds, std::vector<at::Tensor> chunk_blocks,
-                       c10::List<std::optional<at::Tensor>> chunk_masks, double scale,
-                       int64_t sliding_window) const = 0;
+  virtual void forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+                       std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
+                       at::Tensor slot_mapping, std::optional<at::Tensor> kernel_rows,
+                       std::optional<at::Tensor> block_tables, std::optional<at::Tensor> cu_seqlens_q,
+                       std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
+                       std::vector<at::Tensor> chunk_blocks,
+                       c10::List<std::optional<at::Tensor>> chunk_masks) const = 0;
 };
 
 // decoder_stack.cpp: an empty stack for a model of these sizes (fails loudly on sizes it cannot run).

@@ -1,15 +1,16 @@
-// A Llama-family decoder stack (Llama, Mistral, Qwen2, Qwen3) run on the CPU in one call per
-// step. The Python layers (python/pagedrs/models/llama.py) issue ~140 small aten ops per layer
-// (norms, rotary, splits, views, the KV write, residual adds); at one token per step each costs
-// more to dispatch than to compute, and in a single-stream decode of a small model they took
-// as long as the matmuls. Here each layer is a few loops over float32 rows around the same
-// matmuls (the packed GGUF kernel of quant_matmul.cpp, or torch's for dense weights) and the
-// same paged attention (paged_attention.cpp, torch's SDPA for long prefill chunks, as
-// python/pagedrs/attention/cpu_backend.py splits them). Results equal the Python layers' up
-// to the order of float additions (and fused multiply-adds); tests/models/test_decoder_stack.py
-// holds the two side by side. Built with the other cpu/ kernels by python/pagedrs/kernels/cpu.py;
-// its interface (cpu_kernels.h) registered as torch.classes.pagedrs_cpu.DecoderStack by
-// torch_bindings.cpp, driven by python/pagedrs/models/cpu_stack.py.
+// The decoder stack of the dense families (Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, Granite,
+// OLMo 2) run on the CPU in one call per step. The Python layers (python/pagedrs/models/decoder.py)
+// issue ~140 small aten ops per layer (norms, rotary, splits, views, the KV write, residual adds);
+// at one token per step each costs more to dispatch than to compute, and in a single-stream
+// decode of a small model they took as long as the matmuls. Here each layer is a few loops over
+// float32 rows around the same matmuls (the packed GGUF kernel of quant_matmul.cpp, or torch's
+// for dense weights) and the same paged attention (paged_attention.cpp, torch's SDPA for long
+// prefill chunks, as python/pagedrs/attention/cpu_backend.py splits them). Results equal the
+// Python layers' up to the order of float additions (and fused multiply-adds);
+// tests/models/test_decoder_stack.py holds the two side by side. Built with the other cpu/
+// kernels by python/pagedrs/kernels/cpu.py; its interface (cpu_kernels.h) registered as
+// torch.classes.pagedrs_cpu.DecoderStack by torch_bindings.cpp, driven by
+// python/pagedrs/models/cpu_stack.py.
 //
 // Dimensions:
 //   num_tokens          rows of the step (decodes and prefill chunks, flattened)
@@ -18,30 +19,40 @@
 //   num_kv_heads        key/value heads
 //   head_size           D, elements of one head
 //   intermediate_size   I, the MLP's width
-//   qkv_size            (num_heads + 2 * num_kv_heads) * head_size
+//   q_size, kv_size     num_heads * D, num_kv_heads * D; qkv_size = q_size + 2 * kv_size
 //
 // Weights (per layer, held by reference from the model's parameters, never copied):
-//   input_norm, post_norm   [H] float32
-//   q_norm, k_norm          [D] float32 (Qwen3) or absent
-//   qkv                     [qkv_size, H]: q rows, then k rows, then v rows
-//   o                       [H, num_heads * D]
-//   gate_up                 [2 * I, H]: gate rows, then up rows
-//   down                    [H, I]
+//   norms                [H] float32 each, every one optional: before attention, on attention's
+//                        output, before the MLP, on the MLP's output (Llama has the first and the
+//                        third; Gemma 2/3 all four; OLMo 2 the second and the fourth). Each
+//                        multiplies by its weight as given (Gemma's 1 + w is passed as such).
+//   q_norm, k_norm       per head [D] (Qwen3, Gemma 3) or over all heads [q_size] / [kv_size]
+//                        (OLMo 2), or absent
+//   qkv                  [qkv_size, H]: q rows, then k rows, then v rows
+//   o                    [H, q_size]
+//   gate_up              [2 * I, H]: gate rows, then up rows
+//   down                 [H, I]
 //   each linear is float32 (ggml type 0, `F32`) or packed blocks of a type quant_matmul.cpp
 //   multiplies (uint8 [out, in / block_weights * block_bytes]); each bias, if any, is [out] float32.
+// and how it computes: the MLP's activation (SiLU, GELU-tanh, GELU), the residual multiplier
+// (Granite), the attention scale, window and softcap, which rotary factors and which window's
+// chunk masks it reads.
 //
 // Per step (see DecoderStack::forward):
 //   hidden              [num_tokens, H] float32: the embeddings in, the last layer's output
 //                       out (written in place)
-//   cos, sin            [num_tokens, D] float32: the rotary factors of each row's position
+//   cos, sin            one [num_tokens, rotary_dim] float32 pair per rotary embedding: the
+//                       factors of each row's position; the first rotary_dim of each head rotate
 //   key/value caches    one pair per layer, [num_blocks, block_size, num_kv_heads, D] float32
 //   slot_mapping        [num_tokens] int64: the cache slot of each row's key and value
 //   the attention layout of CpuAttentionMetadata: the rows the kernel attends (all of them, or
-//   the listed ones) with their block tables, and the long prefill chunks SDPA attends.
+//   the listed ones) with their block tables, and the long prefill chunks SDPA attends, their
+//   masks once per window.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -107,16 +118,27 @@ Linear make_linear(const char* name, const at::Tensor& weight, int64_t ggml_type
   return Linear{weight, ggml_type, bias, in_features, out_features};
 }
 
-// One decoder layer's weights (shapes in the header).
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
+
+// One decoder layer's weights (shapes in the header) and how it computes.
 struct Layer {
-  at::Tensor input_norm;             // RMSNorm before attention
-  at::Tensor post_norm;              // RMSNorm before the MLP
-  std::optional<at::Tensor> q_norm;  // Qwen3's per-head norms of q and k, before rotary
+  std::optional<at::Tensor> input_norm;     // RMSNorm before attention
+  std::optional<at::Tensor> attn_out_norm;  // on attention's output, before the residual add
+  std::optional<at::Tensor> pre_mlp_norm;   // RMSNorm before the MLP
+  std::optional<at::Tensor> mlp_out_norm;   // on the MLP's output, before the residual add
+  std::optional<at::Tensor> q_norm;         // norms of q and k before rotary, per head or whole
   std::optional<at::Tensor> k_norm;
   Linear qkv;      // fused q, k, v projections
   Linear o;        // attention output projection
   Linear gate_up;  // fused gate and up projections
   Linear down;     // MLP output projection
+  int64_t activation;         // an Activation
+  float residual_multiplier;  // each branch's output times it joins the residual stream
+  double scale;               // of the attention scores
+  int64_t sliding_window;     // keys a row sees, its own included; 0: all
+  double softcap;             // scores become softcap * tanh(score / softcap); 0: none
+  int64_t rope;               // which of forward's cos/sin pairs rotates q and k
+  int64_t window_index;       // which of forward's sets of chunk masks it reads
 };
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)) over n elements, as Hugging Face's RMSNorm in
@@ -158,9 +180,27 @@ inline void silu_mul(const float* __restrict__ gate, const float* __restrict__ u
   }
 }
 
-inline void add_rows(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
+// gelu(gate) * up: torch's tanh approximation (Gemma's gelu_pytorch_tanh), or the exact erf form.
+inline void gelu_mul(const float* __restrict__ gate, const float* __restrict__ up, int64_t n, bool tanh_form,
+                     float* __restrict__ out) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f, kInvSqrt2 = 0.7071067811865476f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float g = gate[j];
+    const float cdf = tanh_form ? 0.5f * (1.f + std::tanh(kBeta * (g + kKappa * g * g * g)))
+                                : 0.5f * (1.f + std::erf(g * kInvSqrt2));
+    out[j] = g * cdf * up[j];
+  }
+}
+
+// x += multiplier * y (the residual add; Granite scales the branch).
+inline void add_rows(float* __restrict__ x, const float* __restrict__ y, float multiplier, int64_t n) {
+  if (multiplier == 1.f) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) x[j] += y[j];
+    for (int64_t j = 0; j < n; ++j) x[j] += y[j];
+    return;
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) x[j] += y[j] * multiplier;
 }
 
 // Runs f(row) for rows [0, num_rows) over torch's threads (one thread for a decode's few rows).
@@ -189,50 +229,80 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                 "pagedrs_cpu: DecoderStack takes an even head size up to ", kMaxHeadSize, ", got ", head_size);
   }
 
-  // Appends a layer (see the header for the weights' shapes).
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
-                 std::optional<at::Tensor> k_norm, at::Tensor qkv, int64_t qkv_type, std::optional<at::Tensor> qkv_bias,
-                 at::Tensor o, int64_t o_type, std::optional<at::Tensor> o_bias, at::Tensor gate_up,
-                 int64_t gate_up_type, std::optional<at::Tensor> gate_up_bias, at::Tensor down, int64_t down_type,
-                 std::optional<at::Tensor> down_bias) override {
-    check_float_vector(input_norm, hidden_size_, "input_norm");
-    check_float_vector(post_norm, hidden_size_, "post_norm");
+  // Appends a layer (see the header for the weights' shapes and settings).
+  void add_layer(std::optional<at::Tensor> input_norm, std::optional<at::Tensor> attn_out_norm,
+                 std::optional<at::Tensor> pre_mlp_norm, std::optional<at::Tensor> mlp_out_norm,
+                 std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, at::Tensor qkv, int64_t qkv_type,
+                 std::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type, std::optional<at::Tensor> o_bias,
+                 at::Tensor gate_up, int64_t gate_up_type, std::optional<at::Tensor> gate_up_bias, at::Tensor down,
+                 int64_t down_type, std::optional<at::Tensor> down_bias, int64_t activation,
+                 double residual_multiplier, double scale, int64_t sliding_window, double softcap, int64_t rope,
+                 int64_t window_index) override {
+    const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    if (input_norm) check_float_vector(*input_norm, hidden_size_, "input_norm");
+    if (attn_out_norm) check_float_vector(*attn_out_norm, hidden_size_, "attn_out_norm");
+    if (pre_mlp_norm) check_float_vector(*pre_mlp_norm, hidden_size_, "pre_mlp_norm");
+    if (mlp_out_norm) check_float_vector(*mlp_out_norm, hidden_size_, "mlp_out_norm");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "pagedrs_cpu: q_norm and k_norm come together");
-    if (q_norm) check_float_vector(*q_norm, head_size_, "q_norm");
-    if (k_norm) check_float_vector(*k_norm, head_size_, "k_norm");
-    const int64_t q_size = num_heads_ * head_size_, qkv_size = q_size + 2 * num_kv_heads_ * head_size_;
+    if (q_norm) {
+      const bool whole = q_norm->numel() == q_size && q_size != head_size_;
+      check_float_vector(*q_norm, whole ? q_size : head_size_, "q_norm");
+      check_float_vector(*k_norm, whole ? kv_size : head_size_, "k_norm");
+    }
+    TORCH_CHECK(activation == kSilu || activation == kGeluTanh || activation == kGelu,
+                "pagedrs_cpu: activation must be 0 (silu), 1 (gelu tanh) or 2 (gelu), got ", activation);
+    TORCH_CHECK(sliding_window >= 0 && softcap >= 0 && rope >= 0 && window_index >= 0,
+                "pagedrs_cpu: sliding_window, softcap, rope and window_index must be >= 0");
     layers_.push_back(Layer{
         input_norm,
-        post_norm,
+        attn_out_norm,
+        pre_mlp_norm,
+        mlp_out_norm,
         q_norm,
         k_norm,
         make_linear("qkv", qkv, qkv_type, qkv_bias, hidden_size_, qkv_size),
         make_linear("o", o, o_type, o_bias, q_size, hidden_size_),
         make_linear("gate_up", gate_up, gate_up_type, gate_up_bias, hidden_size_, 2 * intermediate_size_),
         make_linear("down", down, down_type, down_bias, intermediate_size_, hidden_size_),
+        activation,
+        static_cast<float>(residual_multiplier),
+        scale,
+        sliding_window,
+        softcap,
+        rope,
+        window_index,
     });
   }
 
   int64_t num_layers() const override { return static_cast<int64_t>(layers_.size()); }
 
   // Runs every layer over the step's rows; `hidden` ends as the last layer's output.
+  //   cos, sin: one pair per rotary embedding (a layer reads the pair its `rope` names).
   //   kernel_rows, block_tables, cu_seqlens_q, context_lens: the rows the paged attention kernel
   //     attends (kernel_rows: int64 [R] of the step's rows, absent for all of them) with their
   //     sequences' int32 block tables [S, W], rows [S + 1] and contexts [S]; the block tables
   //     absent when no row goes to the kernel.
   //   chunk_bounds: (first row, end row, context length) of each long prefill chunk SDPA
-  //     attends; chunk_blocks: its blocks (int64 [W]); chunk_masks: its bool [L, C] mask of
-  //     the keys each row sees, absent for a whole prompt without a window (plain causal).
-  void forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> key_caches,
-               std::vector<at::Tensor> value_caches, at::Tensor slot_mapping, std::optional<at::Tensor> kernel_rows,
-               std::optional<at::Tensor> block_tables, std::optional<at::Tensor> cu_seqlens_q,
-               std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
-               std::vector<at::Tensor> chunk_blocks, c10::List<std::optional<at::Tensor>> chunk_masks, double scale,
-               int64_t sliding_window) const override {
+  //     attends; chunk_blocks: its blocks (int64 [W]); chunk_masks: for each window the layers
+  //     use (a layer's `window_index`), each chunk's bool [L, C] mask of the keys each row
+  //     sees, absent for a whole prompt without a window (plain causal).
+  void forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+               std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches, at::Tensor slot_mapping,
+               std::optional<at::Tensor> kernel_rows, std::optional<at::Tensor> block_tables,
+               std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> context_lens,
+               std::vector<int64_t> chunk_bounds, std::vector<at::Tensor> chunk_blocks,
+               c10::List<std::optional<at::Tensor>> chunk_masks) const override {
     const int64_t num_tokens = hidden.size(0), num_layers = this->num_layers();
     check_step(hidden, cos, sin, key_caches, value_caches, slot_mapping);
-    TORCH_CHECK(chunk_bounds.size() == 3 * chunk_blocks.size() && chunk_masks.size() == chunk_blocks.size(),
-                "pagedrs_cpu: each long chunk needs its (start, end, context length), blocks and mask");
+    const size_t num_chunks = chunk_blocks.size();
+    TORCH_CHECK(chunk_bounds.size() == 3 * num_chunks,
+                "pagedrs_cpu: each long chunk needs its (start, end, context length) and blocks");
+    for (const Layer& layer : layers_) {
+      TORCH_CHECK(chunk_masks.size() >= (static_cast<size_t>(layer.window_index) + 1) * num_chunks,
+                  "pagedrs_cpu: a layer reads chunk masks of window ", layer.window_index, ", but only ",
+                  chunk_masks.size(), " masks came for ", num_chunks, " chunks");
+    }
     check_chunks(num_tokens, key_caches.empty() ? 0 : key_caches[0].size(1), chunk_bounds, chunk_blocks);
     if (num_tokens == 0) return;
     const int64_t H = hidden_size_, D = head_size_, q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
@@ -248,51 +318,73 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     const at::Tensor query = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, D});
     float* hidden_rows = hidden.data_ptr<float>();
     float* normed_rows = normed.data_ptr<float>();
-    const float* projected_rows = projected.data_ptr<float>();
+    float* projected_rows = projected.data_ptr<float>();
     const float* gate_up_rows = gate_up.data_ptr<float>();
     float* activated_rows = activated.data_ptr<float>();
     float* qkv_rows = qkv.data_ptr<float>();
-    const float* cos_rows = cos.data_ptr<float>();
-    const float* sin_rows = sin.data_ptr<float>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    auto data = [](const std::optional<at::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; };
     for (int64_t layer_index = 0; layer_index < num_layers; ++layer_index) {
       const Layer& layer = layers_[layer_index];
-      const float* input_norm = layer.input_norm.data_ptr<float>();
-      for_rows(num_tokens, [&](int64_t t) {
-        rms_norm(hidden_rows + t * H, input_norm, eps_, H, normed_rows + t * H);
-      });
-      layer.qkv.apply(normed, qkv);
-      // Per row: q/k norms (Qwen3), rotary on q and k, then k and v into their cache slot.
+      const float* input_norm = data(layer.input_norm);
+      if (input_norm != nullptr) {
+        for_rows(num_tokens, [&](int64_t t) {
+          rms_norm(hidden_rows + t * H, input_norm, eps_, H, normed_rows + t * H);
+        });
+      }
+      layer.qkv.apply(input_norm != nullptr ? normed : hidden, qkv);
+      // Per row: q/k norms, rotary on q and k, then k and v into their cache slot.
       float* key_cache = key_caches[layer_index].data_ptr<float>();
       float* value_cache = value_caches[layer_index].data_ptr<float>();
-      const float* q_norm = layer.q_norm ? layer.q_norm->data_ptr<float>() : nullptr;
-      const float* k_norm = layer.k_norm ? layer.k_norm->data_ptr<float>() : nullptr;
+      const float* q_norm = data(layer.q_norm);
+      const float* k_norm = data(layer.k_norm);
+      const bool whole_norms = layer.q_norm && layer.q_norm->numel() == q_size && q_size != D;
+      const int64_t rotary_dim = cos[layer.rope].size(1);
+      const float* cos_rows = cos[layer.rope].data_ptr<float>();
+      const float* sin_rows = sin[layer.rope].data_ptr<float>();
       for_rows(num_tokens, [&](int64_t t) {
         float* row = qkv_rows + t * qkv_size;
+        if (whole_norms) {  // OLMo 2: q over all its heads at once, k likewise
+          rms_norm(row, q_norm, eps_, q_size, row);
+          rms_norm(row + q_size, k_norm, eps_, kv_size, row + q_size);
+        }
         for (int64_t head = 0; head < num_heads_ + num_kv_heads_; ++head) {  // q heads, then k heads
           float* x = row + head * D;
           const float* norm = head < num_heads_ ? q_norm : k_norm;
-          if (norm != nullptr) rms_norm(x, norm, eps_, D, x);
-          rotate(x, cos_rows + t * D, sin_rows + t * D, D);
+          if (norm != nullptr && !whole_norms) rms_norm(x, norm, eps_, D, x);
+          rotate(x, cos_rows + t * rotary_dim, sin_rows + t * rotary_dim, rotary_dim);
         }
         std::copy(row + q_size, row + q_size + kv_size, key_cache + slots[t] * kv_size);
         std::copy(row + q_size + kv_size, row + qkv_size, value_cache + slots[t] * kv_size);
       });
-      attend(query, key_caches[layer_index], value_caches[layer_index], kernel_rows, block_tables, cu_seqlens_q, context_lens,
-             chunk_bounds, chunk_blocks, chunk_masks, scale, sliding_window, attended);
+      attend(layer, query, key_caches[layer_index], value_caches[layer_index], kernel_rows, block_tables,
+             cu_seqlens_q, context_lens, chunk_bounds, chunk_blocks, chunk_masks, attended);
       layer.o.apply(attended.view({num_tokens, q_size}), projected);
-      const float* post_norm = layer.post_norm.data_ptr<float>();
+      const float* attn_out_norm = data(layer.attn_out_norm);
+      const float* pre_mlp_norm = data(layer.pre_mlp_norm);
+      const float multiplier = layer.residual_multiplier;
       for_rows(num_tokens, [&](int64_t t) {
-        add_rows(hidden_rows + t * H, projected_rows + t * H, H);
-        rms_norm(hidden_rows + t * H, post_norm, eps_, H, normed_rows + t * H);
+        float* out = projected_rows + t * H;
+        if (attn_out_norm != nullptr) rms_norm(out, attn_out_norm, eps_, H, out);
+        add_rows(hidden_rows + t * H, out, multiplier, H);
+        if (pre_mlp_norm != nullptr) rms_norm(hidden_rows + t * H, pre_mlp_norm, eps_, H, normed_rows + t * H);
       });
-      layer.gate_up.apply(normed, gate_up);
+      layer.gate_up.apply(pre_mlp_norm != nullptr ? normed : hidden, gate_up);
       for_rows(num_tokens, [&](int64_t t) {
         const float* gate = gate_up_rows + t * 2 * I;
-        silu_mul(gate, gate + I, I, activated_rows + t * I);
+        if (layer.activation == kSilu) {
+          silu_mul(gate, gate + I, I, activated_rows + t * I);
+        } else {
+          gelu_mul(gate, gate + I, I, layer.activation == kGeluTanh, activated_rows + t * I);
+        }
       });
       layer.down.apply(activated, projected);
-      for_rows(num_tokens, [&](int64_t t) { add_rows(hidden_rows + t * H, projected_rows + t * H, H); });
+      const float* mlp_out_norm = data(layer.mlp_out_norm);
+      for_rows(num_tokens, [&](int64_t t) {
+        float* out = projected_rows + t * H;
+        if (mlp_out_norm != nullptr) rms_norm(out, mlp_out_norm, eps_, H, out);
+        add_rows(hidden_rows + t * H, out, multiplier, H);
+      });
     }
   }
 
@@ -311,7 +403,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     }
   }
 
-  void check_step(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+  void check_step(const at::Tensor& hidden, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                   const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
                   const at::Tensor& slot_mapping) const {
     TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() &&
@@ -319,11 +411,20 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                 "pagedrs_cpu: hidden must be contiguous float32 [num_tokens, ", hidden_size_, "], got ",
                 hidden.scalar_type(), " ", hidden.sizes());
     const int64_t num_tokens = hidden.size(0);
-    for (const at::Tensor* t : {&cos, &sin}) {
-      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == num_tokens &&
-                      t->size(1) == head_size_,
-                  "pagedrs_cpu: cos and sin must be contiguous float32 [", num_tokens, ", ", head_size_, "], got ",
-                  t->sizes());
+    TORCH_CHECK(cos.size() == sin.size(), "pagedrs_cpu: cos and sin come in pairs");
+    for (const Layer& layer : layers_) {
+      TORCH_CHECK(static_cast<size_t>(layer.rope) < cos.size(), "pagedrs_cpu: a layer reads rotary ", layer.rope,
+                  " of ", cos.size());
+    }
+    for (size_t r = 0; r < cos.size(); ++r) {
+      const int64_t rotary_dim = cos[r].dim() == 2 ? cos[r].size(1) : -1;
+      for (const at::Tensor* t : {&cos[r], &sin[r]}) {
+        TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                        t->size(0) == num_tokens && t->size(1) == rotary_dim && rotary_dim > 0 &&
+                        rotary_dim % 2 == 0 && rotary_dim <= head_size_,
+                    "pagedrs_cpu: cos and sin must be contiguous float32 [", num_tokens,
+                    ", an even rotary size up to ", head_size_, "], got ", t->sizes());
+      }
     }
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(), "pagedrs_cpu: ",
                 layers_.size(), " layers need as many key and value caches, got ", key_caches.size(), " and ",
@@ -351,31 +452,32 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     }
   }
 
-  // attended [num_tokens, num_heads, D] = every query row over its sequence's paged context,
-  // split between the kernel and SDPA as CpuAttentionMetadata.attend splits it.
-  void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+  // attended [num_tokens, num_heads, D] = every query row over its sequence's paged context
+  // under the layer's scale, window and softcap, split between the kernel and SDPA as
+  // CpuAttentionMetadata.attend splits it.
+  void attend(const Layer& layer, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
               const std::optional<at::Tensor>& kernel_rows, const std::optional<at::Tensor>& block_tables,
               const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& context_lens,
               const std::vector<int64_t>& chunk_bounds, const std::vector<at::Tensor>& chunk_blocks,
-              const c10::List<std::optional<at::Tensor>>& chunk_masks, double scale, int64_t sliding_window,
-              at::Tensor& attended) const {
+              const c10::List<std::optional<at::Tensor>>& chunk_masks, at::Tensor& attended) const {
     if (block_tables) {
       TORCH_CHECK(cu_seqlens_q && context_lens, "pagedrs_cpu: the kernel's rows need cu_seqlens_q and context_lens");
       if (kernel_rows) {
         at::Tensor rows_query = query.index_select(0, *kernel_rows);
         at::Tensor rows_out = at::empty_like(rows_query);
         pagedrs_cpu::paged_attention(rows_out, rows_query, key_cache, value_cache, *block_tables, *cu_seqlens_q,
-                                     *context_lens, scale, sliding_window, 0.0);
+                                     *context_lens, layer.scale, layer.sliding_window, layer.softcap);
         attended.index_copy_(0, *kernel_rows, rows_out);
       } else {
         pagedrs_cpu::paged_attention(attended, query, key_cache, value_cache, *block_tables, *cu_seqlens_q,
-                                     *context_lens, scale, sliding_window, 0.0);
+                                     *context_lens, layer.scale, layer.sliding_window, layer.softcap);
       }
     }
     const int64_t group = num_heads_ / num_kv_heads_;
+    const size_t first_mask = static_cast<size_t>(layer.window_index) * chunk_blocks.size();
     for (size_t c = 0; c < chunk_blocks.size(); ++c) {
       const int64_t start = chunk_bounds[3 * c], end = chunk_bounds[3 * c + 1], context_len = chunk_bounds[3 * c + 2];
-      const std::optional<at::Tensor> mask = chunk_masks.get(c);
+      const std::optional<at::Tensor> mask = chunk_masks.get(first_mask + c);
       // [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].
       const at::Tensor q = query.slice(0, start, end).transpose(0, 1).unflatten(0, {num_kv_heads_, group});
       const at::Tensor keys =
@@ -385,7 +487,18 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                                     .slice(0, 0, context_len)
                                     .transpose(0, 1)
                                     .unsqueeze(1);
-      const at::Tensor out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, !mask.has_value(), scale);
+      at::Tensor out;
+      if (layer.softcap > 0) {  // SDPA has no softcap: the scores, capped, masked, softmaxed
+        at::Tensor visible = mask.has_value() ? *mask
+                                              : at::ones({end - start, context_len}, query.options().dtype(at::kBool))
+                                                    .tril(context_len - (end - start));
+        at::Tensor scores = at::matmul(q, keys.transpose(-1, -2)) * layer.scale;
+        scores = at::tanh(scores / layer.softcap) * layer.softcap;
+        scores.masked_fill_(visible.logical_not(), -std::numeric_limits<float>::infinity());
+        out = at::matmul(at::softmax(scores, -1), values);
+      } else {
+        out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, !mask.has_value(), layer.scale);
+      }
       attended.slice(0, start, end).copy_(out.flatten(0, 1).transpose(0, 1).reshape({end - start, num_heads_, head_size_}));
     }
   }

@@ -1,13 +1,15 @@
 """Every registered family and rotary variant against Hugging Face transformers: greedy tokens
 and their logprobs (1e-4), with prompts past every window and past
-``original_max_position_embeddings``, through whole prompts, small prefill chunks with a
-cached prefix, and memory tight enough to preempt, with n=2."""
+``original_max_position_embeddings``, through whole prompts (on the compiled CPU stack and on
+the Python layers), small prefill chunks with a cached prefix, and memory tight enough to
+preempt, with n=2."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedrs import LLM, SamplingParams
+from pagedrs.kernels.cpu import available as cpu_kernels_available
 from tests.helpers.families import FAMILIES, hf_greedy_logprobs, save_family
 
 NEW_TOKENS = 24
@@ -40,9 +42,13 @@ def generate(llm: LLM, prompts, n: int = 1):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def test_whole_prompts_match_hugging_face(family):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_whole_prompts_match_hugging_face(family, backend):
+    """``auto``: the CPU kernels and the compiled decoder stack; ``torch``: the Python layers on
+    the reference attention (what a GPU or tensor parallelism runs)."""
     name, directory, oracle = family
-    llm = LLM(directory)
+    llm = LLM(directory, attention_backend=backend)
+    assert (llm.engine.runner.cpu_stack is not None) == (backend == "auto" and cpu_kernels_available())
     for prompt, output in zip(PROMPTS, generate(llm, PROMPTS)):
         assert_matches(name, oracle, prompt, output.outputs[0])
     assert llm.engine.scheduler.stats().num_used_blocks == 0

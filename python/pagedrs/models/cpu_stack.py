@@ -1,4 +1,4 @@
-"""A Llama-family model's decoder layers on the CPU as one compiled call per step
+"""A dense model's decoder layers on the CPU as one compiled call per step
 (``torch.classes.pagedrs_cpu.DecoderStack``, ``cpu/decoder_stack.cpp``).
 
 The Python layers (`pagedrs.models.decoder`) issue ~140 small aten ops per layer; at one token
@@ -16,6 +16,7 @@ every other case.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,7 @@ from pagedrs.attention import AttentionBackend
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedrs.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
     from pagedrs.models.decoder import DecoderForCausalLM
@@ -62,9 +64,6 @@ def why_unsupported(model: DecoderForCausalLM, device: torch.device, attention_b
         return f"it runs on the CPU attention backend (this model uses {attention_backend.name!r} on {device})"
     if model.tp.size > 1:
         return "tensor parallelism all-reduces inside each layer"
-    family_blocker = _family_blocker(model)
-    if family_blocker is not None:
-        return family_blocker
     if model.head_dim % 2 or model.head_dim > MAX_HEAD_DIM:
         return f"it rotates even head sizes up to {MAX_HEAD_DIM} (this model's is {model.head_dim})"
     if model.norm.weight.dtype != torch.float32:
@@ -75,21 +74,8 @@ def why_unsupported(model: DecoderForCausalLM, device: torch.device, attention_b
     return None
 
 
-def _family_blocker(model: DecoderForCausalLM) -> str | None:
-    """What of the model's block the stack does not compute (it runs Llama's block: pre-norms
-    of Llama's kind, SiLU, one window, one full-width rotary embedding, no multipliers)."""
-    family = model.family
-    if family.norm_placement != "pre" or family.norm != "llama" or family.qk_norm == "full":
-        return f"it computes Llama's norms (this model's are {family.norm} norms, placed {family.norm_placement!r})"
-    if model.decoder_layers()[0].mlp.activation != "silu":
-        return f"its MLP is SiLU's (this model's is {model.decoder_layers()[0].mlp.activation!r})"
-    if len(model.attention_windows) > 1 or len(model.ropes) > 1:
-        return "its layers share one window and one rotary embedding (this model's differ)"
-    if model.softcap or model.embedding_scale != 1.0 or family.granite_multipliers:
-        return "it has no softcap, embedding scale or residual multiplier"
-    if model.rotary.rotary_dim != model.head_dim:
-        return "it rotates whole heads (this model rotates part of each)"
-    return None
+_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu": 2}
+"""The stack's id of each MLP activation (``cpu/decoder_stack.cpp``'s ``Activation``)."""
 
 
 class CpuDecoderStack:
@@ -98,8 +84,10 @@ class CpuDecoderStack:
     def __init__(self, model: DecoderForCausalLM):
         cpu_kernels.load()
         config = model.config
-        layers = model.decoder_layers()
-        self._scale = layers[0].self_attn.scale
+        self._windows = model.attention_windows
+        rope_keys = list(model.ropes)
+        self._held: list[torch.Tensor] = []
+        """Weights the stack reads that the model does not hold (Gemma's ``1 + w`` norms)."""
         self._stack: Any = torch.classes.pagedrs_cpu.DecoderStack(
             config.hidden_size,
             model.num_heads,
@@ -108,46 +96,70 @@ class CpuDecoderStack:
             config.intermediate_size,
             float(model.norm.eps),
         )
-        for layer in layers:
+        for layer, spec in zip(model.decoder_layers(), model.layer_specs):
             attn, mlp = layer.self_attn, layer.mlp
-            norms = [None if norm is None else norm.weight for norm in (attn.q_norm, attn.k_norm)]
-            input_norm = layer.input_layernorm
-            assert input_norm is not None  # a "pre" block (`_family_blocker`)
-            args: list[Any] = [input_norm.weight, layer.post_attention_layernorm.weight, *norms]
+            norms = [
+                layer.input_layernorm,
+                # "pre" blocks: post_attention_layernorm is the norm before the MLP (its HF name).
+                layer.post_attention_layernorm if layer.placement != "pre" else None,
+                layer.post_attention_layernorm if layer.placement == "pre" else layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm,
+                attn.q_norm,
+                attn.k_norm,
+            ]
+            args: list[Any] = [None if norm is None else self._weight_of(norm) for norm in norms]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 args += [linear.weight, _linear_type(linear), linear.bias]
+            args += [
+                _ACTIVATIONS[mlp.activation],
+                layer.residual_multiplier,
+                spec.scale,
+                spec.window or 0,
+                spec.softcap or 0.0,
+                rope_keys.index(spec.rope),
+                self._windows.index(spec.window),
+            ]
             self._stack.add_layer(*args)
+
+    def _weight_of(self, norm: RMSNorm) -> torch.Tensor:
+        """What the stack multiplies a norm's output by: its weight, or Gemma's ``1 + w``."""
+        if norm.style != "gemma":
+            return norm.weight  # "llama" and "float32" compute the same in float32
+        shifted = 1.0 + norm.weight.float()
+        self._held.append(shifted)
+        return shifted
 
     def __call__(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos_sin: list[tuple[torch.Tensor, torch.Tensor]],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: CpuAttentionMetadata,
+        meta: CpuAttentionMetadata | Mapping[int | None, CpuAttentionMetadata],
     ) -> None:
         """Runs every layer over the step's rows.
 
         ``hidden``: ``float32 [num_tokens, hidden_size]``, the embeddings, overwritten with the
-        last layer's output; ``cos``/``sin``: ``float32 [num_tokens, head_dim]``; ``kv_caches``:
-        one ``[num_blocks, block_size, num_kv_heads, head_dim]`` pair per layer, this step's
-        keys and values written at ``meta.slot_mapping``."""
-        kernel = meta.kernel
-        chunks = meta.sdpa_chunks
+        last layer's output; ``cos_sin``: ``float32 [num_tokens, rotary_dim]`` pairs, one per
+        rotary embedding of the model (in `model.ropes`'s order); ``kv_caches``: one
+        ``[num_blocks, block_size, num_kv_heads, head_dim]`` pair per layer, this step's keys and
+        values written at ``meta.slot_mapping``; ``meta``: the step's metadata, or one per window
+        (they differ only in their chunks' masks)."""
+        metas = [meta[window] for window in self._windows] if isinstance(meta, Mapping) else [meta]
+        first = metas[0]
+        kernel = first.kernel
+        chunks = first.sdpa_chunks
         self._stack.forward(
             hidden,
-            cos,
-            sin,
+            [cos for cos, _ in cos_sin],
+            [sin for _, sin in cos_sin],
             [key for key, _ in kv_caches],
             [value for _, value in kv_caches],
-            meta.slot_mapping,
+            first.slot_mapping,
             None if kernel is None else kernel.rows,
             None if kernel is None else kernel.block_tables,
             None if kernel is None else kernel.cu_seqlens_q,
             None if kernel is None else kernel.context_lens,
             [bound for chunk in chunks for bound in (chunk.start, chunk.end, chunk.context_len)],
             [chunk.blocks for chunk in chunks],
-            [chunk.mask for chunk in chunks],
-            self._scale,
-            meta.sliding_window,
+            [chunk.mask for each in metas for chunk in each.sdpa_chunks],
         )

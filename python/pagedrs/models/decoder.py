@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from pagedrs.attention.cpu_backend import CpuAttentionMetadata
     from pagedrs.models.cpu_stack import CpuDecoderStack
 
+    StepCpuAttention = CpuAttentionMetadata | Mapping[int | None, CpuAttentionMetadata]
+
 StepAttention = AttentionMetadata | Mapping[int | None, AttentionMetadata]
 """A step's attention metadata: one for every layer, or one per window (`attention_windows`)."""
 
@@ -304,10 +306,9 @@ class DecoderForCausalLM(nn.Module):
             for key, rope in self.ropes.items()
         }
         if decoder_stack is not None:
-            cos, sin = cos_sin[self.layer_specs[0].rope]
             # NOTE: the stack overwrites `hidden` in place; the embedding lookups return a new
             # tensor (never a view of the weights), so nothing else sees it change.
-            decoder_stack(hidden, cos, sin, kv_caches, cast("CpuAttentionMetadata", meta))
+            decoder_stack(hidden, list(cos_sin.values()), kv_caches, cast("StepCpuAttention", meta))
         else:
             for layer, spec, kv_cache in zip(self.decoder_layers(), self.layer_specs, kv_caches):
                 layer_meta = meta[spec.window] if isinstance(meta, Mapping) else meta
