@@ -102,6 +102,10 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "gemma3": lambda: _gemma(3),
     "phi3-longrope": lambda: _phi3(),
     "phi3-partial-sliding": lambda: _phi3(partial=0.5, partial_rotary_factor=0.5, sliding_window=WINDOW),
+    # Phi-4-mini's shape: partial rotary with the plain rotary, a window.
+    "phi3-mini": lambda: __import__("transformers").Phi3Config(
+        **TINY, partial_rotary_factor=0.5, sliding_window=WINDOW, pad_token_id=0, eos_token_id=1
+    ),
     "granite": lambda: __import__("transformers").GraniteConfig(
         **TINY, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=0.5
     ),

@@ -58,10 +58,22 @@ _HF_TO_GGUF = {
 }
 
 
-def gguf_name(name: str) -> str:
+# Per architecture, llama.cpp's names that differ from the Llama family's.
+ARCH_NAMES = {
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+    "gemma2": {
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+}
+
+
+def gguf_name(name: str, architecture: str = "llama") -> str:
     if name.startswith("model.layers."):
         _, _, layer, *rest = name.split(".")
-        return f"blk.{layer}.{_HF_TO_GGUF['.'.join(rest[:-1])]}.{rest[-1]}"
+        names = {**_HF_TO_GGUF, **ARCH_NAMES.get(architecture, {})}
+        return f"blk.{layer}.{names['.'.join(rest[:-1])]}.{rest[-1]}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}.get(
         name, "output.weight"
     )
@@ -109,9 +121,24 @@ def write_gguf(
     """``model`` (a transformers Llama) as a GGUF file with a tiny SentencePiece vocabulary.
     Tensors given a k-quant type hold random blocks instead (gguf.quants cannot quantize to
     them): the oracle must then load the file itself. ``extra_tensors`` (GGUF name -> float32
-    array, e.g. ``rope_freqs.weight``) and ``extra_metadata`` (key -> string) are written too."""
+    array, e.g. ``rope_freqs.weight``) and ``extra_metadata`` (key -> string) are written too.
+    ``architecture``: as llama.cpp's converter writes it: ``llama`` (q/k rows permuted),
+    ``phi3`` (q/k/v and gate/up fused, its window and rotary dimension), ``gemma2`` (its norm
+    names, each norm as 1 + w, its softcaps and window)."""
     config = model.config
     writer = GGUFWriter(path, architecture)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotary_dim = head_dim
+    if architecture == "phi3":
+        rotary_dim = int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+        if config.sliding_window is not None:
+            writer.add_sliding_window(config.sliding_window)
+    if architecture == "gemma2":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     for key, value in (extra_metadata or {}).items():
         writer.add_string(key, value)
     for name, array in (extra_tensors or {}).items():
@@ -124,7 +151,7 @@ def write_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_dimension_count(rotary_dim)
     writer.add_tokenizer_model("llama")
     tokens = ["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(3, config.vocab_size)]
     writer.add_token_list(tokens)
@@ -136,10 +163,12 @@ def write_gguf(
         if "rotary" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         array = tensor.float().numpy()
-        target = gguf_name(name)
-        if ".attn_q." in target:
+        target = gguf_name(name, architecture)
+        if architecture == "gemma2" and target.endswith("norm.weight"):
+            array = array + 1  # llama.cpp's Gemma converter stores 1 + w
+        if architecture == "llama" and ".attn_q." in target:
             array = llama_cpp_permute(array, config.num_attention_heads)
-        elif ".attn_k." in target:
+        elif architecture == "llama" and ".attn_k." in target:
             array = llama_cpp_permute(array, config.num_key_value_heads)
         qtype = types.get(target.removesuffix(".weight")) if array.ndim == 2 else None
         if qtype is None:

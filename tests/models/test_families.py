@@ -138,12 +138,53 @@ def test_bad_configs_are_refused_before_weights_are_read(tmp_path, change, messa
 
 
 def test_gguf_of_an_unread_architecture_is_refused(tmp_path):
-    """llama.cpp stores Phi-3's q/k/v fused and Gemma's norms as 1 + w: such files must not
-    load as if they were Llama's."""
+    """A GGUF architecture whose tensors or metadata pagedrs does not read (Gemma 3's local
+    rotary base, say) is refused, not loaded as if it were a Llama."""
     from tests.helpers.gguf_writer import write_gguf
 
     hf_model = save_family("llama-linear", tmp_path / "hf")
-    path = str(tmp_path / "phi3.gguf")
-    write_gguf(path, hf_model, {}, architecture="phi3")
-    with pytest.raises(ValueError, match="GGUF files of architecture 'phi3' are not supported yet"):
+    path = str(tmp_path / "gemma3.gguf")
+    write_gguf(path, hf_model, {}, architecture="gemma3")
+    with pytest.raises(ValueError, match="architecture 'gemma3' are not supported yet"):
         LLM(path)
+
+
+@pytest.mark.parametrize("family", ["phi3-mini", "gemma2"])
+def test_gguf_of_other_families_matches_hugging_face(tmp_path, family):
+    """llama.cpp's Phi-3 (q/k/v and gate/up fused, window and partial rotary only in the
+    metadata) and Gemma 2 (its own norm names, norms as 1 + w, softcaps in the metadata), read
+    from the file against transformers running the same weights."""
+    from tests.helpers.gguf_writer import write_gguf
+
+    hf_model = save_family(family, tmp_path / "hf")
+    oracle = {tuple(prompt): hf_greedy_logprobs(hf_model, prompt, NEW_TOKENS) for prompt in PROMPTS}
+    path = str(tmp_path / f"{family}.gguf")
+    write_gguf(path, hf_model, {}, architecture=family.split("-")[0])
+    llm = LLM(path)
+    for prompt, output in zip(PROMPTS, generate(llm, PROMPTS)):
+        assert_matches(f"{family} gguf", oracle, prompt, output.outputs[0])
+
+
+def test_phi3_gguf_keeps_its_fused_linears_packed(tmp_path):
+    """Phi-3's fused q/k/v and gate/up stay packed (each rank's rows read as stored) and decode
+    as they do dequantized."""
+    from gguf import GGMLQuantizationType
+
+    from tests.helpers.gguf_writer import write_gguf
+
+    hf_model = save_family("phi3-mini", tmp_path / "hf")
+    path = str(tmp_path / "phi3.gguf")
+    q8 = GGMLQuantizationType.Q8_0
+    write_gguf(
+        path,
+        hf_model,
+        {f"blk.{i}.{part}": q8 for i in range(2) for part in ("attn_qkv", "ffn_up")},
+        architecture="phi3",
+    )
+    packed, dense = LLM(path), LLM(path, quantization="none")
+    layer = packed.engine.model.layers[0]
+    assert type(layer.self_attn.qkv_proj).__name__ == "QuantColumnParallelLinear"
+    assert type(layer.mlp.gate_up_proj).__name__ == "QuantColumnParallelLinear"
+    ours, theirs = generate(packed, PROMPTS), generate(dense, PROMPTS)
+    for a, b in zip(ours, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids

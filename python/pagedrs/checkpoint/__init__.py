@@ -24,9 +24,8 @@ ROPE_FACTORS = "rope_freqs.weight"
 divisor per frequency, which Hugging Face checkpoints do not hold (they compute it)."""
 
 
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-"""The GGUF architectures whose tensors pagedrs reads (the Llama family's layout,
-`pagedrs.checkpoint.gguf`)."""
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+"""The GGUF architectures whose tensors and metadata pagedrs reads (`pagedrs.checkpoint.gguf`)."""
 
 
 @dataclass(frozen=True)

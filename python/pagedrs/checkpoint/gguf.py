@@ -51,6 +51,34 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
+# Per GGUF architecture, the layer tensors whose names differ from the Llama family's.
+_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    # Phi-3 keeps q/k/v and gate/up fused, as its Hugging Face checkpoint does.
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+
+# Architectures whose converter stores each RMSNorm weight as 1 + w (Gemma's form of the norm).
+_NORMS_PLUS_ONE = {"gemma2"}
+
+# Per GGUF architecture, metadata transformers' config drops that pagedrs carries into it
+# (`complete_config`): key after the architecture's prefix -> config attribute.
+_CARRIED: dict[str, dict[str, str]] = {
+    "phi3": {"attention.sliding_window": "sliding_window"},
+    "gemma2": {
+        "attn_logit_softcapping": "attn_logit_softcapping",
+        "final_logit_softcapping": "final_logit_softcapping",
+    },
+}
+
+# Keys `complete_config` checks against the config: the rotary dimension (Phi-3's partial
+# rotary factor), the key and value head sizes (which must be the head size).
+_CHECKED = {"rope.dimension_count", "attention.key_length", "attention.value_length"}
+
 # Tensors llama.cpp stores that Hugging Face checkpoints do not: Llama 3's rotary scaling,
 # as one divisor per frequency (transformers' GGUF loader drops it, and with it the scaling).
 _EXTRA = {"rope_freqs": ROPE_FACTORS.removesuffix(".weight")}
@@ -64,15 +92,16 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face name of a Llama-family GGUF tensor (`ROPE_FACTORS` for Llama 3's
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of ``architecture`` (`ROPE_FACTORS` for Llama 3's
     ``rope_freqs``, which Hugging Face checkpoints do not hold). Raises on a name it does not
     know."""
     match = _LAYER.fullmatch(gguf_name)
     if match:
         layer, part, kind = match.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture, {})}
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     match = _GLOBAL.fullmatch(gguf_name)
     if match:
         part, kind = match.groups()
@@ -106,8 +135,10 @@ class GGUFTensor:
     float32 torch tensors of just that slice (dequantized as ``gguf.quants.dequantize`` does);
     ``packed_rows`` returns stored blocks for the quantized linears."""
 
-    def __init__(self, name: str, tensor: ReaderTensor, row_order: np.ndarray | None):
+    def __init__(self, name: str, tensor: ReaderTensor, row_order: np.ndarray | None, offset: float = 0.0):
+        """``offset``: added to every value read (-1 undoes Gemma's 1 + w of the converter)."""
         self.name = name
+        self._offset = offset
         self.ggml_type = GGMLQuantizationType(tensor.tensor_type)
         self._data = tensor.data  # a view of the memory map: [rows, row_bytes] or [rows, cols]
         # GGUF lists dimensions innermost first; Hugging Face outermost first.
@@ -166,7 +197,8 @@ class GGUFTensor:
         if len(self.shape) == 1:
             if cols_key != slice(None):
                 raise ValueError(f"{self.name} is a vector: it has no columns")
-            return self._dequantize(self._stored(rows)).reshape(len(rows))
+            values = self._dequantize(self._stored(rows)).reshape(len(rows))
+            return values + self._offset if self._offset else values
         cols = _rows_of(cols_key, self.shape[1])
         if not self.quantized:
             # Items of a stored row per column: 1 for F16/F32 (elements), 2 for BF16 (bytes).
@@ -190,29 +222,38 @@ def _field(reader: GGUFReader, key: str) -> Any:
     return None if field is None else field.contents()
 
 
+def check_architecture(architecture: str) -> None:
+    """Refuses a GGUF architecture whose tensors and metadata pagedrs does not read."""
+    if architecture not in GGUF_ARCHITECTURES:
+        # NOTE: not only a matter of names: llama.cpp stores Gemma's norms as 1 + w, Phi-3's
+        # q/k/v fused, Gemma 3's local rotary base nowhere; such files must not load as if
+        # they were Llama's.
+        raise ValueError(
+            f"GGUF files of architecture {architecture!r} are not supported yet (pagedrs reads "
+            f"{', '.join(GGUF_ARCHITECTURES)}; load its safetensors checkpoint instead)"
+        )
+
+
 def check_metadata(reader: GGUFReader, architecture: str) -> None:
     """Refuses a GGUF file whose architecture metadata holds settings that change the model's
     computation but that transformers' config does not carry (so pagedrs would silently run
     without them)."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    if architecture not in GGUF_ARCHITECTURES:
-        # NOTE: not only a matter of names: llama.cpp stores Gemma's norms as 1 + w, and
-        # Phi-3's q/k/v fused; such files must not load as if they were Llama's.
-        raise ValueError(
-            f"GGUF files of architecture {architecture!r} are not supported yet (pagedrs reads "
-            f"{', '.join(GGUF_ARCHITECTURES)}; load its safetensors checkpoint instead)"
-        )
+    check_architecture(architecture)
     mapping = cast("dict[str, Any] | None", GGUF_CONFIG_MAPPING.get(architecture))
     if mapping is None:
         raise ValueError(f"GGUF architecture {architecture!r} is not one transformers reads a config from")
     prefix = f"{architecture}."
+    carried = _CARRIED.get(architecture, {})
     unknown = []
     for key in reader.fields:
         if not key.startswith(prefix):
             continue
         name = key.removeprefix(prefix)
-        if name in mapping:
+        # A key transformers maps to None is read and dropped: as good as unknown, unless
+        # `complete_config` carries it (the rotary dimension, as a partial rotary factor).
+        if mapping.get(name) is not None or name in carried or name in _CHECKED:
             continue
         harmless = _IGNORED_KEYS.get(name)
         value = _field(reader, key)
@@ -224,6 +265,41 @@ def check_metadata(reader: GGUFReader, architecture: str) -> None:
             f"the GGUF file sets {', '.join(sorted(unknown))}, which pagedrs cannot carry into the model "
             "(transformers' config drops it): refusing to run the model without it"
         )
+
+
+def complete_config(config: Any, path: str | os.PathLike) -> None:
+    """Carries into ``config`` (transformers' config of a GGUF file) what transformers drops and
+    the model's computation needs: the keys of `_CARRIED`, Phi-3's rotary dimension (its partial
+    rotary factor), Gemma 2's attention scale as llama.cpp computes it. Refuses a rotary
+    dimension the config cannot express."""
+    reader = GGUFReader(os.fspath(path), "r")
+    architecture = str(_field(reader, "general.architecture"))
+    check_architecture(architecture)
+    prefix = f"{architecture}."
+    for name, attribute in _CARRIED.get(architecture, {}).items():
+        value = _field(reader, prefix + name)
+        if value is not None:
+            setattr(config, attribute, value)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for name in ("attention.key_length", "attention.value_length"):
+        size = _field(reader, prefix + name)
+        if size is not None and int(size) != head_dim:
+            raise ValueError(f"the GGUF file's {prefix + name} is {size}, not the head size {head_dim}")
+    rotary_dim = _field(reader, prefix + "rope.dimension_count")
+    if rotary_dim is not None and int(rotary_dim) != head_dim:
+        if architecture != "phi3":
+            raise ValueError(
+                f"the GGUF file rotates {rotary_dim} of {head_dim} features per head, "
+                f"which pagedrs does not run for {architecture!r}"
+            )
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        params["partial_rotary_factor"] = int(rotary_dim) / head_dim
+        config.rope_parameters = params
+    if architecture == "gemma2":
+        # llama.cpp's rule (the file does not say): the 27B model (46 layers) scales by
+        # hidden / heads, the others by the head size.
+        heads = config.num_attention_heads
+        config.query_pre_attn_scalar = config.hidden_size // heads if config.num_hidden_layers == 46 else head_dim
 
 
 class GGUFCheckpoint:
@@ -238,13 +314,14 @@ class GGUFCheckpoint:
         num_kv_heads = _field(reader, f"{self.architecture}.attention.head_count_kv") or num_heads
         self.tensors: dict[str, GGUFTensor] = {}
         for tensor in reader.tensors:
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, self.architecture)
             row_order = None
             # transformers' LlamaTensorProcessor: only the `llama` architecture is permuted.
             if self.architecture == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
                 heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
                 row_order = rotary_row_order(int(tensor.shape[-1]), int(heads))
-            self.tensors[name] = GGUFTensor(name, tensor, row_order)
+            plus_one = self.architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight")
+            self.tensors[name] = GGUFTensor(name, tensor, row_order, offset=-1.0 if plus_one else 0.0)
 
     def __iter__(self) -> Iterator[tuple[str, GGUFTensor]]:
         return iter(self.tensors.items())

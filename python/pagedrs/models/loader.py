@@ -53,9 +53,14 @@ def load_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+        config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
     except (KeyError, TypeError) as error:  # transformers' own checks of the config's fields
         raise ValueError(f"the model config of {source.name!r} is invalid: {error}") from error
+    if source.gguf_file is not None:
+        from pagedrs.checkpoint.gguf import complete_config
+
+        complete_config(config, source.name)
+    return config
 
 
 def load_tokenizer(source: ModelSource) -> Any:

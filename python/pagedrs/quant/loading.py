@@ -61,8 +61,12 @@ def check_quantization(quantization: str) -> str:
     return quantization
 
 
-def checkpoint_names(module_name: str) -> list[str]:
-    """The checkpoint weights (Hugging Face names) a pagedrs module is loaded from."""
+def checkpoint_names(module_name: str, stored: Mapping[str, object] | None = None) -> list[str]:
+    """The checkpoint weights (Hugging Face names) a pagedrs module is loaded from: a fused
+    module from its parts, unless the checkpoint (``stored``: its names) keeps it fused too
+    (Phi-3's)."""
+    if stored is not None and f"model.{module_name}.weight" in stored:
+        return [f"model.{module_name}.weight"]
     if module_name in ("embed_tokens", "lm_head"):
         return [f"model.{module_name}.weight" if module_name == "embed_tokens" else "lm_head.weight"]
     for fused, parts in _FUSED.items():
@@ -110,7 +114,7 @@ def pack_linears(
     for name, module in list(model.named_modules()):
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabEmbedding)):
             continue
-        ggml_type = _chosen_type(checkpoint_names(name), quantization, ggml_types)
+        ggml_type = _chosen_type(checkpoint_names(name, ggml_types), quantization, ggml_types)
         if ggml_type is None:
             continue
         replacement: nn.Module
