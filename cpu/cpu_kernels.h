@@ -53,7 +53,7 @@ class DecoderStack : public torch::CustomClassHolder {
   // the MLP, on the MLP's output), q/k norms (both or neither), each linear's weight, ggml type
   // (0: dense float32) and bias; then its MLP activation (0 silu, 1 gelu tanh, 2 gelu), residual
   // multiplier, attention scale, window (0: none) and softcap (0: none), and which of forward's
-  // rotary pairs and sets of chunk masks it reads.
+  // rotary pairs and attention views (slot mapping, block tables, chunk blocks and masks) it reads.
   virtual void add_layer(std::optional<at::Tensor> input_norm, std::optional<at::Tensor> attn_out_norm,
                          std::optional<at::Tensor> pre_mlp_norm, std::optional<at::Tensor> mlp_out_norm,
                          std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, at::Tensor qkv,
@@ -62,7 +62,7 @@ class DecoderStack : public torch::CustomClassHolder {
                          std::optional<at::Tensor> gate_up_bias, at::Tensor down, int64_t down_type,
                          std::optional<at::Tensor> down_bias, int64_t activation, double residual_multiplier,
                          double scale, int64_t sliding_window, double softcap, int64_t rope,
-                         int64_t window_index) = 0;
+                         int64_t view) = 0;
 
   virtual int64_t num_layers() const = 0;
 
@@ -70,8 +70,8 @@ class DecoderStack : public torch::CustomClassHolder {
   // the last layer's output.
   virtual void forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                        std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
-                       at::Tensor slot_mapping, std::optional<at::Tensor> kernel_rows,
-                       std::optional<at::Tensor> block_tables, std::optional<at::Tensor> cu_seqlens_q,
+                       std::vector<at::Tensor> slot_mappings, std::optional<at::Tensor> kernel_rows,
+                       std::vector<at::Tensor> block_tables, std::optional<at::Tensor> cu_seqlens_q,
                        std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
                        std::vector<at::Tensor> chunk_blocks,
                        c10::List<std::optional<at::Tensor>> chunk_masks) const = 0;

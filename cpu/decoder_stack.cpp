@@ -35,8 +35,8 @@
 //   each linear is float32 (ggml type 0, `F32`) or packed blocks of a type quant_matmul.cpp
 //   multiplies (uint8 [out, in / block_weights * block_bytes]); each bias, if any, is [out] float32.
 // and how it computes: the MLP's activation (SiLU, GELU-tanh, GELU), the residual multiplier
-// (Granite), the attention scale, window and softcap, which rotary factors and which window's
-// chunk masks it reads.
+// (Granite), the attention scale, window and softcap, which rotary factors and which attention
+// view it reads.
 //
 // Per step (see DecoderStack::forward):
 //   hidden              [num_tokens, H] float32: the embeddings in, the last layer's output
@@ -44,10 +44,11 @@
 //   cos, sin            one [num_tokens, rotary_dim] float32 pair per rotary embedding: the
 //                       factors of each row's position; the first rotary_dim of each head rotate
 //   key/value caches    one pair per layer, [num_blocks, block_size, num_kv_heads, D] float32
-//   slot_mapping        [num_tokens] int64: the cache slot of each row's key and value
-//   the attention layout of CpuAttentionMetadata: the rows the kernel attends (all of them, or
-//   the listed ones) with their block tables, and the long prefill chunks SDPA attends, their
-//   masks once per window.
+//   attention views     one per (KV layer group, window) the layers use, each the layout of a
+//                       CpuAttentionMetadata: the cache slot of each row's key and value
+//                       ([num_tokens] int64), the block tables of the rows the kernel attends
+//                       (all of them, or the listed ones: those rows are the same in every
+//                       view), and the blocks and masks of the long prefill chunks SDPA attends.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -138,7 +139,7 @@ struct Layer {
   int64_t sliding_window;     // keys a row sees, its own included; 0: all
   double softcap;             // scores become softcap * tanh(score / softcap); 0: none
   int64_t rope;               // which of forward's cos/sin pairs rotates q and k
-  int64_t window_index;       // which of forward's sets of chunk masks it reads
+  int64_t view;               // which of forward's attention views it reads
 };
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)) over n elements, as Hugging Face's RMSNorm in
@@ -237,7 +238,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                  at::Tensor gate_up, int64_t gate_up_type, std::optional<at::Tensor> gate_up_bias, at::Tensor down,
                  int64_t down_type, std::optional<at::Tensor> down_bias, int64_t activation,
                  double residual_multiplier, double scale, int64_t sliding_window, double softcap, int64_t rope,
-                 int64_t window_index) override {
+                 int64_t view) override {
     const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
     const int64_t qkv_size = q_size + 2 * kv_size;
     if (input_norm) check_float_vector(*input_norm, hidden_size_, "input_norm");
@@ -252,8 +253,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     }
     TORCH_CHECK(activation == kSilu || activation == kGeluTanh || activation == kGelu,
                 "pagedrs_cpu: activation must be 0 (silu), 1 (gelu tanh) or 2 (gelu), got ", activation);
-    TORCH_CHECK(sliding_window >= 0 && softcap >= 0 && rope >= 0 && window_index >= 0,
-                "pagedrs_cpu: sliding_window, softcap, rope and window_index must be >= 0");
+    TORCH_CHECK(sliding_window >= 0 && softcap >= 0 && rope >= 0 && view >= 0,
+                "pagedrs_cpu: sliding_window, softcap, rope and view must be >= 0");
     layers_.push_back(Layer{
         input_norm,
         attn_out_norm,
@@ -271,7 +272,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         sliding_window,
         softcap,
         rope,
-        window_index,
+        view,
     });
   }
 
@@ -279,29 +280,37 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
 
   // Runs every layer over the step's rows; `hidden` ends as the last layer's output.
   //   cos, sin: one pair per rotary embedding (a layer reads the pair its `rope` names).
+  //   slot_mappings: for each attention view (a layer's `view`), the cache slot of each row
+  //     (int64 [num_tokens]).
   //   kernel_rows, block_tables, cu_seqlens_q, context_lens: the rows the paged attention kernel
-  //     attends (kernel_rows: int64 [R] of the step's rows, absent for all of them) with their
-  //     sequences' int32 block tables [S, W], rows [S + 1] and contexts [S]; the block tables
-  //     absent when no row goes to the kernel.
+  //     attends (kernel_rows: int64 [R] of the step's rows, absent for all of them) with, for
+  //     each view, their sequences' int32 block tables [S, W], and their rows [S + 1] and
+  //     contexts [S]; no block tables when no row goes to the kernel.
   //   chunk_bounds: (first row, end row, context length) of each long prefill chunk SDPA
-  //     attends; chunk_blocks: its blocks (int64 [W]); chunk_masks: for each window the layers
-  //     use (a layer's `window_index`), each chunk's bool [L, C] mask of the keys each row
-  //     sees, absent for a whole prompt without a window (plain causal).
+  //     attends; chunk_blocks and chunk_masks: for each view, each chunk's blocks (int64 [W])
+  //     and bool [L, C] mask of the keys each row sees (absent for a whole prompt without a
+  //     window: plain causal).
   void forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
-               std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches, at::Tensor slot_mapping,
-               std::optional<at::Tensor> kernel_rows, std::optional<at::Tensor> block_tables,
+               std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
+               std::vector<at::Tensor> slot_mappings, std::optional<at::Tensor> kernel_rows,
+               std::vector<at::Tensor> block_tables,
                std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> context_lens,
                std::vector<int64_t> chunk_bounds, std::vector<at::Tensor> chunk_blocks,
                c10::List<std::optional<at::Tensor>> chunk_masks) const override {
     const int64_t num_tokens = hidden.size(0), num_layers = this->num_layers();
-    check_step(hidden, cos, sin, key_caches, value_caches, slot_mapping);
-    const size_t num_chunks = chunk_blocks.size();
-    TORCH_CHECK(chunk_bounds.size() == 3 * num_chunks,
-                "pagedrs_cpu: each long chunk needs its (start, end, context length) and blocks");
+    const size_t num_views = slot_mappings.size();
+    TORCH_CHECK(num_views > 0, "pagedrs_cpu: a step needs at least one attention view");
+    for (const at::Tensor& slot_mapping : slot_mappings) check_step(hidden, cos, sin, key_caches, value_caches, slot_mapping);
+    const size_t num_chunks = chunk_bounds.size() / 3;
+    TORCH_CHECK(chunk_bounds.size() == 3 * num_chunks && chunk_blocks.size() == num_views * num_chunks &&
+                    chunk_masks.size() == num_views * num_chunks,
+                "pagedrs_cpu: each long chunk needs its (start, end, context length), and its blocks and mask "
+                "in each of the ", num_views, " views");
+    TORCH_CHECK(block_tables.empty() || block_tables.size() == num_views,
+                "pagedrs_cpu: the kernel's rows need block tables in each of the ", num_views, " views");
     for (const Layer& layer : layers_) {
-      TORCH_CHECK(chunk_masks.size() >= (static_cast<size_t>(layer.window_index) + 1) * num_chunks,
-                  "pagedrs_cpu: a layer reads chunk masks of window ", layer.window_index, ", but only ",
-                  chunk_masks.size(), " masks came for ", num_chunks, " chunks");
+      TORCH_CHECK(static_cast<size_t>(layer.view) < num_views, "pagedrs_cpu: a layer reads attention view ",
+                  layer.view, ", but only ", num_views, " came");
     }
     check_chunks(num_tokens, key_caches.empty() ? 0 : key_caches[0].size(1), chunk_bounds, chunk_blocks);
     if (num_tokens == 0) return;
@@ -322,7 +331,6 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     const float* gate_up_rows = gate_up.data_ptr<float>();
     float* activated_rows = activated.data_ptr<float>();
     float* qkv_rows = qkv.data_ptr<float>();
-    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     auto data = [](const std::optional<at::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; };
     for (int64_t layer_index = 0; layer_index < num_layers; ++layer_index) {
       const Layer& layer = layers_[layer_index];
@@ -342,6 +350,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       const int64_t rotary_dim = cos[layer.rope].size(1);
       const float* cos_rows = cos[layer.rope].data_ptr<float>();
       const float* sin_rows = sin[layer.rope].data_ptr<float>();
+      const int64_t* slots = slot_mappings[layer.view].data_ptr<int64_t>();
       for_rows(num_tokens, [&](int64_t t) {
         float* row = qkv_rows + t * qkv_size;
         if (whole_norms) {  // OLMo 2: q over all its heads at once, k likewise
@@ -357,7 +366,9 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         std::copy(row + q_size, row + q_size + kv_size, key_cache + slots[t] * kv_size);
         std::copy(row + q_size + kv_size, row + qkv_size, value_cache + slots[t] * kv_size);
       });
-      attend(layer, query, key_caches[layer_index], value_caches[layer_index], kernel_rows, block_tables,
+      const std::optional<at::Tensor> view_tables =
+          block_tables.empty() ? std::nullopt : std::optional<at::Tensor>(block_tables[layer.view]);
+      attend(layer, query, key_caches[layer_index], value_caches[layer_index], kernel_rows, view_tables,
              cu_seqlens_q, context_lens, chunk_bounds, chunk_blocks, chunk_masks, attended);
       layer.o.apply(attended.view({num_tokens, q_size}), projected);
       const float* attn_out_norm = data(layer.attn_out_norm);
@@ -392,12 +403,14 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   // SDPA reads a chunk's rows and keys through slices, which would clamp bounds silently.
   static void check_chunks(int64_t num_tokens, int64_t block_size, const std::vector<int64_t>& chunk_bounds,
                            const std::vector<at::Tensor>& chunk_blocks) {
-    for (size_t c = 0; c < chunk_blocks.size(); ++c) {
+    const size_t num_chunks = chunk_bounds.size() / 3;
+    for (size_t i = 0; i < chunk_blocks.size(); ++i) {
+      const size_t c = i % num_chunks;
       const int64_t start = chunk_bounds[3 * c], end = chunk_bounds[3 * c + 1], context_len = chunk_bounds[3 * c + 2];
       TORCH_CHECK(0 <= start && start < end && end <= num_tokens, "pagedrs_cpu: long chunk ", c, " has rows ", start,
                   "..", end, " of a step of ", num_tokens);
-      TORCH_CHECK(chunk_blocks[c].scalar_type() == at::kLong && chunk_blocks[c].dim() == 1 &&
-                      end - start <= context_len && context_len <= chunk_blocks[c].size(0) * block_size,
+      TORCH_CHECK(chunk_blocks[i].scalar_type() == at::kLong && chunk_blocks[i].dim() == 1 &&
+                      end - start <= context_len && context_len <= chunk_blocks[i].size(0) * block_size,
                   "pagedrs_cpu: long chunk ", c, " needs int64 blocks covering its context of ", context_len,
                   " tokens and at most that many rows");
     }
@@ -474,15 +487,17 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       }
     }
     const int64_t group = num_heads_ / num_kv_heads_;
-    const size_t first_mask = static_cast<size_t>(layer.window_index) * chunk_blocks.size();
-    for (size_t c = 0; c < chunk_blocks.size(); ++c) {
+    const size_t num_chunks = chunk_bounds.size() / 3;
+    const size_t first = static_cast<size_t>(layer.view) * num_chunks;
+    for (size_t c = 0; c < num_chunks; ++c) {
       const int64_t start = chunk_bounds[3 * c], end = chunk_bounds[3 * c + 1], context_len = chunk_bounds[3 * c + 2];
-      const std::optional<at::Tensor> mask = chunk_masks.get(first_mask + c);
+      const std::optional<at::Tensor> mask = chunk_masks.get(first + c);
+      const at::Tensor& blocks = chunk_blocks[first + c];
       // [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].
       const at::Tensor q = query.slice(0, start, end).transpose(0, 1).unflatten(0, {num_kv_heads_, group});
       const at::Tensor keys =
-          key_cache.index_select(0, chunk_blocks[c]).flatten(0, 1).slice(0, 0, context_len).transpose(0, 1).unsqueeze(1);
-      const at::Tensor values = value_cache.index_select(0, chunk_blocks[c])
+          key_cache.index_select(0, blocks).flatten(0, 1).slice(0, 0, context_len).transpose(0, 1).unsqueeze(1);
+      const at::Tensor values = value_cache.index_select(0, blocks)
                                     .flatten(0, 1)
                                     .slice(0, 0, context_len)
                                     .transpose(0, 1)

@@ -126,7 +126,8 @@ class SchedulerOutput:
         """Position of each input token in its sequence. ``[num_batched_tokens]``"""
     @property
     def slot_mapping(self) -> npt.NDArray[np.int64]:
-        """KV cache slot (``block * block_size + offset``) of each new key/value."""
+        """KV cache slot (``block * block_size + offset``) of each new key/value, in each KV
+        layer group. ``[num_kv_groups, num_batched_tokens]``"""
     @property
     def query_start_loc(self) -> npt.NDArray[np.int32]:
         """Start of each sequence's tokens in the inputs, plus the total. ``[num_seqs + 1]``"""
@@ -138,7 +139,9 @@ class SchedulerOutput:
         """Prompt length of each sequence's request. ``[num_seqs]``"""
     @property
     def block_tables(self) -> npt.NDArray[np.int32]:
-        """Block tables, zero-padded past each row's blocks. ``[num_seqs, max_blocks]``"""
+        """Block tables of each KV layer group, zero-padded past each row's blocks (and zero
+        where a sliding group released a block out of its window).
+        ``[num_kv_groups, num_seqs, max_blocks]``"""
     @property
     def logits_indices(self) -> npt.NDArray[np.int64]:
         """Input rows to sample from; a prompt with ``n > 1`` appears ``n`` times."""
@@ -265,6 +268,7 @@ class Scheduler:
         max_model_len: int,
         namespace: str = "",
         speculative: SpeculativeConfig | None = None,
+        kv_group_windows: list[int | None] | None = None,
     ) -> Scheduler:
         """Reads these attributes of ``config`` (any object that has them): ``block_size``,
         ``max_num_batched_tokens``, ``max_num_seqs``, ``scheduling_policy`` (``"fcfs"`` or
@@ -279,7 +283,11 @@ class Scheduler:
           ``"draft_model"``, whose proposals the caller writes into the batch), its defaults resolved:
           ``prompt_lookup_min``/``prompt_lookup_max`` ints (as ``SpeculativeConfig.parse``
           leaves them), ``disable_by_batch_size`` the device's (``None`` or 0: never steps
-          aside).
+          aside);
+        - ``kv_group_windows``: the window of each KV layer group (``None``: full
+          attention), group 0 first and full attention when there are several; each group
+          has its own block table per sequence over the one pool, and a sliding group
+          releases the blocks that fall out of its window. Default: one full group.
         """
     def add_request(
         self,
@@ -334,6 +342,12 @@ class Scheduler:
     def request_status(self, request_id: str, index: int = 0) -> str:
         """``"waiting"``, ``"running"`` or ``"preempted"``; ``UnknownRequestError`` once the
         request has ended, ``InvalidArgumentError`` once that choice has."""
+    def held_blocks(self, request_id: str, index: int = 0) -> list[int]:
+        """Blocks one choice of a live request holds in each KV layer group."""
+    @property
+    def num_kv_groups(self) -> int:
+        """KV layer groups (the leading dimension of a step's ``slot_mapping`` and
+        ``block_tables``)."""
     def has_unfinished_requests(self) -> bool: ...
     @property
     def num_running(self) -> int: ...

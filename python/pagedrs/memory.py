@@ -137,7 +137,10 @@ class KVCapacity:
     """What a memory budget holds for one model, dtype and block size."""
 
     bytes_per_token: int
+    """Keys and values of one token in every layer (a draft model's included): what full
+    attention stores per token."""
     bytes_per_block: int
+    """One block id's memory: ``block_size`` tokens of the layers a block holds."""
     num_blocks: int
     block_size: int
 
@@ -154,16 +157,25 @@ def kv_cache_capacity(
     block_size: int = 16,
     tensor_parallel_size: int = 1,
     draft_config: Any = None,
+    num_layer_slots: int | None = None,
 ) -> KVCapacity:
     """How many blocks of ``block_size`` tokens fit in ``budget`` bytes (or ``"4GiB"``) on
-    each rank. A draft model's (``draft_config``, one rank) KV lives in the same blocks, so
-    each token also holds its keys and values."""
+    each rank. A block holds ``num_layer_slots`` layers' keys and values (default: every
+    layer; fewer for a model with sliding-window layers, whose layer groups take blocks of
+    their own: `pagedrs.engine.kv_layout`). A draft model's (``draft_config``, one rank) KV
+    lives in the same blocks, so each token also holds its keys and values."""
     block_size = _positive_int(block_size, "block_size")
     budget_bytes = parse_bytes(budget)
     per_token = kv_bytes_per_token(config, dtype, tensor_parallel_size)
+    per_slot_token = per_token
+    if num_layer_slots is not None:
+        num_layers = _config_int(_config_fields(config), "num_hidden_layers")
+        per_slot_token = per_token // num_layers * _positive_int(num_layer_slots, "num_layer_slots")
     if draft_config is not None:
-        per_token += kv_bytes_per_token(draft_config, dtype)
-    per_block = per_token * block_size
+        draft_per_token = kv_bytes_per_token(draft_config, dtype)
+        per_token += draft_per_token
+        per_slot_token += draft_per_token
+    per_block = per_slot_token * block_size
     return KVCapacity(
         bytes_per_token=per_token,
         bytes_per_block=per_block,

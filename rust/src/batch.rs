@@ -27,13 +27,18 @@
 //! `logits_indices` gets B's three rows, and `logits_draft_token_ids` says which proposal
 //! each row verifies (`[d1, d2, -1]`: the last row is the bonus).
 //!
+//! With several KV layer groups (`SchedulerConfig::kv_group_windows`), `slot_mapping` and
+//! `block_tables` have one such array per group, stacked: `[num_groups, ...]`. A sliding
+//! group's table reads 0 where a block fell out of its window and was released: no query
+//! of the step reads there, and nothing is written there.
+//!
 //! NOTE (the runner's contract): do `block_copies` first; then, in every layer, write all
 //! of the batch's new keys/values before any attention of that layer reads the cache. A
 //! sequence's prefix hit may point at blocks that another sequence of the same batch is
 //! computing in this very step (prefixes are cached when allocated, as in vLLM).
 
 use crate::block_id::BlockId;
-use crate::kv_cache_manager::{BlockCopy, SequenceId};
+use crate::kv_cache_manager::{BlockCopy, GroupBlocks, SequenceId};
 use crate::sequence::{FinishReason, RequestHandle};
 
 /// One token appended to a sequence in `update_from_output` (a speculating sequence may get
@@ -71,8 +76,8 @@ pub struct SchedulerOutput {
     pub input_token_ids: Vec<i64>,
     /// Position of each input token in its sequence. `[num_batched_tokens]`
     pub positions: Vec<i64>,
-    /// Cache slot (`block * block_size + offset`) each new key/value is written to.
-    /// `[num_batched_tokens]`
+    /// Cache slot (`block * block_size + offset`) each new key/value is written to, in
+    /// each layer group. Row-major `[num_groups, num_batched_tokens]`.
     pub slot_mapping: Vec<i64>,
     /// Where each sequence's tokens start in the inputs, plus the total. `[num_seqs + 1]`
     pub query_start_loc: Vec<i32>,
@@ -82,8 +87,11 @@ pub struct SchedulerOutput {
     /// Prompt length of each sequence's request (what length-dependent rotary embeddings
     /// choose their frequencies by). `[num_seqs]`
     pub prompt_lens: Vec<i32>,
-    /// Block tables, row-major `[num_seqs, block_table_width]`, zero-padded.
+    /// Block tables of each layer group, row-major `[num_groups, num_seqs,
+    /// block_table_width]`, zero-padded (and zero where a sliding group released a block).
     pub block_tables: Vec<i32>,
+    /// KV layer groups (the leading dimension of `slot_mapping` and `block_tables`).
+    pub num_groups: usize,
     /// Columns of `block_tables`: the most blocks any scheduled sequence needs.
     pub block_table_width: usize,
     /// Input rows whose logits are sampled. `[num_logits]`
@@ -150,8 +158,13 @@ pub(crate) struct ScheduledSeq {
 }
 
 impl SchedulerOutput {
-    /// An empty batch with room for `scheduled`, its block tables already sized.
-    pub(crate) fn for_sequences(scheduled: &[ScheduledSeq], block_size: usize) -> Self {
+    /// An empty batch with room for `scheduled`, its slot mapping and block tables (of
+    /// `num_groups` layer groups) already sized.
+    pub(crate) fn for_sequences(
+        scheduled: &[ScheduledSeq],
+        block_size: usize,
+        num_groups: usize,
+    ) -> Self {
         let num_tokens: usize = scheduled.iter().map(|seq| seq.num_tokens + seq.num_drafts).sum();
         let num_logits: usize = scheduled.iter().map(|seq| seq.num_samples + seq.num_drafts).sum();
         let width = scheduled
@@ -171,12 +184,13 @@ impl SchedulerOutput {
             num_scheduled_tokens: Vec::with_capacity(num_seqs),
             input_token_ids: Vec::with_capacity(num_tokens),
             positions: Vec::with_capacity(num_tokens),
-            slot_mapping: Vec::with_capacity(num_tokens),
+            slot_mapping: vec![0; num_groups * num_tokens],
             query_start_loc,
             context_lens: Vec::with_capacity(num_seqs),
             prompt_lens: Vec::with_capacity(num_seqs),
-            block_tables: vec![0; width * num_seqs],
+            block_tables: vec![0; num_groups * width * num_seqs],
             block_table_width: width,
+            num_groups,
             logits_indices: Vec::with_capacity(num_logits),
             logits_request_indices: Vec::with_capacity(num_logits),
             logits_choice_indices: Vec::with_capacity(num_logits),
@@ -186,16 +200,17 @@ impl SchedulerOutput {
         }
     }
 
-    /// Appends one scheduled sequence whose known tokens are `token_ids`, blocks
-    /// `block_table` and proposals `drafts` (`seq.num_drafts` of them).
+    /// Appends one scheduled sequence whose known tokens are `token_ids`, blocks `groups`
+    /// (one table per layer group) and proposals `drafts` (`seq.num_drafts` of them).
     pub(crate) fn push(
         &mut self,
         seq: &ScheduledSeq,
         token_ids: &[u32],
         drafts: &[u32],
-        block_table: &[BlockId],
+        groups: &[GroupBlocks],
         block_size: usize,
     ) {
+        debug_assert_eq!(groups.len(), self.num_groups);
         debug_assert_eq!(drafts.len(), seq.num_drafts);
         let row = self.sequence_ids.len();
         let end = seq.start + seq.num_tokens + seq.num_drafts;
@@ -208,19 +223,26 @@ impl SchedulerOutput {
         let known = &token_ids[seq.start..seq.start + seq.num_tokens];
         self.input_token_ids.extend(known.iter().chain(drafts).map(|&t| i64::from(t)));
         self.positions.extend((seq.start..end).map(|p| p as i64));
-        self.slot_mapping.extend((seq.start..end).map(|position| {
-            let block = block_table[position / block_size].0 as usize;
-            (block * block_size + position % block_size) as i64
-        }));
+        let num_step_tokens = self.slot_mapping.len() / self.num_groups;
+        let num_blocks = end.div_ceil(block_size);
+        let width = self.block_table_width;
+        let num_seqs = self.block_tables.len() / (self.num_groups * width).max(1);
+        for (group, blocks) in groups.iter().enumerate() {
+            let table = blocks.table();
+            let slots = &mut self.slot_mapping[group * num_step_tokens..][first_row..];
+            for (slot, position) in slots.iter_mut().zip(seq.start..end) {
+                let block = table[position / block_size].0 as usize;
+                *slot = (block * block_size + position % block_size) as i64;
+            }
+            let start = (group * num_seqs + row) * width;
+            let out = &mut self.block_tables[start..start + num_blocks];
+            for (slot, &block) in out.iter_mut().zip(&table[..num_blocks]) {
+                *slot = if block == BlockId::NULL { 0 } else { block.0 as i32 };
+            }
+        }
         self.query_start_loc.push(self.input_token_ids.len() as i32);
         self.context_lens.push(end as i32);
         self.prompt_lens.push(seq.num_prompt_tokens as i32);
-        let num_blocks = end.div_ceil(block_size);
-        let width = self.block_table_width;
-        let out = &mut self.block_tables[row * width..row * width + num_blocks];
-        for (slot, block) in out.iter_mut().zip(&block_table[..num_blocks]) {
-            *slot = block.0 as i32;
-        }
         let last_row = (first_row + seq.num_tokens - 1) as i64;
         for (offset, &draft) in drafts.iter().enumerate() {
             self.logits_indices.push(last_row + offset as i64);

@@ -6,6 +6,10 @@
 pub struct BlockId(pub u32);
 
 impl BlockId {
+    /// Not a block: a block-table entry whose block was released (it fell out of its layer
+    /// group's window). Pools are never this large.
+    pub const NULL: BlockId = BlockId(u32::MAX);
+
     /// The id as a `usize` index.
     pub fn index(self) -> usize {
         self.0 as usize

@@ -90,10 +90,10 @@ impl BlockPool {
         if block_size == 0 {
             return Err(Error::InvalidArgument("block_size must be at least 1".into()));
         }
-        if num_blocks > u32::MAX as usize {
+        if num_blocks > BlockId::NULL.index() {
             return Err(Error::InvalidArgument(format!(
                 "num_blocks must be at most {}, got {num_blocks}",
-                u32::MAX
+                BlockId::NULL.index()
             )));
         }
         Ok(BlockPool {

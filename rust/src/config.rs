@@ -24,6 +24,11 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     /// Model identity keying the prefix cache.
     pub namespace: String,
+    /// The window of each KV layer group (`None`: full attention), group 0 first: each
+    /// group has its own block table per sequence over the one pool, and a sliding group
+    /// releases the blocks that fall out of its window. One full group unless the model
+    /// has sliding-window layers.
+    pub kv_group_windows: Vec<Option<usize>>,
     /// Token budget of one step.
     pub max_num_batched_tokens: usize,
     /// Most sequences running at once.
@@ -47,6 +52,7 @@ impl Default for SchedulerConfig {
             block_size: 16,
             enable_prefix_caching: true,
             namespace: String::new(),
+            kv_group_windows: vec![None],
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
             max_model_len: 8192,
@@ -84,6 +90,7 @@ impl SchedulerConfig {
                 "long_prefill_token_threshold must be at least 1 (or unset)".into(),
             ));
         }
+        crate::kv_cache_manager::check_group_windows(&self.kv_group_windows)?;
         if let Some(speculative) = &self.speculative {
             speculative.validate()?;
         }

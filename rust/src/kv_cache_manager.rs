@@ -88,6 +88,44 @@ pub struct BlockCopy {
     pub dst: BlockId,
 }
 
+/// What one layer group of a sequence holds (see "Layer groups" in the module docs).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct GroupBlocks {
+    /// Physical blocks holding tokens `[i * block_size, (i + 1) * block_size)` of this
+    /// group's layers; `BlockId::NULL` where a block fell out of the group's window and was
+    /// released.
+    table: Vec<BlockId>,
+    /// Leading entries of `table` released (all `NULL`).
+    num_skipped: usize,
+    /// Leading blocks of `table` already offered to the prefix cache.
+    num_cached_blocks: usize,
+    /// The last block offered to the prefix cache, as it was then: the parent of the next
+    /// one in group 0's chain, still right after that block was released.
+    last_cached: Option<BlockRef>,
+    /// The prefix hit found by `get_computed_blocks` in this group: blocks
+    /// `pending_hit_start..` of the hit (those before it are out of the window).
+    pending_hit: Vec<BlockRef>,
+    /// Index of `pending_hit`'s first block.
+    pending_hit_start: usize,
+}
+
+impl GroupBlocks {
+    /// The group's block table (`BlockId::NULL` for released blocks).
+    pub(crate) fn table(&self) -> &[BlockId] {
+        &self.table
+    }
+
+    /// Blocks the group holds now.
+    fn num_held(&self) -> usize {
+        self.table.len() - self.num_skipped
+    }
+
+    /// The held blocks, tail first.
+    fn held_rev(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.table[self.num_skipped..].iter().rev().copied()
+    }
+}
+
 /// What one sequence holds in the KV cache.
 #[derive(Debug, Clone)]
 struct SequenceBlocks {
@@ -97,19 +135,45 @@ struct SequenceBlocks {
     cache_salt: Option<Arc<str>>,
     /// Where the sequence's key chain starts (namespace and salt).
     root_hash: BlockHash,
-    /// Keys of the full blocks of `token_ids`, computed lazily as far as needed.
+    /// Keys of the full blocks of `token_ids`, computed lazily as far as needed (group 0's;
+    /// every other group keys its blocks by these mixed with its index).
     block_hashes: Vec<BlockHash>,
-    /// Physical blocks holding tokens `[i * block_size, (i + 1) * block_size)`.
-    block_table: Vec<BlockId>,
+    /// One entry per layer group of the manager.
+    groups: Vec<GroupBlocks>,
     /// Tokens whose KV is in the cache or being computed in the current step.
     num_computed_tokens: usize,
-    /// Leading blocks of `block_table` already offered to the prefix cache.
-    num_cached_blocks: usize,
-    /// The prefix found by `get_computed_blocks`, claimed by the first `allocate_slots`.
-    pending_hit: Vec<BlockRef>,
+    /// Blocks of the prefix found by `get_computed_blocks` (every group's hit ends there),
+    /// claimed by the first `allocate_slots`.
+    num_pending_hit_blocks: usize,
+    /// Group 0's last block of that prefix (the parent of the next block it caches).
+    pending_hit_tail: Option<BlockRef>,
     /// Tokens looked up by `get_computed_blocks`, counted as a prefix-cache query once the
     /// next `allocate_slots` succeeds (so a sequence retried every step counts once).
     pending_query_tokens: Option<usize>,
+}
+
+impl SequenceBlocks {
+    fn clear_pending_hit(&mut self) {
+        for group in &mut self.groups {
+            group.pending_hit.clear();
+            group.pending_hit_start = 0;
+        }
+        self.num_pending_hit_blocks = 0;
+        self.pending_hit_tail = None;
+    }
+}
+
+/// The first block a query at `position` still reads under `window` (`None`: all of them).
+/// Blocks before it hold only keys the query (and every later one) no longer sees.
+fn first_visible_block(window: Option<usize>, position: usize, block_size: usize) -> usize {
+    window.map_or(0, |window| (position + 1).saturating_sub(window) / block_size)
+}
+
+/// The pool key of a block of group `group` whose chain key is `hash`: group 0 uses the
+/// chain key itself; later groups mix in their index, so each group caches its own blocks.
+fn group_key(hash: BlockHash, group: usize) -> BlockHash {
+    const MIX: u128 = 0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835;
+    BlockHash(hash.0 ^ (group as u128).wrapping_mul(MIX))
 }
 
 /// Running counts for metrics. Python reads it as `pagedrs._core.KVCacheStats`, these
@@ -145,6 +209,8 @@ pub struct KVCacheManager {
     hasher: BlockHasher,
     /// Whether full blocks are cached and looked up.
     enable_prefix_caching: bool,
+    /// The window of each layer group (`None`: full attention); group 0 first.
+    group_windows: Vec<Option<usize>>,
     /// Sequences by slot; see `SequenceId`.
     slots: Vec<SequenceSlot>,
     /// Empty slots, reused last-freed first.
@@ -158,18 +224,34 @@ pub struct KVCacheManager {
 }
 
 impl KVCacheManager {
-    /// A manager of `num_blocks` blocks of `block_size` slots. `namespace` (the model's
-    /// identity) keys the prefix cache so different models never share blocks.
+    /// A manager of `num_blocks` blocks of `block_size` slots, one full-attention layer
+    /// group. `namespace` (the model's identity) keys the prefix cache so different models
+    /// never share blocks.
     pub fn new(
         num_blocks: usize,
         block_size: usize,
         enable_prefix_caching: bool,
         namespace: &str,
     ) -> Result<Self> {
+        Self::with_groups(num_blocks, block_size, enable_prefix_caching, namespace, &[None])
+    }
+
+    /// `new`, with one layer group per entry of `group_windows`: its window, or `None` for
+    /// full attention. With more than one group, group 0 must be full attention (the other
+    /// groups' cached blocks are confirmed against its chain).
+    pub fn with_groups(
+        num_blocks: usize,
+        block_size: usize,
+        enable_prefix_caching: bool,
+        namespace: &str,
+        group_windows: &[Option<usize>],
+    ) -> Result<Self> {
+        check_group_windows(group_windows)?;
         Ok(KVCacheManager {
             pool: BlockPool::new(num_blocks, block_size)?,
             hasher: BlockHasher::new(namespace),
             enable_prefix_caching,
+            group_windows: group_windows.to_vec(),
             slots: Vec::new(),
             free_slots: Vec::new(),
             num_sequences: 0,
@@ -186,6 +268,16 @@ impl KVCacheManager {
     /// Total blocks.
     pub fn num_blocks(&self) -> usize {
         self.pool.num_blocks()
+    }
+
+    /// Layer groups, each with its own block table per sequence.
+    pub fn num_groups(&self) -> usize {
+        self.group_windows.len()
+    }
+
+    /// Each layer group's window (`None`: full attention).
+    pub fn group_windows(&self) -> &[Option<usize>] {
+        &self.group_windows
     }
 
     /// Blocks no sequence references (cached-free ones included).
@@ -243,15 +335,17 @@ impl KVCacheManager {
         }
         // Room for the prompt plus a block of decode tokens, so early steps don't reallocate.
         let num_blocks_hint = prompt_token_ids.len() / self.pool.block_size() + 2;
+        let group =
+            GroupBlocks { table: Vec::with_capacity(num_blocks_hint), ..Default::default() };
         let sequence = SequenceBlocks {
             token_ids: prompt_token_ids.to_vec(),
             cache_salt: cache_salt.map(Arc::from),
             root_hash: self.hasher.root(cache_salt),
             block_hashes: Vec::with_capacity(num_blocks_hint),
-            block_table: Vec::with_capacity(num_blocks_hint),
+            groups: vec![group; self.group_windows.len()],
             num_computed_tokens: 0,
-            num_cached_blocks: 0,
-            pending_hit: Vec::new(),
+            num_pending_hit_blocks: 0,
+            pending_hit_tail: None,
             pending_query_tokens: None,
         };
         Ok(self.insert(sequence))
@@ -280,16 +374,20 @@ impl KVCacheManager {
     /// Finds the longest cached prefix of a sequence that has no blocks yet, in full blocks
     /// and never covering its last known token (whose logits must be computed). Returns the
     /// number of cached tokens; the blocks are claimed by the next `allocate_slots`.
+    ///
+    /// With several layer groups, a prefix is a hit only where every group has the blocks it
+    /// still reads: group 0 (full attention) the whole chain, a sliding group those inside
+    /// its window of the prefix's end.
     pub fn get_computed_blocks(&mut self, id: SequenceId) -> Result<usize> {
         let block_size = self.pool.block_size();
         let sequence = lookup_mut(&mut self.slots, id)?;
-        if !sequence.block_table.is_empty() {
+        if sequence.groups.iter().any(|group| !group.table.is_empty()) {
             return Err(Error::InvalidArgument(format!(
                 "sequence {id} already holds blocks; its prefix was looked up before its first \
                  allocation"
             )));
         }
-        sequence.pending_hit.clear();
+        sequence.clear_pending_hit();
         sequence.pending_query_tokens = None;
         if !self.enable_prefix_caching {
             return Ok(0);
@@ -297,25 +395,65 @@ impl KVCacheManager {
         let num_tokens = sequence.token_ids.len();
         let max_hit_blocks = (num_tokens - 1) / block_size;
         ensure_block_hashes(&mut self.hasher, sequence, block_size, max_hit_blocks);
-        sequence.pending_hit.reserve(max_hit_blocks);
-        let mut parent = None;
+
+        // Group 0: the chain, each block confirmed against its parent.
+        let mut chain: Vec<BlockRef> = Vec::with_capacity(max_hit_blocks);
         for (index, &hash) in sequence.block_hashes[..max_hit_blocks].iter().enumerate() {
             let tokens = &sequence.token_ids[index * block_size..(index + 1) * block_size];
             let salt = if index == 0 { sequence.cache_salt.as_deref() } else { None };
-            let Some(block) = self.pool.lookup(hash, parent, salt, tokens) else {
+            let Some(block) = self.pool.lookup(hash, chain.last().copied(), salt, tokens) else {
                 break;
             };
-            let block_ref = self.pool.block_ref(block);
-            sequence.pending_hit.push(block_ref);
-            parent = Some(block_ref);
+            chain.push(self.pool.block_ref(block));
+        }
+        let mut num_hit = chain.len();
+
+        // Later groups: each block confirmed against group 0's block of the same index. A
+        // block a group still reads but lacks ends the prefix just before it.
+        let mut found: Vec<Vec<Option<BlockRef>>> = Vec::with_capacity(self.group_windows.len());
+        found.push(chain.iter().copied().map(Some).collect());
+        for group in 1..self.group_windows.len() {
+            let blocks = (0..num_hit)
+                .map(|index| {
+                    let hash = group_key(sequence.block_hashes[index], group);
+                    let tokens = &sequence.token_ids[index * block_size..(index + 1) * block_size];
+                    let block = self.pool.lookup(hash, Some(chain[index]), None, tokens)?;
+                    Some(self.pool.block_ref(block))
+                })
+                .collect();
+            found.push(blocks);
+        }
+        loop {
+            let before = num_hit;
+            for (blocks, &window) in found.iter().zip(&self.group_windows).skip(1) {
+                let first = first_visible_block(window, num_hit * block_size, block_size);
+                if let Some(missing) = (first..num_hit).rev().find(|&index| blocks[index].is_none())
+                {
+                    num_hit = missing;
+                }
+            }
+            if num_hit == before {
+                break;
+            }
+        }
+
+        sequence.num_pending_hit_blocks = num_hit;
+        sequence.pending_hit_tail = num_hit.checked_sub(1).map(|last| chain[last]);
+        for ((group, blocks), &window) in
+            sequence.groups.iter_mut().zip(&found).zip(&self.group_windows)
+        {
+            let first = first_visible_block(window, num_hit * block_size, block_size).min(num_hit);
+            group.pending_hit_start = first;
+            group.pending_hit =
+                blocks[first..num_hit].iter().map(|block| block.expect("a hit")).collect();
         }
         sequence.pending_query_tokens = Some(num_tokens);
-        Ok(sequence.pending_hit.len() * block_size)
+        Ok(num_hit * block_size)
     }
 
-    /// The blocks of the prefix hit found by the last `get_computed_blocks`.
+    /// Group 0's blocks of the prefix hit found by the last `get_computed_blocks`.
     pub fn pending_hit_blocks(&self, id: SequenceId) -> Result<Vec<BlockId>> {
-        Ok(self.sequence(id)?.pending_hit.iter().map(|block| block.id).collect())
+        Ok(self.sequence(id)?.groups[0].pending_hit.iter().map(|block| block.id).collect())
     }
 
     /// Reserves slots for the next `num_new_tokens` tokens of a sequence (after its computed
@@ -333,6 +471,9 @@ impl KVCacheManager {
     /// `allocate_slots`, plus slots for `num_draft_tokens` proposed tokens after the new
     /// ones. Proposals are not known tokens: they are not marked computed and never cached
     /// until `accept_drafts` says which of them were verified.
+    ///
+    /// First, in each sliding group, the blocks no query of this step (or any later one)
+    /// reads are released: that is not undone when the answer is `None`.
     pub fn allocate_slots_with_drafts(
         &mut self,
         id: SequenceId,
@@ -341,12 +482,16 @@ impl KVCacheManager {
     ) -> Result<Option<Vec<BlockCopy>>> {
         let block_size = self.pool.block_size();
         let sequence = lookup_mut(&mut self.slots, id)?;
-        if sequence.pending_hit.iter().any(|&block| !self.pool.is_current(block)) {
-            sequence.pending_hit.clear();
+        let stale = sequence
+            .groups
+            .iter()
+            .any(|group| group.pending_hit.iter().any(|&block| !self.pool.is_current(block)));
+        if stale {
+            sequence.clear_pending_hit();
             return Err(Error::StalePrefixHit(id.to_string()));
         }
-        let num_hit_tokens = sequence.pending_hit.len() * block_size;
-        let first_new_token = sequence.num_computed_tokens + num_hit_tokens;
+        let num_hit_blocks = sequence.num_pending_hit_blocks;
+        let first_new_token = sequence.num_computed_tokens + num_hit_blocks * block_size;
         let end = first_new_token + num_new_tokens;
         if end > sequence.token_ids.len() {
             return Err(Error::InvalidArgument(format!(
@@ -355,21 +500,35 @@ impl KVCacheManager {
                 sequence.token_ids.len()
             )));
         }
+        for (group, &window) in sequence.groups.iter_mut().zip(&self.group_windows) {
+            let first =
+                first_visible_block(window, first_new_token, block_size).min(group.table.len());
+            for index in group.num_skipped..first {
+                let block = std::mem::replace(&mut group.table[index], BlockId::NULL);
+                self.pool.release(block)?;
+            }
+            group.num_skipped = group.num_skipped.max(first);
+        }
 
         // Count what this needs before changing anything, so "no" leaves no trace.
-        let num_held_blocks = sequence.block_table.len() + sequence.pending_hit.len();
-        let num_new_blocks =
-            (end + num_draft_tokens).div_ceil(block_size).saturating_sub(num_held_blocks);
+        let num_table_blocks = (end + num_draft_tokens).div_ceil(block_size);
         let write_block = first_new_token / block_size;
         // NOTE: proposals never reach a held block past the write block: a sequence holds
         // none (`accept_drafts` releases them), so this copy covers every shared write.
-        let needs_copy = num_new_tokens > 0
-            && !first_new_token.is_multiple_of(block_size)
-            && self.pool.ref_count(sequence.block_table[write_block]) > 1;
-        let num_hit_blocks_now_free =
-            sequence.pending_hit.iter().filter(|block| self.pool.ref_count(block.id) == 0).count();
-        let num_available = self.pool.num_free_blocks() - num_hit_blocks_now_free;
-        if num_new_blocks + usize::from(needs_copy) > num_available {
+        let writes_into_a_block = num_new_tokens > 0 && !first_new_token.is_multiple_of(block_size);
+        let mut num_needed = 0;
+        let mut num_hit_blocks_now_free = 0;
+        for group in &sequence.groups {
+            let num_entries =
+                group.table.len() + if num_hit_blocks > 0 { num_hit_blocks } else { 0 };
+            num_needed += num_table_blocks.saturating_sub(num_entries);
+            num_needed += usize::from(
+                writes_into_a_block && self.pool.ref_count(group.table[write_block]) > 1,
+            );
+            num_hit_blocks_now_free +=
+                group.pending_hit.iter().filter(|block| self.pool.ref_count(block.id) == 0).count();
+        }
+        if num_needed > self.pool.num_free_blocks() - num_hit_blocks_now_free {
             return Ok(None);
         }
 
@@ -377,27 +536,36 @@ impl KVCacheManager {
         // evict the very blocks this sequence is about to reuse.
         if let Some(num_query_tokens) = sequence.pending_query_tokens.take() {
             self.prefix_cache_queries += num_query_tokens as u64;
-            self.prefix_cache_hits += num_hit_tokens as u64;
+            self.prefix_cache_hits += (num_hit_blocks * block_size) as u64;
         }
-        if !sequence.pending_hit.is_empty() {
-            for block in std::mem::take(&mut sequence.pending_hit) {
-                self.pool.touch(block.id);
-                sequence.block_table.push(block.id);
+        if num_hit_blocks > 0 {
+            let tail = sequence.pending_hit_tail.take();
+            for group in &mut sequence.groups {
+                group.table.resize(group.pending_hit_start, BlockId::NULL);
+                group.num_skipped = group.pending_hit_start;
+                for block in std::mem::take(&mut group.pending_hit) {
+                    self.pool.touch(block.id);
+                    group.table.push(block.id);
+                }
+                group.num_cached_blocks = num_hit_blocks;
+                group.last_cached = tail;
             }
-            sequence.num_cached_blocks = sequence.block_table.len();
+            sequence.num_pending_hit_blocks = 0;
         }
 
         let mut copies = Vec::new();
-        if needs_copy {
-            let shared = sequence.block_table[write_block];
-            let private = self.pool.allocate().expect("capacity was checked above");
-            self.pool.release(shared)?;
-            sequence.block_table[write_block] = private;
-            copies.push(BlockCopy { src: shared, dst: private });
-        }
-        for _ in 0..num_new_blocks {
-            let block = self.pool.allocate().expect("capacity was checked above");
-            sequence.block_table.push(block);
+        for group in &mut sequence.groups {
+            if writes_into_a_block && self.pool.ref_count(group.table[write_block]) > 1 {
+                let shared = group.table[write_block];
+                let private = self.pool.allocate().expect("capacity was checked above");
+                self.pool.release(shared)?;
+                group.table[write_block] = private;
+                copies.push(BlockCopy { src: shared, dst: private });
+            }
+            while group.table.len() < num_table_blocks {
+                let block = self.pool.allocate().expect("capacity was checked above");
+                group.table.push(block);
+            }
         }
         sequence.num_computed_tokens = end;
         if self.enable_prefix_caching {
@@ -424,9 +592,11 @@ impl KVCacheManager {
         }
         sequence.num_computed_tokens = num_computed;
         let num_needed_blocks = sequence.token_ids.len().div_ceil(block_size);
-        while sequence.block_table.len() > num_needed_blocks {
-            let block = sequence.block_table.pop().expect("longer than needed");
-            self.pool.release(block)?;
+        for group in &mut sequence.groups {
+            while group.table.len() > num_needed_blocks.max(group.num_skipped) {
+                let block = group.table.pop().expect("longer than needed");
+                self.pool.release(block)?;
+            }
         }
         if self.enable_prefix_caching {
             cache_full_blocks(&mut self.pool, &mut self.hasher, sequence);
@@ -443,8 +613,10 @@ impl KVCacheManager {
         slot.generation = slot.generation.wrapping_add(1);
         self.free_slots.push(id.index);
         self.num_sequences -= 1;
-        for &block in sequence.block_table.iter().rev() {
-            self.pool.release(block)?;
+        for group in sequence.groups.iter().rev() {
+            for block in group.held_rev() {
+                self.pool.release(block)?;
+            }
         }
         Ok(())
     }
@@ -454,14 +626,18 @@ impl KVCacheManager {
     /// cached when it resumes).
     pub fn reset(&mut self, id: SequenceId) -> Result<()> {
         let sequence = lookup_mut(&mut self.slots, id)?;
-        for &block in sequence.block_table.iter().rev() {
-            self.pool.release(block)?;
+        for group in sequence.groups.iter_mut().rev() {
+            for block in group.held_rev() {
+                self.pool.release(block)?;
+            }
+            group.table.clear();
+            group.num_skipped = 0;
+            group.num_cached_blocks = 0;
+            group.last_cached = None;
         }
-        sequence.block_table.clear();
-        sequence.pending_hit.clear();
+        sequence.clear_pending_hit();
         sequence.pending_query_tokens = None;
         sequence.num_computed_tokens = 0;
-        sequence.num_cached_blocks = 0;
         Ok(())
     }
 
@@ -470,17 +646,30 @@ impl KVCacheManager {
     /// into it.
     pub fn fork(&mut self, parent: SequenceId) -> Result<SequenceId> {
         let mut copy = self.sequence(parent)?.clone();
-        copy.pending_hit.clear();
+        copy.clear_pending_hit();
         copy.pending_query_tokens = None;
-        for &block in &copy.block_table {
-            self.pool.touch(block);
+        for group in &copy.groups {
+            for block in group.held_rev() {
+                self.pool.touch(block);
+            }
         }
         Ok(self.insert(copy))
     }
 
-    /// The sequence's block table.
+    /// The sequence's block table in group 0 (the only one of a one-group manager).
     pub fn block_table(&self, id: SequenceId) -> Result<&[BlockId]> {
-        Ok(&self.sequence(id)?.block_table)
+        Ok(&self.sequence(id)?.groups[0].table)
+    }
+
+    /// The sequence's block table in each layer group (`BlockId::NULL` for blocks released
+    /// out of a window).
+    pub fn block_tables(&self, id: SequenceId) -> Result<impl Iterator<Item = &[BlockId]>> {
+        Ok(self.sequence(id)?.groups.iter().map(GroupBlocks::table))
+    }
+
+    /// Blocks the sequence holds in each layer group.
+    pub fn num_held_blocks(&self, id: SequenceId) -> Result<Vec<usize>> {
+        Ok(self.sequence(id)?.groups.iter().map(GroupBlocks::num_held).collect())
     }
 
     /// Tokens of the sequence whose KV is in (or being written to) the cache.
@@ -488,10 +677,10 @@ impl KVCacheManager {
         Ok(self.sequence(id)?.num_computed_tokens)
     }
 
-    /// The sequence's known tokens and its block table, with one lookup.
-    pub fn tokens_and_blocks(&self, id: SequenceId) -> Result<(&[u32], &[BlockId])> {
+    /// The sequence's known tokens and its layer groups' blocks, with one lookup.
+    pub(crate) fn tokens_and_groups(&self, id: SequenceId) -> Result<(&[u32], &[GroupBlocks])> {
         let sequence = self.sequence(id)?;
-        Ok((&sequence.token_ids, &sequence.block_table))
+        Ok((&sequence.token_ids, &sequence.groups))
     }
 
     /// All tokens known for the sequence.
@@ -511,6 +700,25 @@ impl KVCacheManager {
     }
 }
 
+/// Checks the layer groups' windows: at least one group, every window at least one token,
+/// and group 0 full attention when there are others.
+pub(crate) fn check_group_windows(group_windows: &[Option<usize>]) -> Result<()> {
+    if group_windows.is_empty() {
+        return Err(Error::InvalidArgument("the KV cache needs at least one layer group".into()));
+    }
+    if group_windows.contains(&Some(0)) {
+        return Err(Error::InvalidArgument("a layer group's window must be at least 1".into()));
+    }
+    if group_windows.len() > 1 && group_windows[0].is_some() {
+        return Err(Error::InvalidArgument(
+            "with several layer groups, group 0 must be full attention (the others' cached \
+             blocks are confirmed against its chain)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Extends `sequence.block_hashes` to cover its first `num_blocks` full blocks.
 fn ensure_block_hashes(
     hasher: &mut BlockHasher,
@@ -527,7 +735,9 @@ fn ensure_block_hashes(
     }
 }
 
-/// Offers the sequence's newly computed full blocks to the prefix cache.
+/// Offers the sequence's newly computed full blocks to the prefix cache: group 0's as a
+/// chain (each block's parent is the block before it), every other group's each under
+/// group 0's block of the same index.
 fn cache_full_blocks(
     pool: &mut BlockPool,
     hasher: &mut BlockHasher,
@@ -535,25 +745,47 @@ fn cache_full_blocks(
 ) {
     let block_size = pool.block_size();
     let num_full_blocks = sequence.num_computed_tokens / block_size;
-    if num_full_blocks <= sequence.num_cached_blocks {
+    if num_full_blocks <= sequence.groups[0].num_cached_blocks {
         return;
     }
     ensure_block_hashes(hasher, sequence, block_size, num_full_blocks);
-    for index in sequence.num_cached_blocks..num_full_blocks {
-        let parent = (index > 0).then(|| pool.block_ref(sequence.block_table[index - 1]));
+    let (anchor, others) = sequence.groups.split_first_mut().expect("at least one group");
+    for index in anchor.num_cached_blocks..num_full_blocks {
+        let block = anchor.table[index];
+        if block == BlockId::NULL {
+            // Released before it was full (a window shorter than a block): the chain ends.
+            anchor.last_cached = None;
+            continue;
+        }
         let tokens = &sequence.token_ids[index * block_size..(index + 1) * block_size];
         // NOTE: the parent link is a pinned block reference, not a key. If a block with this
         // key is already cached (two sequences computed it at once), this one stays
         // uncached, and so, in effect, do its descendants: a lost hit, never a wrong one.
-        pool.cache(
-            sequence.block_table[index],
-            sequence.block_hashes[index],
-            parent,
-            sequence.cache_salt.as_ref(),
-            tokens,
-        );
+        let parent = anchor.last_cached;
+        if index == 0 || parent.is_some() {
+            pool.cache(
+                block,
+                sequence.block_hashes[index],
+                parent,
+                sequence.cache_salt.as_ref(),
+                tokens,
+            );
+        }
+        anchor.last_cached = (index == 0 || parent.is_some()).then(|| pool.block_ref(block));
     }
-    sequence.num_cached_blocks = num_full_blocks;
+    for (offset, group) in others.iter_mut().enumerate() {
+        for index in group.num_cached_blocks..num_full_blocks {
+            let (block, anchor_block) = (group.table[index], anchor.table[index]);
+            if block == BlockId::NULL || anchor_block == BlockId::NULL {
+                continue;
+            }
+            let tokens = &sequence.token_ids[index * block_size..(index + 1) * block_size];
+            let key = group_key(sequence.block_hashes[index], offset + 1);
+            pool.cache(block, key, Some(pool.block_ref(anchor_block)), None, tokens);
+        }
+        group.num_cached_blocks = num_full_blocks;
+    }
+    anchor.num_cached_blocks = num_full_blocks;
 }
 
 #[cfg(test)]

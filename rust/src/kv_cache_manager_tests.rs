@@ -402,3 +402,164 @@ fn reset_frees_blocks_but_keeps_tokens_and_reuses_the_cached_prefix() {
     m.free(id(1)).unwrap();
     m.pool().check_invariants().unwrap();
 }
+
+/// The windows of a Gemma-3-like model at block size 4: a full group, then sliding ones.
+const GROUPS: [Option<usize>; 3] = [None, Some(6), Some(6)];
+
+#[test]
+fn a_sliding_group_releases_blocks_out_of_its_window() {
+    let mut m = KVCacheManager::with_groups(64, BS, true, "test-model", &GROUPS).unwrap();
+    admit(&mut m, 1, &(0..10).collect::<Vec<u32>>(), None);
+    // Ten tokens: the last block a query at position 10 reads is (10 + 1 - 6) / 4 = 1.
+    assert_eq!(m.num_held_blocks(id(1)).unwrap(), vec![3, 3, 3]);
+    for token in 10..40 {
+        m.append_token_ids(id(1), &[token]).unwrap();
+        m.allocate_slots(id(1), 1).unwrap().unwrap();
+        let held = m.num_held_blocks(id(1)).unwrap();
+        assert_eq!(held[0], (token as usize + 1).div_ceil(BS), "the full group keeps every block");
+        assert!(held[1..].iter().all(|&n| n <= 6_usize.div_ceil(BS) + 1), "{held:?} at {token}");
+        m.pool().check_invariants().unwrap();
+    }
+    let table = m.block_tables(id(1)).unwrap().nth(1).unwrap().to_vec();
+    assert!(table[..7].iter().all(|&block| block == BlockId::NULL), "{table:?}");
+    m.free(id(1)).unwrap();
+    assert_eq!(m.num_free_blocks(), 64);
+}
+
+#[test]
+fn a_hit_needs_every_group_and_claims_only_the_window() {
+    let mut m = KVCacheManager::with_groups(64, BS, true, "test-model", &GROUPS).unwrap();
+    let prompt: Vec<u32> = (0..21).collect();
+    admit(&mut m, 1, &prompt, None);
+    m.free(id(1)).unwrap();
+    add(&mut m, 2, &prompt, None);
+    assert_eq!(m.get_computed_blocks(id(2)).unwrap(), 20);
+    m.allocate_slots(id(2), 1).unwrap().unwrap();
+    // A query at 20 reads from position 15, block 3, on: blocks 3 and 4 of each sliding group.
+    assert_eq!(m.num_held_blocks(id(2)).unwrap(), vec![6, 3, 3]);
+    assert_eq!(m.stats().prefix_cache_hits, 20);
+    m.pool().check_invariants().unwrap();
+}
+
+#[test]
+fn several_groups_need_a_full_first_group() {
+    for windows in [vec![], vec![Some(4), None], vec![None, Some(0)]] {
+        assert!(KVCacheManager::with_groups(8, BS, true, "", &windows).is_err(), "{windows:?}");
+    }
+    assert!(KVCacheManager::with_groups(8, BS, true, "", &[Some(4)]).is_ok());
+}
+
+/// Every key a query reads holds what was computed for that query's own prefix: the manager
+/// is run against a model of the cache's contents (each slot records the salt and the
+/// tokens up to its position), with random admissions, chunks, decodes, forks, preemptions
+/// and frees, a two-token vocabulary, tight memory and (in one case) colliding keys.
+#[test]
+fn randomized_layer_groups_read_only_their_own_prefix() {
+    type Contents = HashMap<(usize, usize), (Option<&'static str>, Vec<u32>)>;
+    let cases: [(&[Option<usize>], u32); 5] = [
+        (&[None], 0),
+        (&[Some(5)], 0),
+        (&[None, Some(6)], 0),
+        (&[None, Some(3), Some(9), None], 0),
+        (&[None, Some(6)], 3),
+    ];
+    for (case, &(windows, collision_bits)) in cases.iter().enumerate() {
+        let mut rng = SmallRng::seed_from_u64(20261202 + case as u64);
+        let num_blocks = 24 * windows.len();
+        let mut m = KVCacheManager::with_groups(num_blocks, BS, true, "test", windows).unwrap();
+        if collision_bits > 0 {
+            m.force_hash_collisions_for_testing(collision_bits);
+        }
+        // Per group: (block, offset) -> (salt, tokens up to and including that position).
+        let mut contents: Vec<Contents> = vec![HashMap::new(); windows.len()];
+        let mut salts: HashMap<SequenceId, Option<&'static str>> = HashMap::new();
+        let mut live: Vec<SequenceId> = Vec::new();
+        let (mut hits, mut released) = (0, 0);
+        for _ in 0..20_000 {
+            let roll = rng.gen_range(0..100);
+            if roll < 8 || live.is_empty() {
+                let len = rng.gen_range(1..40);
+                let prompt: Vec<u32> = (0..len).map(|_| rng.gen_range(0..2)).collect();
+                let salt = if rng.gen_bool(0.2) { Some("s") } else { None };
+                let sequence = m.add_sequence(&prompt, salt).unwrap();
+                salts.insert(sequence, salt);
+                live.push(sequence);
+                continue;
+            }
+            let sequence = live[rng.gen_range(0..live.len())];
+            if roll < 12 {
+                if m.num_computed_tokens(sequence).unwrap() > 0 {
+                    let child = m.fork(sequence).unwrap();
+                    salts.insert(child, salts[&sequence]);
+                    live.push(child);
+                }
+                continue;
+            }
+            if roll < 18 {
+                live.retain(|&other| other != sequence);
+                m.free(sequence).unwrap();
+                continue;
+            }
+            if roll < 20 {
+                m.reset(sequence).unwrap();
+                continue;
+            }
+            let mut computed = m.num_computed_tokens(sequence).unwrap();
+            if computed == m.token_ids(sequence).unwrap().len() {
+                m.append_token_ids(sequence, &[rng.gen_range(0..2)]).unwrap();
+            }
+            if computed == 0 && m.block_table(sequence).unwrap().is_empty() {
+                let hit = m.get_computed_blocks(sequence).unwrap();
+                hits += usize::from(hit > 0);
+                computed = hit;
+            }
+            let known = m.token_ids(sequence).unwrap().to_vec();
+            let n = rng.gen_range(1..=known.len() - computed);
+            let Some(copies) = m.allocate_slots(sequence, n).unwrap() else {
+                continue;
+            };
+            for copy in &copies {
+                for group in &mut contents {
+                    for offset in 0..BS {
+                        match group.get(&(copy.src.index(), offset)).cloned() {
+                            Some(entry) => group.insert((copy.dst.index(), offset), entry),
+                            None => group.remove(&(copy.dst.index(), offset)),
+                        };
+                    }
+                }
+            }
+            let salt = salts[&sequence];
+            let tables: Vec<Vec<BlockId>> =
+                m.block_tables(sequence).unwrap().map(<[BlockId]>::to_vec).collect();
+            released += usize::from(tables.iter().any(|table| table.contains(&BlockId::NULL)));
+            for ((table, group), &window) in tables.iter().zip(&mut contents).zip(windows) {
+                for position in computed..computed + n {
+                    let slot = (table[position / BS].index(), position % BS);
+                    group.insert(slot, (salt, known[..=position].to_vec()));
+                }
+                for query in computed..computed + n {
+                    let first_key = window.map_or(0, |w| (query + 1).saturating_sub(w));
+                    for key in first_key..=query {
+                        let block = table[key / BS];
+                        assert_ne!(block, BlockId::NULL, "case {case}: key {key} of query {query}");
+                        let stored = group.get(&(block.index(), key % BS));
+                        assert_eq!(
+                            stored,
+                            Some(&(salt, known[..=key].to_vec())),
+                            "case {case}: key {key} of query {query} in {windows:?}"
+                        );
+                    }
+                }
+            }
+            m.pool().check_invariants().unwrap();
+        }
+        eprintln!("case {case}: {hits} hits, {released} with released blocks");
+        assert!(hits > 50, "case {case}: {hits} prefix hits");
+        assert!(windows.iter().all(Option::is_none) || released > 50, "case {case}: {released}");
+        for sequence in live {
+            m.free(sequence).unwrap();
+        }
+        assert_eq!(m.num_free_blocks(), num_blocks, "case {case}");
+        m.pool().check_invariants().unwrap();
+    }
+}

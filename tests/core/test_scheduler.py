@@ -1,10 +1,11 @@
 """The scheduler through the binding, driven by a fake model.
 
 The fake model keeps a fake KV cache: each slot holds a fingerprint of the whole prefix
-(tokens up to and including that position) whose key/value the slot would hold. Before every
-step the test checks that every context slot a sequence attends to holds exactly its own
-prefix, so prefix reuse, preemption, copy-on-write and block tables are all checked against
-a slow pure-Python recomputation of what the batch must be.
+(tokens up to and including that position) whose key/value the slot would hold, in each KV
+layer group. Before every step the test checks that every context slot a sequence attends to
+(in a sliding group, those inside the window) holds exactly its own prefix, so prefix reuse,
+preemption, copy-on-write, block tables and released out-of-window blocks are all checked
+against a slow pure-Python recomputation of what the batch must be.
 """
 
 import random
@@ -20,15 +21,19 @@ from tests.helpers.scheduler import make_scheduler
 class FakeModel:
     """Tracks every sequence's tokens and checks each batch against them."""
 
-    def __init__(self, scheduler: Scheduler, rng: random.Random, vocab: int = 8):
+    def __init__(
+        self, scheduler: Scheduler, rng: random.Random, vocab: int = 8, windows: tuple[int | None, ...] = (None,)
+    ):
         self.scheduler = scheduler
+        self.windows = windows
+        """The window of each KV layer group (the scheduler's ``kv_group_windows``)."""
         self.block_size = scheduler.block_size
         self.rng = rng
         self.vocab = vocab
         self.tokens: dict[tuple[str, int], list[int]] = {}
         self.computed: dict[tuple[str, int], int] = {}
         self.n: dict[str, int] = {}
-        self.kv: dict[int, int] = {}  # slot -> fingerprint of the prefix it holds
+        self.kv: list[dict[int, int]] = [{} for _ in windows]  # per group: slot -> fingerprint
         self.finished: dict[tuple[str, int], str] = {}
         self.unforked: set[str] = set()  # requests with n > 1 whose prompt is not done
         self.num_cached_tokens: dict[str, int] = {}  # as first reported, per request
@@ -58,15 +63,18 @@ class FakeModel:
         # batch is written, then attention reads. NOTE: a prefix hit may point at blocks
         # that another sequence of the same batch is computing; that is only correct
         # because all writes of a layer happen before its attention.
+        assert out.slot_mapping.shape[0] == out.block_tables.shape[0] == len(self.windows)
         for src, dst in out.block_copies:
             for offset in range(self.block_size):
                 src_slot = int(src) * self.block_size + offset
-                if src_slot in self.kv:
-                    self.kv[int(dst) * self.block_size + offset] = self.kv[src_slot]
+                for kv in self.kv:
+                    if src_slot in kv:
+                        kv[int(dst) * self.block_size + offset] = kv[src_slot]
         starts = self.starts(out)
         for row, position in enumerate(out.positions):
             key = self.row_owner(out, row)
-            self.kv[int(out.slot_mapping[row])] = hash(tuple(self.tokens[key][: position + 1]))
+            for kv, slots in zip(self.kv, out.slot_mapping):
+                kv[int(slots[row])] = hash(tuple(self.tokens[key][: position + 1]))
         self.check_batch(out, starts)
         for row, request_id in enumerate(out.request_ids):
             self.computed[(request_id, int(out.choice_indices[row]))] += int(out.num_scheduled_tokens[row])
@@ -117,12 +125,14 @@ class FakeModel:
             expected_positions += range(start, start + count)
             expected_starts.append(expected_starts[-1] + count)
             assert out.context_lens[row] == start + count
-            table = out.block_tables[row]
-            # Every slot the sequence attends to holds exactly its own prefix.
-            for position in range(start + count):
-                assert self.kv.get(self.slot(table, position)) == hash(tuple(tokens[: position + 1])), (
-                    f"{key} position {position}: wrong KV in its block table"
-                )
+            # Every slot the sequence attends to holds exactly its own prefix: in a sliding
+            # group, from the window of its first query on.
+            for kv, tables, window in zip(self.kv, out.block_tables, self.windows):
+                first = 0 if window is None else max(0, start + 1 - window)
+                for position in range(first, start + count):
+                    assert kv.get(self.slot(tables[row], position)) == hash(tuple(tokens[: position + 1])), (
+                        f"{key} position {position}: wrong KV in its block table (window {window})"
+                    )
             if start + count == len(tokens):
                 samples = self.n[request_id] if request_id in self.unforked else 1
                 expected_logits += [expected_starts[-1] - 1] * samples
@@ -131,9 +141,13 @@ class FakeModel:
         assert out.query_start_loc.tolist() == (expected_starts if out.request_ids else [])
         assert out.logits_indices.tolist() == expected_logits
         assert out.num_batched_tokens == len(expected_ids) <= self.max_batched_tokens
-        slots = [self.slot(out.block_tables[self.row_of(out, i)], p) for i, p in enumerate(out.positions)]
-        assert out.slot_mapping.tolist() == slots
-        assert len(set(slots)) == len(slots), "two tokens written to one slot"
+        every_group = []
+        for tables, group_slots in zip(out.block_tables, out.slot_mapping):
+            slots = [self.slot(tables[self.row_of(out, i)], p) for i, p in enumerate(out.positions)]
+            assert group_slots.tolist() == slots
+            assert len(set(slots)) == len(slots), "two tokens written to one slot"
+            every_group += slots
+        assert len(set(every_group)) == len(every_group), "two groups write one block"
 
     def row_of(self, out, token_row: int) -> int:
         return int(np.searchsorted(out.query_start_loc, token_row, side="right")) - 1
@@ -183,10 +197,14 @@ def check_columns(updates: StepUpdates, out, sampled: np.ndarray) -> None:
     assert sampled_rows == sorted(set(sampled_rows)), "one update per logits row at most"
 
 
-def test_arrays_match_a_pure_python_recomputation_under_a_random_workload():
+@pytest.mark.parametrize("windows", [(None,), (None, 5), (None, 3, 9, None), (6,)])
+def test_arrays_match_a_pure_python_recomputation_under_a_random_workload(windows):
+    """One full KV layer group, and sliding groups that release blocks out of their window
+    (with a full group, or alone)."""
     rng = random.Random(1234)
     scheduler = make_scheduler(
-        16,
+        16 * len(windows),
+        kv_group_windows=list(windows),
         block_size=4,
         max_num_batched_tokens=24,
         max_num_seqs=6,
@@ -195,7 +213,7 @@ def test_arrays_match_a_pure_python_recomputation_under_a_random_workload():
         max_num_partial_prefills=2,
         scheduling_policy="priority",
     )
-    model = FakeModel(scheduler, rng)
+    model = FakeModel(scheduler, rng, windows=windows)
     model.max_batched_tokens = 24
     live: list[str] = []
     for step in range(600):
@@ -240,8 +258,8 @@ def test_n_choices_share_the_prompt_and_copy_the_partial_block():
     assert out.request_ids == ["r", "r", "r"]
     assert sorted(out.input_token_ids.tolist()) == [1, 2, 3]
     assert out.block_copies.shape == (2, 2)
-    assert len(set(out.block_tables[:, 0].tolist())) == 1, "the full block is shared"
-    assert len(set(out.block_tables[:, 1].tolist())) == 3, "partial blocks were copied"
+    assert len(set(out.block_tables[0, :, 0].tolist())) == 1, "the full block is shared"
+    assert len(set(out.block_tables[0, :, 1].tolist())) == 3, "partial blocks were copied"
     scheduler.update_from_output([4, 4, 4])
     out = scheduler.schedule()
     reasons = scheduler.update_from_output([0, 0, 0]).to_list()

@@ -98,11 +98,11 @@ def test_the_step_message_round_trips():
         arrays = StepArrays(
             rng.integers(0, 1000, num_tokens),
             rng.integers(0, 1000, num_tokens),
-            rng.integers(0, 1000, num_tokens),
+            rng.integers(0, 1000, (2, num_tokens)),
             rng.integers(0, 100, num_seqs + 1).astype(np.int32),
             rng.integers(0, 100, num_seqs).astype(np.int32),
             rng.integers(0, 100, num_seqs).astype(np.int32),
-            rng.integers(0, 100, (num_seqs, 3)).astype(np.int32),
+            rng.integers(0, 100, (2, num_seqs, 3)).astype(np.int32),
             rng.integers(0, 100, num_seqs),
             rng.integers(0, 100, (num_copies, 2)),
         )

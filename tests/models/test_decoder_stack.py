@@ -42,11 +42,11 @@ def step_arrays(seqs, vocab_size: int, seed: int) -> StepArrays:
     return StepArrays(
         input_token_ids=np.random.default_rng(seed).integers(0, vocab_size, num_tokens).astype(np.int64),
         positions=arrays["positions"],
-        slot_mapping=arrays["slot_mapping"],
+        slot_mapping=arrays["slot_mapping"][None],  # one KV layer group
         query_start_loc=arrays["query_start_loc"],
         context_lens=arrays["context_lens"],
         prompt_lens=arrays["context_lens"],
-        block_tables=arrays["block_tables"],
+        block_tables=arrays["block_tables"][None],
         logits_rows=np.arange(num_tokens, dtype=np.int64),
         block_copies=np.zeros((0, 2), dtype=np.int64),
     )
@@ -126,7 +126,7 @@ def test_biases_windows_and_wide_heads_match_the_python_layers(biased_and_window
     if name == "llama-bias":
         assert runner.model.layers[0].mlp.down_proj.bias is not None
     elif name == "mistral-window":
-        assert runner.model.sliding_window == 8
+        assert set(runner.model.layer_windows) == {8} and runner.layout.group_windows == (8,)
     else:
         assert runner.model.num_heads * runner.model.head_dim == 2 * TINY["hidden_size"]
     assert_same_step(runner, MIXED)
@@ -168,7 +168,7 @@ def test_heads_too_wide_for_the_stack_run_the_python_layers(biased_and_windowed)
 def test_a_slot_outside_the_cache_is_refused_before_anything_is_written(tiny_llama):
     runner = runner_for(tiny_llama)
     arrays = step_arrays([(5, 5)], TINY["vocab_size"], seed=0)
-    arrays.slot_mapping[-1] = 64 * BLOCK_SIZE  # one past the last slot
+    arrays.slot_mapping[0, -1] = 64 * BLOCK_SIZE  # one past the last slot
     before = [k.clone() for k, _ in runner.kv_caches]
     with pytest.raises(RuntimeError, match="outside the cache"):
         runner.forward(arrays)

@@ -65,11 +65,18 @@ def test_chunks_prefix_hits_preemption_and_n2_match_hugging_face(family):
     for prompt, output in zip(PROMPTS, outputs):
         for completion in output.outputs:
             assert_matches(name, oracle, prompt, completion)
-    # Preemption: 18 blocks, where the two sequences grow to 16 and 10.
-    cache = llm.engine.runner.kv_caches[0][0]
-    bytes_per_block = 2 * len(llm.engine.runner.kv_caches) * cache[0].numel() * cache.element_size()
-    tight = LLM(directory, block_size=4, max_num_seqs=4, kv_cache_memory=18 * bytes_per_block)
-    assert tight.engine.runner.kv_caches[0][0].shape[0] == 18
+    # Preemption: room for the longer sequence alone (and a chunk of 8 tokens in flight in
+    # every KV layer group), not for both: sliding groups hold only their window's blocks.
+    layout = llm.engine.runner.layout
+    peaks = [layout.decode_peak_blocks(len(p), len(p) + NEW_TOKENS - 1, 4) for p in PROMPTS]
+    num_blocks = max(peaks) + 2 * layout.num_groups
+    assert sum(peaks) > num_blocks
+    slots = llm.engine.runner.cache_slots
+    bytes_per_block = 2 * len(slots) * slots[0][0][0].numel() * slots[0][0].element_size()
+    tight = LLM(
+        directory, block_size=4, max_num_batched_tokens=8, max_num_seqs=4, kv_cache_memory=num_blocks * bytes_per_block
+    )
+    assert tight.engine.runner.cache_slots[0][0].shape[0] == num_blocks
     outputs = generate(tight, PROMPTS)
     assert tight.engine.scheduler.stats().num_preemptions_total > 0
     for prompt, output in zip(PROMPTS, outputs):

@@ -15,6 +15,7 @@ from pagedrs.attention.backend import (
     AttentionMetadataClass,
     CpuBackend,
     GpuBackend,
+    StepViews,
     TorchBackend,
 )
 from pagedrs.attention.cuda_backend import cuda_supports
@@ -30,6 +31,7 @@ __all__ = [
     "AttentionMetadataClass",
     "CpuBackend",
     "GpuBackend",
+    "StepViews",
     "TorchBackend",
     "select_backend",
 ]

@@ -9,7 +9,8 @@ The runner asks the backend object, never its name: ``backend.metadata.build(...
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, get_args
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar, get_args
 
 import numpy as np
 import torch
@@ -35,6 +36,22 @@ class AttentionMetadata(Protocol):
         scale: float,
         softcap: float | None = None,
     ) -> torch.Tensor: ...
+
+
+Meta = TypeVar("Meta")
+
+
+@dataclass
+class StepViews(Generic[Meta]):
+    """A step's attention metadata when the layers attend with more than one view (a KV layer
+    group's blocks under one window, `pagedrs.engine.kv_layout`): one metadata per view, and
+    which view each layer reads."""
+
+    metas: list[Meta]
+    layer_views: tuple[int, ...]
+
+    def of_layer(self, index: int) -> Meta:
+        return self.metas[self.layer_views[index]]
 
 
 class AttentionMetadataClass(Protocol):

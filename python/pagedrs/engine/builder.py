@@ -19,6 +19,7 @@ from pagedrs._core import Scheduler
 from pagedrs.checkpoint import ModelSource
 from pagedrs.config import EngineConfig, resolve_dtype
 from pagedrs.engine.cuda_graphs import GraphSettings
+from pagedrs.engine.kv_layout import KVLayout
 from pagedrs.engine.model_runner import ModelRunner, load_model_runner
 from pagedrs.engine.parallel import TensorParallelGroup, TensorParallelRunner
 from pagedrs.engine.tp_common import check_parallel_config, launched_setup
@@ -45,6 +46,8 @@ class KVCachePlan:
     budget_bytes: int
     """``kv_cache_memory``, or the default for those weights."""
     capacity: KVCapacity
+    layout: KVLayout
+    """How the target's layers share the blocks."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,18 @@ class _Draft:
     hf_config: Any
 
 
+def kv_layout_of(hf_config: Any, dtype: torch.dtype, tensor_parallel_size: int, with_draft: bool) -> KVLayout:
+    """The target's `KVLayout`, from its layers as built (on the meta device: a setting the
+    model does not implement fails here). A draft model's layers live in group 0's blocks,
+    so a model whose only group is sliding keeps every block when it has one."""
+    with torch.device("meta"):
+        windows = build_model(hf_config, dtype, TensorParallel(0, tensor_parallel_size)).layer_windows
+    layout = KVLayout.plan(windows)
+    if with_draft and layout.group_windows[0] is not None:
+        layout = KVLayout.plan(windows, release_windows=False)
+    return layout
+
+
 def plan_kv_cache(
     config: EngineConfig,
     source: ModelSource,
@@ -98,8 +113,10 @@ def plan_kv_cache(
     dtype: torch.dtype,
     draft: _Draft | None = None,
 ) -> KVCachePlan:
-    """One rank's KV budget and blocks: a draft model's KV lives in the same blocks
+    """One rank's KV budget and blocks: a block holds ``layout.num_slots`` layers' keys and
+    values (`pagedrs.engine.kv_layout`); a draft model's KV lives in the same blocks
     (`pagedrs.spec_decode.drafter`), and its weights count against the default budget."""
+    layout = kv_layout_of(hf_config, dtype, config.tensor_parallel_size, draft is not None)
     weight_bytes = predicted_weight_bytes(source, config.quantization, dtype, device)
     if draft is not None:
         weight_bytes += predicted_weight_bytes(draft.source, config.quantization, dtype, device)
@@ -111,8 +128,9 @@ def plan_kv_cache(
         config.block_size,
         config.tensor_parallel_size,
         draft.hf_config if draft is not None else None,
+        num_layer_slots=layout.num_slots,
     )
-    return KVCachePlan(weight_bytes, budget, capacity)
+    return KVCachePlan(weight_bytes, budget, capacity, layout)
 
 
 def load_engine_parts(config: EngineConfig) -> EngineParts:
@@ -126,12 +144,11 @@ def load_engine_parts(config: EngineConfig) -> EngineParts:
     architecture = architecture_of(hf_config)
     tokenizer = load_tokenizer(source)
     tp_size = config.tensor_parallel_size
-    # A setting the model does not implement (a rotary type, an activation) or an indivisible
-    # head count fails here, before any weight is read or any rank starts.
-    with torch.device("meta"):
-        build_model(hf_config, dtype, TensorParallel(0, tp_size))
     speculative = config.speculative_config
     draft = _load_draft_config(speculative, hf_config, tp_size)
+    # A setting the model does not implement (a rotary type, an activation) or an indivisible
+    # head count fails here (the model is built on the meta device for its KV layout), before
+    # any weight is read or any rank starts.
     plan = plan_kv_cache(config, source, hf_config, device, dtype, draft)
     num_blocks = plan.capacity.num_blocks
     if num_blocks < 1:
@@ -147,6 +164,7 @@ def load_engine_parts(config: EngineConfig) -> EngineParts:
         max_model_len=max_model_len,
         namespace=f"{source.name}|{dtype}",
         speculative=speculative,
+        kv_group_windows=list(plan.layout.group_windows),
     )
     parallel: TensorParallelGroup | None = None
     # NOTE: an explicit backend with one rank also goes through torch.distributed (the GPU
@@ -164,6 +182,7 @@ def load_engine_parts(config: EngineConfig) -> EngineParts:
             graphs=GraphSettings(max_model_len, config.max_num_seqs)
             if wants_decode_graphs(config, device, parallel)
             else None,
+            release_windows=draft is None or plan.layout.group_windows[0] is None,
         )
         if parallel is not None:
             parallel.wait_until_loaded()
@@ -175,7 +194,12 @@ def load_engine_parts(config: EngineConfig) -> EngineParts:
     drafter = None
     if draft is not None and speculative is not None:
         draft_runner = load_model_runner(
-            dataclasses.replace(config, model=speculative.model), dtype, device, num_blocks, hf_config=draft.hf_config
+            dataclasses.replace(config, model=speculative.model),
+            dtype,
+            device,
+            num_blocks,
+            hf_config=draft.hf_config,
+            release_windows=False,
         )
         drafter = DraftModelProposer(draft_runner, sampler)
     info = EngineInfo(

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from pagedrs._core import SchedulerOutput
-from pagedrs.attention import AttentionBackend, select_backend
+from pagedrs.attention import AttentionBackend, StepViews, select_backend
 from pagedrs.engine.cuda_graphs import DecodeGraphs, GraphSettings, capture_cuda_graph
+from pagedrs.engine.kv_layout import KVLayout
 from pagedrs.engine.staging import StagedInputs
 from pagedrs.engine.step_arrays import StepArrays
 from pagedrs.layers.linear import TensorParallel
@@ -46,18 +47,23 @@ def load_model_runner(
     size: int = 1,
     hf_config: Any = None,
     graphs: GraphSettings | None = None,
+    release_windows: bool = True,
 ) -> ModelRunner:
     """Builds this rank's shard of the model, reads its slices of the checkpoint, and sets up
-    its KV cache (its KV heads of ``num_blocks`` blocks)."""
+    its KV cache (its KV heads of ``num_blocks`` blocks, laid out by `KVLayout.plan` with
+    ``release_windows``)."""
     source = resolve_model(config.model)
     model = build_model(hf_config or load_config(source), dtype, TensorParallel(rank, size))
     load_weights(model, source, config.quantization, device)  # packs linears where the weights call for it
     model = model.to(device).eval()
-    return ModelRunner(model, num_blocks, config.block_size, dtype, device, config.attention_backend, graphs)
+    layout = KVLayout.plan(model.layer_windows, release_windows)
+    return ModelRunner(model, num_blocks, config.block_size, dtype, device, config.attention_backend, graphs, layout)
 
 
 class ModelRunner:
-    """Owns the model and its per-layer KV caches (``[num_blocks, block_size, KVH, D]``)."""
+    """Owns the model and its KV cache: ``layout.num_slots`` tensor pairs of ``[num_blocks,
+    block_size, KVH, D]``, each layer reading one of them at its layer group's blocks
+    (`pagedrs.engine.kv_layout`)."""
 
     def __init__(
         self,
@@ -68,10 +74,14 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "auto",
         graphs: GraphSettings | None = None,
+        layout: KVLayout | None = None,
     ):
         """``graphs``: capture decode steps as CUDA graphs (`pagedrs.engine.cuda_graphs`) on
-        the GPU backends; on a CPU (tests only) the same path runs eagerly."""
+        the GPU backends; on a CPU (tests only) the same path runs eagerly. ``layout``: how the
+        layers share the blocks (default: `KVLayout.plan` of the model's windows); it must be
+        the scheduler's (its ``group_windows`` are the core's ``kv_group_windows``)."""
         self.model = model
+        self.layout = layout if layout is not None else KVLayout.plan(model.layer_windows)
         self.block_size = block_size
         self.device = device
         self.attention_backend: AttentionBackend = select_backend(
@@ -90,16 +100,20 @@ class ModelRunner:
         """How the layers run: as one compiled call per step on the CPU where the stack takes
         the model (`pagedrs.models.cpu_stack`), else (``None``) as the model's Python layers."""
         if why_unsupported(model, device, self.attention_backend) is None:
-            self.cpu_stack = CpuDecoderStack(model)
+            self.cpu_stack = CpuDecoderStack(model, self.layout.layer_views)
         self.inputs = StagedInputs(device)
-        # NOTE: a captured step holds one metadata: models whose layers differ in window run eagerly.
-        graphed = graphs is not None and self.attention_backend.graphable and len(model.attention_windows) == 1
+        # NOTE: a captured step holds one metadata: models whose layers attend with more than
+        # one view (window or layer group) run eagerly.
+        graphed = graphs is not None and self.attention_backend.graphable and len(self.layout.views) == 1
         # With graphs, one block past the scheduler's takes the padding rows' keys/values.
         shape = (num_blocks + int(graphed), block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [
+        self.cache_slots = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in model.layers
+            for _ in range(self.layout.num_slots)
         ]
+        """The cache tensors, ``layout.num_slots`` key/value pairs."""
+        self.kv_caches = [self.cache_slots[slot] for slot in self.layout.layer_slots]
+        """Each layer's key/value pair (layers of different groups share a pair)."""
         self.graphs: DecodeGraphs | None = None
         """Captured decode steps, when asked for and the GPU backend runs."""
         if graphs is not None and graphed:
@@ -113,7 +127,7 @@ class ModelRunner:
                     graphs,
                     block_size,
                     num_blocks=num_blocks,
-                    sliding_window=model.sliding_window,
+                    sliding_window=self.layout.views[0][1],
                     capture=capture,
                 )
 
@@ -132,29 +146,29 @@ class ModelRunner:
         vocabulary on rank 0)."""
         graphs = self.graphs
         if graphs is not None and graphs.can_run(
-            out.query_start_loc, out.logits_rows, out.block_tables, len(out.block_copies)
+            out.query_start_loc, out.logits_rows, out.block_tables[0], len(out.block_copies)
         ):
             with _on_device(self.device):
                 return graphs.run(
-                    out.input_token_ids, out.positions, out.slot_mapping, out.context_lens, out.block_tables
+                    out.input_token_ids, out.positions, out.slot_mapping[0], out.context_lens, out.block_tables[0]
                 )
         # Everything the step reads on the device goes over in one copy (on CUDA).
         with self.inputs.one_copy():
-            # One metadata per distinct window of the layers (one for most models).
-            metas = {
-                window: self.attention_backend.metadata.build(
+            # One metadata per attention view of the layers (one for most models).
+            metas = [
+                self.attention_backend.metadata.build(
                     positions=out.positions,
-                    slot_mapping=out.slot_mapping,
+                    slot_mapping=out.slot_mapping[group],
                     query_start_loc=out.query_start_loc,
                     context_lens=out.context_lens,
-                    block_tables=out.block_tables,
+                    block_tables=out.block_tables[group],
                     block_size=self.block_size,
                     sliding_window=window,
                     device=self.device,
                     upload=self.inputs.upload,
                 )
-                for window in self.model.attention_windows
-            }
+                for group, window in self.layout.views
+            ]
             input_token_ids, positions, logits_rows = self.inputs.upload(
                 out.input_token_ids, out.positions, out.logits_rows
             )
@@ -163,6 +177,6 @@ class ModelRunner:
                 lengths = self.inputs.upload(rope_lengths(out.positions, out.query_start_loc, out.prompt_lens))[0]
             copies = self.inputs.upload(out.block_copies)[0] if len(out.block_copies) else None
         if copies is not None:
-            self.attention_backend.copy_blocks(self.kv_caches, copies)
-        meta = next(iter(metas.values())) if len(metas) == 1 else metas
+            self.attention_backend.copy_blocks(self.cache_slots, copies)
+        meta = metas[0] if len(metas) == 1 else StepViews(metas, self.layout.layer_views)
         return self.model(input_token_ids, positions, self.kv_caches, meta, logits_rows, self.cpu_stack, lengths)

@@ -35,23 +35,25 @@ LOAD_TIMEOUT = timedelta(hours=1)
 
 STEP, STOP = 1, 2
 _JOINED = "pagedrs/joined/"
-# The step's arrays in `StepArrays` order: (dtype, 2-D).
+# The step's arrays in `StepArrays` order: (dtype, dimensions).
 _LAYOUT = tuple(
-    (np.dtype(dtype), matrix)
-    for dtype, matrix in (
-        (np.int64, False),  # input_token_ids
-        (np.int64, False),  # positions
-        (np.int64, False),  # slot_mapping
-        (np.int32, False),  # query_start_loc
-        (np.int32, False),  # context_lens
-        (np.int32, False),  # prompt_lens
-        (np.int32, True),  # block_tables
-        (np.int64, False),  # logits_rows
-        (np.int64, True),  # block_copies
+    (np.dtype(dtype), ndim)
+    for dtype, ndim in (
+        (np.int64, 1),  # input_token_ids
+        (np.int64, 1),  # positions
+        (np.int64, 2),  # slot_mapping: [kv groups, tokens]
+        (np.int32, 1),  # query_start_loc
+        (np.int32, 1),  # context_lens
+        (np.int32, 1),  # prompt_lens
+        (np.int32, 3),  # block_tables: [kv groups, sequences, blocks]
+        (np.int64, 1),  # logits_rows
+        (np.int64, 2),  # block_copies
     )
 )
-HEADER_LEN = 2 + 2 * len(_LAYOUT)
-"""int64s of a step header: command, payload bytes, then two dimensions per array."""
+_DIMS = 3
+"""Header slots per array (its shape, padded with 1s)."""
+HEADER_LEN = 2 + _DIMS * len(_LAYOUT)
+"""int64s of a step header: command, payload bytes, then three dimensions per array."""
 
 
 class TensorParallelError(RuntimeError):
@@ -70,11 +72,12 @@ def pack_step(arrays: StepArrays) -> tuple[np.ndarray, np.ndarray]:
     each padded to 8 bytes (so every array unpacks aligned)."""
     header = np.zeros(HEADER_LEN, np.int64)
     parts = []
-    for i, (array, (dtype, matrix)) in enumerate(zip(arrays, _LAYOUT)):
+    for i, (array, (dtype, ndim)) in enumerate(zip(arrays, _LAYOUT)):
         array = np.ascontiguousarray(array, dtype=dtype)
-        if array.ndim != (2 if matrix else 1):
-            raise ValueError(f"step array {StepArrays._fields[i]} has {array.ndim} dimensions")
-        header[2 + 2 * i : 4 + 2 * i] = array.shape if matrix else (array.shape[0], 1)
+        if array.ndim != ndim:
+            raise ValueError(f"step array {StepArrays._fields[i]} has {array.ndim} dimensions, not {ndim}")
+        start = 2 + _DIMS * i
+        header[start : start + _DIMS] = array.shape + (1,) * (_DIMS - ndim)
         parts.append(array.view(np.uint8).reshape(-1))
         pad = _padded(array.nbytes) - array.nbytes
         if pad:
@@ -87,11 +90,12 @@ def pack_step(arrays: StepArrays) -> tuple[np.ndarray, np.ndarray]:
 def unpack_step(header: np.ndarray, payload: np.ndarray) -> StepArrays:
     arrays = []
     offset = 0
-    for i, (dtype, matrix) in enumerate(_LAYOUT):
-        rows, cols = int(header[2 + 2 * i]), int(header[3 + 2 * i])
-        count = rows * cols
+    for i, (dtype, ndim) in enumerate(_LAYOUT):
+        start = 2 + _DIMS * i
+        shape = tuple(int(n) for n in header[start : start + ndim])
+        count = int(np.prod(shape))
         array = np.frombuffer(payload, dtype=dtype, count=count, offset=offset)
-        arrays.append(array.reshape(rows, cols) if matrix else array)
+        arrays.append(array.reshape(shape))
         offset += _padded(count * dtype.itemsize)
     return StepArrays(*arrays)
 

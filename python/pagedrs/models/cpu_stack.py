@@ -16,13 +16,12 @@ every other case.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from pagedrs.attention import AttentionBackend
+from pagedrs.attention import AttentionBackend, StepViews
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -81,10 +80,12 @@ _ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu": 2}
 class CpuDecoderStack:
     """Runs every decoder layer of ``model`` for a step, in place on the hidden states."""
 
-    def __init__(self, model: DecoderForCausalLM):
+    def __init__(self, model: DecoderForCausalLM, layer_views: tuple[int, ...] | None = None):
+        """``layer_views``: the attention view each layer reads (`pagedrs.engine.kv_layout`);
+        default: one view for all."""
         cpu_kernels.load()
         config = model.config
-        self._windows = model.attention_windows
+        layer_views = layer_views if layer_views is not None else (0,) * len(model.layer_specs)
         rope_keys = list(model.ropes)
         self._held: list[torch.Tensor] = []
         """Weights the stack reads that the model does not hold (Gemma's ``1 + w`` norms)."""
@@ -96,7 +97,7 @@ class CpuDecoderStack:
             config.intermediate_size,
             float(model.norm.eps),
         )
-        for layer, spec in zip(model.decoder_layers(), model.layer_specs):
+        for layer, spec, view in zip(model.decoder_layers(), model.layer_specs, layer_views):
             attn, mlp = layer.self_attn, layer.mlp
             norms = [
                 layer.input_layernorm,
@@ -117,7 +118,7 @@ class CpuDecoderStack:
                 spec.window or 0,
                 spec.softcap or 0.0,
                 rope_keys.index(spec.rope),
-                self._windows.index(spec.window),
+                view,
             ]
             self._stack.add_layer(*args)
 
@@ -134,7 +135,7 @@ class CpuDecoderStack:
         hidden: torch.Tensor,
         cos_sin: list[tuple[torch.Tensor, torch.Tensor]],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: CpuAttentionMetadata | Mapping[int | None, CpuAttentionMetadata],
+        meta: CpuAttentionMetadata | StepViews[CpuAttentionMetadata],
     ) -> None:
         """Runs every layer over the step's rows.
 
@@ -142,9 +143,10 @@ class CpuDecoderStack:
         last layer's output; ``cos_sin``: ``float32 [num_tokens, rotary_dim]`` pairs, one per
         rotary embedding of the model (in `model.ropes`'s order); ``kv_caches``: one
         ``[num_blocks, block_size, num_kv_heads, head_dim]`` pair per layer, this step's keys and
-        values written at ``meta.slot_mapping``; ``meta``: the step's metadata, or one per window
-        (they differ only in their chunks' masks)."""
-        metas = [meta[window] for window in self._windows] if isinstance(meta, Mapping) else [meta]
+        values written at each view's ``slot_mapping``; ``meta``: the step's metadata, or one per
+        attention view (they share their rows and chunks; their slots, block tables and masks
+        differ)."""
+        metas = meta.metas if isinstance(meta, StepViews) else [meta]
         first = metas[0]
         kernel = first.kernel
         chunks = first.sdpa_chunks
@@ -154,12 +156,12 @@ class CpuDecoderStack:
             [sin for _, sin in cos_sin],
             [key for key, _ in kv_caches],
             [value for _, value in kv_caches],
-            first.slot_mapping,
+            [each.slot_mapping for each in metas],
             None if kernel is None else kernel.rows,
-            None if kernel is None else kernel.block_tables,
+            [each.kernel.block_tables for each in metas if each.kernel is not None],
             None if kernel is None else kernel.cu_seqlens_q,
             None if kernel is None else kernel.context_lens,
             [bound for chunk in chunks for bound in (chunk.start, chunk.end, chunk.context_len)],
-            [chunk.blocks for chunk in chunks],
+            [chunk.blocks for each in metas for chunk in each.sdpa_chunks],
             [chunk.mask for each in metas for chunk in each.sdpa_chunks],
         )

@@ -4,14 +4,15 @@ Gemma 1/2/3, Phi-3, Granite, OLMo 2).
 
 Each layer has its own attention spec (`LayerAttention`: window, softcap, scale, rotary), so
 models that mix sliding and global layers (Gemma 2/3, Qwen2/3 ``use_sliding_window``) run
-each layer with its own; the step's attention metadata is built once per distinct window
-(`DecoderForCausalLM.attention_windows`) and every layer reads the one for its window.
+each layer with its own; the step's attention metadata is built once per attention view (a
+layer group's blocks under one window, `pagedrs.engine.kv_layout`) and every layer reads its
+view's.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrs.attention import AttentionMetadata
+from pagedrs.attention import AttentionMetadata, StepViews
 from pagedrs.checkpoint import ROPE_FACTORS, RowSlice, WeightHandle
 from pagedrs.layers import fused
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
@@ -31,10 +32,10 @@ if TYPE_CHECKING:
     from pagedrs.attention.cpu_backend import CpuAttentionMetadata
     from pagedrs.models.cpu_stack import CpuDecoderStack
 
-    StepCpuAttention = CpuAttentionMetadata | Mapping[int | None, CpuAttentionMetadata]
+    StepCpuAttention = CpuAttentionMetadata | StepViews[CpuAttentionMetadata]
 
-StepAttention = AttentionMetadata | Mapping[int | None, AttentionMetadata]
-"""A step's attention metadata: one for every layer, or one per window (`attention_windows`)."""
+StepAttention = AttentionMetadata | StepViews[AttentionMetadata]
+"""A step's attention metadata: one for every layer, or one per attention view."""
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -248,10 +249,8 @@ class DecoderForCausalLM(nn.Module):
         self.num_heads = attn.num_heads
         self.head_dim = attn.head_dim
         self.layer_specs = specs
-        self.attention_windows: tuple[int | None, ...] = tuple(dict.fromkeys(spec.window for spec in specs))
-        """The distinct windows of the layers: the step's metadata is built once for each."""
-        self.sliding_window = self.attention_windows[0] if len(self.attention_windows) == 1 else None
-        """The window every layer shares (``None``: none, or the layers differ)."""
+        self.layer_windows: tuple[int | None, ...] = tuple(spec.window for spec in specs)
+        """Each layer's window (``None``: full attention): what `KVLayout.plan` groups by."""
         self.softcap = any(spec.softcap for spec in specs)
         self.embedding_scale = 1.0
         if family.embedding_scale == "sqrt_hidden":
@@ -293,7 +292,7 @@ class DecoderForCausalLM(nn.Module):
         rope_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs the step's tokens; returns float32 logits of the ``logits_indices`` rows.
-        ``meta``: one metadata for every layer, or one per window; ``decoder_stack``: the
+        ``meta``: one metadata for every layer, or one per attention view; ``decoder_stack``: the
         layers as one compiled call on the CPU, when the runner picked that strategy
         (`pagedrs.models.cpu_stack`); ``None``: the Python layers. ``rope_lengths``: each
         token's length for length-dependent rotary embeddings (`pagedrs.layers.rotary`)."""
@@ -310,8 +309,8 @@ class DecoderForCausalLM(nn.Module):
             # tensor (never a view of the weights), so nothing else sees it change.
             decoder_stack(hidden, list(cos_sin.values()), kv_caches, cast("StepCpuAttention", meta))
         else:
-            for layer, spec, kv_cache in zip(self.decoder_layers(), self.layer_specs, kv_caches):
-                layer_meta = meta[spec.window] if isinstance(meta, Mapping) else meta
+            for index, (layer, spec, kv_cache) in enumerate(zip(self.decoder_layers(), self.layer_specs, kv_caches)):
+                layer_meta = meta.of_layer(index) if isinstance(meta, StepViews) else meta
                 cos, sin = cos_sin[spec.rope]
                 hidden = layer(hidden, cos, sin, kv_cache, layer_meta)
         hidden = self.norm(hidden[logits_indices])

@@ -126,7 +126,7 @@ class DraftModelProposer:
         return StepArrays(
             out.input_token_ids[keep],
             out.positions[keep],
-            out.slot_mapping[keep],
+            out.slot_mapping[:, keep],
             query_start,
             (out.context_lens - num_drafts).astype(np.int32),
             out.prompt_lens,
@@ -143,13 +143,14 @@ class DraftModelProposer:
         tokens: np.ndarray,
         wants_logits: np.ndarray,
     ) -> StepArrays:
-        """One token per sequence ``seqs`` at ``positions``, in the step's slots."""
-        block_tables = out.block_tables[seqs]
-        blocks = block_tables[np.arange(len(seqs)), positions // self.block_size].astype(np.int64)
+        """One token per sequence ``seqs`` at ``positions``, in the step's slots (of KV layer
+        group 0, the full-attention group, where the draft model's layers all live)."""
+        block_tables = out.block_tables[:1, seqs]
+        blocks = block_tables[0, np.arange(len(seqs)), positions // self.block_size].astype(np.int64)
         return StepArrays(
             tokens.astype(np.int64),
             positions.astype(np.int64),
-            blocks * self.block_size + positions % self.block_size,
+            (blocks * self.block_size + positions % self.block_size)[None],
             np.arange(len(seqs) + 1, dtype=np.int32),
             (positions + 1).astype(np.int32),
             out.prompt_lens[seqs],

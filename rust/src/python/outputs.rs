@@ -2,8 +2,8 @@
 //! `update_from_output` did (`StepUpdates`), and the Python faces of the core's stats
 //! structs (`SchedulerStats`, `KVCacheStats`, exported as they are with `get_all`).
 
-use ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use ndarray::{Array2, Array3};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArray3, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString};
 
@@ -27,16 +27,18 @@ pub(super) struct PySchedulerOutput {
     input_token_ids: Py<PyArray1<i64>>,
     /// Position of each input token. `int64 [num_batched_tokens]`
     positions: Py<PyArray1<i64>>,
-    /// KV cache slot each new key/value goes to. `int64 [num_batched_tokens]`
-    slot_mapping: Py<PyArray1<i64>>,
+    /// KV cache slot each new key/value goes to, in each KV layer group.
+    /// `int64 [num_groups, num_batched_tokens]`
+    slot_mapping: Py<PyArray2<i64>>,
     /// Start of each sequence's tokens, plus the total. `int32 [num_seqs + 1]`
     query_start_loc: Py<PyArray1<i32>>,
     /// Tokens each sequence attends to, this step's included. `int32 [num_seqs]`
     context_lens: Py<PyArray1<i32>>,
     /// Prompt length of each sequence's request. `int32 [num_seqs]`
     prompt_lens: Py<PyArray1<i32>>,
-    /// Zero-padded block tables. `int32 [num_seqs, max_blocks]`
-    block_tables: Py<PyArray2<i32>>,
+    /// Zero-padded block tables of each KV layer group (zero, too, where a sliding group
+    /// released a block out of its window). `int32 [num_groups, num_seqs, max_blocks]`
+    block_tables: Py<PyArray3<i32>>,
     /// Input rows to sample from. `int64 [num_logits]`
     logits_indices: Py<PyArray1<i64>>,
     /// Sequence (row of `request_ids`) each logits row samples for. `int32 [num_logits]`
@@ -76,7 +78,11 @@ impl PySchedulerOutput {
     ) -> PyResult<Self> {
         let width = out.block_table_width;
         let rows = out.sequence_ids.len();
-        let block_tables = Array2::from_shape_vec((rows, width), out.block_tables)
+        let groups = out.num_groups;
+        let block_tables = Array3::from_shape_vec((groups, rows, width), out.block_tables)
+            .map_err(|err| to_py_err(py, Error::InvariantViolation(err.to_string())))?;
+        let num_tokens = out.input_token_ids.len();
+        let slot_mapping = Array2::from_shape_vec((groups, num_tokens), out.slot_mapping)
             .map_err(|err| to_py_err(py, Error::InvariantViolation(err.to_string())))?;
         let copies: Vec<i64> = out
             .block_copies
@@ -94,7 +100,7 @@ impl PySchedulerOutput {
             num_scheduled_tokens: out.num_scheduled_tokens.into_pyarray(py).unbind(),
             input_token_ids: out.input_token_ids.into_pyarray(py).unbind(),
             positions: out.positions.into_pyarray(py).unbind(),
-            slot_mapping: out.slot_mapping.into_pyarray(py).unbind(),
+            slot_mapping: slot_mapping.into_pyarray(py).unbind(),
             query_start_loc: out.query_start_loc.into_pyarray(py).unbind(),
             context_lens: out.context_lens.into_pyarray(py).unbind(),
             prompt_lens: out.prompt_lens.into_pyarray(py).unbind(),

@@ -166,7 +166,10 @@ impl PyScheduler {
 #[pymethods]
 impl PyScheduler {
     #[new]
-    #[pyo3(signature = (config, *, num_blocks, max_model_len, namespace = "", speculative = None))]
+    #[pyo3(signature = (
+        config, *, num_blocks, max_model_len, namespace = "", speculative = None,
+        kv_group_windows = None,
+    ))]
     fn new(
         py: Python<'_>,
         config: EngineSettings,
@@ -174,13 +177,22 @@ impl PyScheduler {
         max_model_len: i64,
         namespace: &str,
         speculative: Option<SpeculativeSettings>,
+        kv_group_windows: Option<Vec<Option<i64>>>,
     ) -> PyResult<Self> {
         let build = || -> Result<Scheduler, Error> {
+            let kv_group_windows = match kv_group_windows {
+                None => vec![None],
+                Some(windows) => windows
+                    .into_iter()
+                    .map(|window| window.map(|w| to_count(w, "kv_group_windows")).transpose())
+                    .collect::<Result<_, _>>()?,
+            };
             Scheduler::new(SchedulerConfig {
                 num_blocks: to_count(num_blocks, "num_blocks")?,
                 block_size: to_count(config.block_size, "block_size")?,
                 enable_prefix_caching: config.enable_prefix_caching,
                 namespace: namespace.to_owned(),
+                kv_group_windows,
                 max_num_batched_tokens: to_count(
                     config.max_num_batched_tokens,
                     "max_num_batched_tokens",
@@ -356,6 +368,20 @@ impl PyScheduler {
     ) -> PyResult<&'static str> {
         let result = (|| self.inner.status(request_id, to_count(index, "index")?))();
         result.map(|status| status.as_str()).map_err(|err| to_py_err(py, err))
+    }
+
+    /// Blocks one choice of a live request holds in each KV layer group.
+    #[pyo3(signature = (request_id, index = 0))]
+    fn held_blocks(&self, py: Python<'_>, request_id: &str, index: i64) -> PyResult<Vec<usize>> {
+        let result = (|| self.inner.held_blocks(request_id, to_count(index, "index")?))();
+        result.map_err(|err| to_py_err(py, err))
+    }
+
+    /// KV layer groups (the leading dimension of a step's `slot_mapping` and
+    /// `block_tables`).
+    #[getter]
+    fn num_kv_groups(&self) -> usize {
+        self.inner.kv_cache().num_groups()
     }
 
     /// Whether any request is waiting or running.

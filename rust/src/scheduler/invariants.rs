@@ -42,9 +42,10 @@ impl Scheduler {
         }
         let mut num_holders = vec![0u32; pool.num_blocks()];
         for seq in self.sequences.iter() {
-            let table = self.kv.block_table(seq.id).map_err(|err| err.to_string())?;
-            for block in table {
-                num_holders[block.index()] += 1;
+            for table in self.kv.block_tables(seq.id).map_err(|err| err.to_string())? {
+                for block in table.iter().filter(|&&block| block != BlockId::NULL) {
+                    num_holders[block.index()] += 1;
+                }
             }
         }
         let mut num_held = 0;

@@ -74,11 +74,12 @@ impl Scheduler {
     /// A scheduler with an empty queue and a free KV cache.
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
-        let kv = KVCacheManager::new(
+        let kv = KVCacheManager::with_groups(
             config.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
             &config.namespace,
+            &config.kv_group_windows,
         )?;
         Ok(Scheduler {
             spec: config.speculative.as_ref().map(SpecState::new),
@@ -210,7 +211,10 @@ impl Scheduler {
                 let end = start + num_new;
                 let num_draft_blocks =
                     (end + drafts.len()).div_ceil(block_size) - end.div_ceil(block_size);
-                if num_draft_blocks + 1 + num_one_token_behind > self.kv.num_free_blocks() {
+                let num_groups = self.kv.num_groups();
+                if (num_draft_blocks + 1 + num_one_token_behind) * num_groups
+                    > self.kv.num_free_blocks()
+                {
                     drafts.clear();
                 }
             }
@@ -252,16 +256,16 @@ impl Scheduler {
             self.admit_waiting(&mut admission, &mut scheduled, &mut changes)?;
         }
 
-        let mut out = SchedulerOutput::for_sequences(&scheduled, block_size);
+        let mut out = SchedulerOutput::for_sequences(&scheduled, block_size, self.kv.num_groups());
         out.preempted = changes.preempted;
         out.block_copies = changes.block_copies;
         self.last_logits_owners.clear();
         let mut next_draft = 0;
         for seq in &scheduled {
-            let (token_ids, block_table) = self.kv.tokens_and_blocks(seq.id)?;
+            let (token_ids, groups) = self.kv.tokens_and_groups(seq.id)?;
             let seq_drafts = &step_drafts[next_draft..next_draft + seq.num_drafts];
             next_draft += seq.num_drafts;
-            out.push(seq, token_ids, seq_drafts, block_table, block_size);
+            out.push(seq, token_ids, seq_drafts, groups, block_size);
             if seq.num_samples > 0 {
                 self.last_logits_owners.push(LogitsOwner {
                     id: seq.id,

@@ -217,6 +217,12 @@ impl Scheduler {
         Ok(self.sequences[id].status)
     }
 
+    /// Blocks one choice of a live request holds in each KV layer group.
+    pub fn held_blocks(&self, external_id: &str, choice_index: usize) -> Result<Vec<usize>> {
+        let id = self.live_choice(external_id, choice_index)?;
+        self.kv.num_held_blocks(id)
+    }
+
     /// The sequence of one live choice of a live request.
     pub(super) fn live_choice(&self, external_id: &str, choice_index: usize) -> Result<SequenceId> {
         let handle = self.handle_of(external_id)?;
