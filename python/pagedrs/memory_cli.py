@@ -62,11 +62,13 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
     dtype = resolve_dtype(engine_config.dtype, device)
     source = resolve_model(args.model)
     plan = plan_kv_cache(engine_config, source, load_config(source), device, dtype)
-    weight_bytes, budget, capacity = plan.weight_bytes, plan.budget_bytes, plan.capacity
+    weight_bytes, budget, capacity, layout = plan.weight_bytes, plan.budget_bytes, plan.capacity, plan.layout
     lengths = [int(item) for item in args.lengths.split(",") if item.strip()]
     slack = block_slack(lengths, args.block_size)
+    # A block holds `layout.num_slots` layers; a sliding layer group keeps only its window's.
+    blocks_per_sequence = [layout.final_blocks(length, args.block_size) for length in lengths]
     fit, used = 0, 0
-    for blocks in slack.blocks:  # in the order given, as a FCFS scheduler admits them
+    for blocks in blocks_per_sequence:  # in the order given, as a FCFS scheduler admits them
         if used + blocks > capacity.num_blocks:
             break
         fit, used = fit + 1, used + blocks
@@ -79,15 +81,22 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
         "budget_bytes": budget,
         "kv_bytes_per_token": capacity.bytes_per_token,
         "bytes_per_block": capacity.bytes_per_block,
+        "kv_group_windows": list(layout.group_windows),
+        "layers_per_block": layout.num_slots,
         "num_blocks": capacity.num_blocks,
-        "token_capacity": capacity.num_tokens,
+        # Tokens the blocks hold in every layer (a sliding group's blocks hold fewer layers).
+        "token_capacity": capacity.num_tokens * layout.num_slots // len(layout.layer_slots),
         "lengths": lengths,
-        "blocks_per_sequence": list(slack.blocks),
+        "blocks_per_sequence": blocks_per_sequence,
+        "kv_bytes_per_sequence": [blocks * capacity.bytes_per_block for blocks in blocks_per_sequence],
+        "full_attention_kv_bytes_per_sequence": [
+            blocks * args.block_size * capacity.bytes_per_token for blocks in slack.blocks
+        ],
         "max_concurrent_if_all_this_length": {
-            length: capacity.num_blocks // blocks for length, blocks in zip(lengths, slack.blocks)
+            length: capacity.num_blocks // max(1, blocks) for length, blocks in zip(lengths, blocks_per_sequence)
         },
-        "load_blocks": slack.total_blocks,
-        "load_fits": slack.total_blocks <= capacity.num_blocks,
+        "load_blocks": sum(blocks_per_sequence),
+        "load_fits": sum(blocks_per_sequence) <= capacity.num_blocks,
         "sequences_that_fit_in_order": fit,
         "slack_slots": slack.total_slack,
         "slack_fraction": slack.total_slack / slack.total_allocated_slots if lengths else 0.0,
@@ -97,9 +106,12 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
 def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str, Any]:
     """Sends one request per length (exact token-id prompts, ``output_tokens`` generated,
     all at once), samples ``/metrics`` every 10 ms, and compares with the prediction. A
-    sequence of total length L never stores its last sampled token: it peaks at
-    ``ceil((L - 1) / block_size)`` blocks."""
+    sequence of total length L never stores its last sampled token: without sliding layers it
+    peaks at ``ceil((L - 1) / block_size)`` blocks. A sliding layer group holds its whole
+    prompt at most until the step after the prompt's last chunk, then its window's blocks
+    (`KVLayout.decode_peak_blocks`); the peak counts each sequence at the larger of the two."""
     from pagedrs.bench.client import Endpoint, MetricsSampler
+    from pagedrs.engine.kv_layout import decode_peak_blocks
     from pagedrs.bench.workloads import RequestSpec
 
     endpoint = Endpoint(url)
@@ -126,8 +138,28 @@ def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str,
     before = endpoint.metrics()
     results, timeline = asyncio.run(load())
     after = endpoint.metrics()
-    predicted_peak = sum(math.ceil((length - 1) / block) for length in prediction["lengths"])
+    windows = prediction["kv_group_windows"]
+    predicted_peak = sum(
+        max(
+            math.ceil(len(spec.prompt) / block) * len(windows),
+            decode_peak_blocks(windows, len(spec.prompt), length - 1, block),
+        )
+        for spec, length in zip(specs, prediction["lengths"])
+    )
     observed_peak = max((point.get("kv_used_blocks", 0.0) for point in timeline), default=0.0)
+    # Decoding: from every request's second token (the step after its prompt's last chunk
+    # released what its sliding groups no longer see) to the first request's end.
+    ends = [r.end for r in results if r.end is not None]
+    seconds = [r.chunk_times[1] for r in results if len(r.chunk_times) > 1]
+    decoding = [
+        point["kv_used_blocks"]
+        for point in timeline
+        if "kv_used_blocks" in point and len(seconds) == len(results) and max(seconds) < point["t"] < min(ends)
+    ]
+    predicted_decode = sum(
+        decode_peak_blocks(windows, len(spec.prompt), length - 1, block)
+        for spec, length in zip(specs, prediction["lengths"])
+    )
     return {
         "url": url,
         "server_num_blocks": after.get("kv_blocks"),
@@ -138,6 +170,8 @@ def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str,
         "requests_ok": sum(r.success for r in results),
         "predicted_peak_used_blocks": predicted_peak if prediction["load_fits"] else prediction["num_blocks"],
         "observed_peak_used_blocks": observed_peak,
+        "predicted_decode_used_blocks": predicted_decode,
+        "observed_decode_used_blocks": max(decoding, default=None),
         "preemptions": after.get("preemptions", 0.0) - before.get("preemptions", 0.0),
         "samples": len(timeline),
     }
@@ -157,12 +191,20 @@ def main(args: argparse.Namespace) -> int:
         f"weights {p['weight_bytes'] / 2**20:.1f} MiB (quantization {p['quantization']}); "
         f"weights + KV budget {(p['weight_bytes'] + p['budget_bytes']) / 2**20:.1f} MiB"
     )
-    print(f"KV bytes per token {p['kv_bytes_per_token']:,}; per block {p['bytes_per_block']:,}")
-    print(f"blocks {p['num_blocks']:,}; token capacity {p['token_capacity']:,}")
-    for length, blocks in zip(p["lengths"], p["blocks_per_sequence"]):
+    print(f"KV bytes per token {p['kv_bytes_per_token']:,} (every layer); per block {p['bytes_per_block']:,}")
+    windows = p["kv_group_windows"]
+    if any(window is not None for window in windows):
         print(
-            f"  length {length:>7,}: {blocks:>5} blocks; {p['max_concurrent_if_all_this_length'][length]:,} "
-            f"such sequences fit at once"
+            f"KV layer groups {len(windows)} of {p['layers_per_block']} layers each: "
+            f"{windows.count(None)} full, the others sliding (window {sorted({w for w in windows if w})}), "
+            "keeping only their window's blocks"
+        )
+    print(f"blocks {p['num_blocks']:,}; token capacity {p['token_capacity']:,}")
+    for i, (length, blocks) in enumerate(zip(p["lengths"], p["blocks_per_sequence"])):
+        kv, full = p["kv_bytes_per_sequence"][i], p["full_attention_kv_bytes_per_sequence"][i]
+        print(
+            f"  length {length:>7,}: {blocks:>5} blocks, {kv / 2**20:.2f} MiB of KV ({kv / full:.2f}x full "
+            f"attention's); {p['max_concurrent_if_all_this_length'][length]:,} such sequences fit at once"
         )
     print(
         f"the load ({len(p['lengths'])} sequences) needs {p['load_blocks']:,} blocks: "
@@ -175,7 +217,8 @@ def main(args: argparse.Namespace) -> int:
             f"check against {c['url']}: server blocks {c['server_num_blocks']} vs predicted "
             f"{c['predicted_num_blocks']} ({'match' if c['num_blocks_match'] else 'MISMATCH'}); "
             f"peak used blocks observed {c['observed_peak_used_blocks']:.0f} vs predicted "
-            f"{c['predicted_peak_used_blocks']}; preemptions {c['preemptions']:.0f}; "
+            f"{c['predicted_peak_used_blocks']}; while decoding observed {c['observed_decode_used_blocks']} vs "
+            f"predicted at most {c['predicted_decode_used_blocks']}; preemptions {c['preemptions']:.0f}; "
             f"{c['requests_ok']}/{len(p['lengths'])} requests ok"
         )
     return 0

@@ -127,20 +127,29 @@ class KVLayout:
         return len(self.group_windows)
 
     def final_blocks(self, length: int, block_size: int) -> int:
-        """Blocks a sequence of ``length`` tokens holds in all groups at its last step, when the
-        last of them is computed (decode: what it holds from then on)."""
-        if length < 1:
-            return 0
-        full = math.ceil(length / block_size)
-        position = length - 1  # the last query: blocks before its window are released
-        return sum(
-            full if window is None else full - (max(0, position + 1 - window) // block_size)
-            for window in self.group_windows
-        )
+        """See `final_blocks` (the module function)."""
+        return final_blocks(self.group_windows, length, block_size)
 
     def decode_peak_blocks(self, prompt_len: int, length: int, block_size: int) -> int:
-        """The most blocks a sequence holds while it decodes from a ``prompt_len``-token prompt
-        up to ``length`` tokens (a sliding group's count goes up and down by one as blocks
-        fill and leave its window)."""
-        return max(self.final_blocks(n, block_size) for n in range(max(1, prompt_len), max(1, length) + 1))
+        """See `decode_peak_blocks` (the module function)."""
+        return decode_peak_blocks(self.group_windows, prompt_len, length, block_size)
 
+
+def final_blocks(group_windows: Sequence[int | None], length: int, block_size: int) -> int:
+    """Blocks a sequence of ``length`` tokens holds in all groups once the last of them is
+    computed by a decode (what it holds from then on until its next token)."""
+    if length < 1:
+        return 0
+    full = math.ceil(length / block_size)
+    position = length - 1  # the last query: blocks before its window are released
+    return sum(
+        full if window is None else full - max(0, position + 1 - window) // block_size for window in group_windows
+    )
+
+
+def decode_peak_blocks(group_windows: Sequence[int | None], prompt_len: int, length: int, block_size: int) -> int:
+    """The most blocks a sequence holds while it decodes from a ``prompt_len``-token prompt up
+    to ``length`` tokens (a sliding group's count goes up and down by one as blocks fill and
+    leave its window)."""
+    lengths = range(max(1, prompt_len), max(1, length) + 1)
+    return max(final_blocks(group_windows, n, block_size) for n in lengths)
