@@ -312,7 +312,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       TORCH_CHECK(static_cast<size_t>(layer.view) < num_views, "pagedrs_cpu: a layer reads attention view ",
                   layer.view, ", but only ", num_views, " came");
     }
-    check_chunks(num_tokens, key_caches.empty() ? 0 : key_caches[0].size(1), chunk_bounds, chunk_blocks);
+    check_chunks(num_tokens, key_caches.empty() ? 0 : key_caches[0].size(1), chunk_bounds, chunk_blocks, chunk_masks);
     if (num_tokens == 0) return;
     const int64_t H = hidden_size_, D = head_size_, q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
     const int64_t qkv_size = q_size + 2 * kv_size, I = intermediate_size_;  // H, D, I: the header's names
@@ -400,19 +400,28 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   }
 
  private:
-  // SDPA reads a chunk's rows and keys through slices, which would clamp bounds silently.
+  // SDPA reads a chunk's rows and keys through slices, which would clamp bounds silently. A
+  // chunk's keys run from its first gathered block to the end of its context: all of them
+  // without a mask, else as many as its mask has columns.
   static void check_chunks(int64_t num_tokens, int64_t block_size, const std::vector<int64_t>& chunk_bounds,
-                           const std::vector<at::Tensor>& chunk_blocks) {
+                           const std::vector<at::Tensor>& chunk_blocks,
+                           const c10::List<std::optional<at::Tensor>>& chunk_masks) {
     const size_t num_chunks = chunk_bounds.size() / 3;
     for (size_t i = 0; i < chunk_blocks.size(); ++i) {
       const size_t c = i % num_chunks;
       const int64_t start = chunk_bounds[3 * c], end = chunk_bounds[3 * c + 1], context_len = chunk_bounds[3 * c + 2];
       TORCH_CHECK(0 <= start && start < end && end <= num_tokens, "pagedrs_cpu: long chunk ", c, " has rows ", start,
                   "..", end, " of a step of ", num_tokens);
+      const std::optional<at::Tensor> mask = chunk_masks.get(i);
+      const int64_t num_keys = mask.has_value() ? mask->size(1) : context_len;
+      TORCH_CHECK(!mask.has_value() || (mask->scalar_type() == at::kBool && mask->dim() == 2 &&
+                                        mask->size(0) == end - start),
+                  "pagedrs_cpu: long chunk ", c, "'s mask must be bool [", end - start, ", keys]");
       TORCH_CHECK(chunk_blocks[i].scalar_type() == at::kLong && chunk_blocks[i].dim() == 1 &&
-                      end - start <= context_len && context_len <= chunk_blocks[i].size(0) * block_size,
-                  "pagedrs_cpu: long chunk ", c, " needs int64 blocks covering its context of ", context_len,
-                  " tokens and at most that many rows");
+                      end - start <= context_len && num_keys <= context_len &&
+                      num_keys <= chunk_blocks[i].size(0) * block_size,
+                  "pagedrs_cpu: long chunk ", c, " needs int64 blocks covering its ", num_keys,
+                  " keys and at most as many rows as its context of ", context_len, " tokens");
     }
   }
 
@@ -493,19 +502,21 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       const int64_t start = chunk_bounds[3 * c], end = chunk_bounds[3 * c + 1], context_len = chunk_bounds[3 * c + 2];
       const std::optional<at::Tensor> mask = chunk_masks.get(first + c);
       const at::Tensor& blocks = chunk_blocks[first + c];
+      // Keys from the first gathered block on: a window's chunk starts at its first row's window.
+      const int64_t num_keys = mask.has_value() ? mask->size(1) : context_len;
       // [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].
       const at::Tensor q = query.slice(0, start, end).transpose(0, 1).unflatten(0, {num_kv_heads_, group});
       const at::Tensor keys =
-          key_cache.index_select(0, blocks).flatten(0, 1).slice(0, 0, context_len).transpose(0, 1).unsqueeze(1);
+          key_cache.index_select(0, blocks).flatten(0, 1).slice(0, 0, num_keys).transpose(0, 1).unsqueeze(1);
       const at::Tensor values = value_cache.index_select(0, blocks)
                                     .flatten(0, 1)
-                                    .slice(0, 0, context_len)
+                                    .slice(0, 0, num_keys)
                                     .transpose(0, 1)
                                     .unsqueeze(1);
       at::Tensor out;
       if (layer.softcap > 0) {  // SDPA has no softcap: the scores, capped, masked, softmaxed
         at::Tensor visible = mask.has_value() ? *mask
-                                              : at::ones({end - start, context_len}, query.options().dtype(at::kBool))
+                                              : at::ones({end - start, num_keys}, query.options().dtype(at::kBool))
                                                     .tril(context_len - (end - start));
         at::Tensor scores = at::matmul(q, keys.transpose(-1, -2)) * layer.scale;
         scores = at::tanh(scores / layer.softcap) * layer.softcap;

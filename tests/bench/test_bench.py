@@ -210,3 +210,37 @@ def test_memory_prediction_and_check(tiny_llama, tmp_path):
     assert c["predicted_peak_used_blocks"] == math.ceil(99 / 16) + math.ceil(36 / 16) + math.ceil(249 / 16)
     assert 0 < c["observed_peak_used_blocks"] <= c["predicted_peak_used_blocks"]
     assert c["preemptions"] == 0
+
+
+def test_memory_prediction_counts_sliding_groups_and_the_live_server_agrees(tmp_path):
+    """A Gemma-3-shaped model (two sliding layers of window 8 per global one): blocks per
+    sequence count the window, and the live server's decode-phase block count stays within
+    the prediction (and is what the sliding groups hold: far below full attention's)."""
+    from pagedrs.cli import build_parser
+    from pagedrs.memory_cli import check, predict
+    from tests.helpers.families import save_family
+    from tests.helpers.servers import start_server
+
+    directory = str(tmp_path / "gemma3")
+    save_family("gemma3", directory)  # layers: sliding, sliding, full; window 8
+    args = build_parser().parse_args(
+        ["memory", "--model", directory, "--device", "cpu", "--dtype", "float32", "--budget", "1MiB"]
+        + ["--lengths", "100,37", "--block-size", "4"]
+    )
+    p = predict(args)
+    assert p["kv_group_windows"] == [None, 8, 8] and p["layers_per_block"] == 1
+    # Full group: every block; each sliding group: from the block of position L - 8 on.
+    assert p["blocks_per_sequence"] == [25 + 2 * (25 - 92 // 4), 10 + 2 * (10 - 29 // 4)]
+    assert p["kv_bytes_per_sequence"][0] < 0.5 * p["full_attention_kv_bytes_per_sequence"][0]
+    server = start_server(
+        [directory, "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "1MiB", "--block-size", "4"],
+        str(tmp_path / "log"),
+    )
+    try:
+        c = check(p, server.base_url, output_tokens=32)
+    finally:
+        server.stop()
+    assert c["num_blocks_match"] and c["requests_ok"] == 2 and c["preemptions"] == 0
+    assert 0 < c["observed_peak_used_blocks"] <= c["predicted_peak_used_blocks"]
+    assert c["observed_decode_used_blocks"] is not None
+    assert 0 < c["observed_decode_used_blocks"] <= c["predicted_decode_used_blocks"]

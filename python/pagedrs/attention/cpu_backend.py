@@ -60,11 +60,17 @@ class _SdpaChunk:
     start: int
     end: int
     blocks: torch.Tensor
-    """Its sequence's blocks, in order. ``long [W]``"""
+    """Its sequence's blocks, in order, from the first one its first row's window reaches
+    (the first block without a window). ``long [W]``"""
     context_len: int
     mask: torch.Tensor | None
-    """Which of the ``context_len`` keys each row sees (``bool [L, C]``); ``None`` for a whole
-    prompt without a window (plain causal)."""
+    """Which of the keys from ``blocks``' first on each row sees (``bool [L, C]``, ``C`` keys:
+    up to ``context_len``); ``None`` for a whole prompt without a window (plain causal)."""
+
+    @property
+    def num_keys(self) -> int:
+        """Keys gathered: from the start of ``blocks`` to the end of the context."""
+        return self.context_len if self.mask is None else int(self.mask.shape[1])
 
 
 @dataclass
@@ -188,10 +194,14 @@ def _sdpa_chunk(
     start: int, end: int, context_len: int, block_table: np.ndarray, block_size: int, sliding_window: int | None
 ) -> _SdpaChunk:
     num_blocks = -(-context_len // block_size)
+    first_row = context_len - (end - start)
+    # A window hides every block before its first row's: they are not gathered (a sliding
+    # KV layer group may have released them).
+    first_block = 0 if sliding_window is None else max(0, first_row + 1 - sliding_window) // block_size
     mask = None
     if context_len != end - start or sliding_window is not None:
-        query_positions = np.arange(context_len - (end - start), context_len)[:, None]
-        keys = np.arange(context_len)[None, :]
+        query_positions = np.arange(first_row, context_len)[:, None]
+        keys = np.arange(first_block * block_size, context_len)[None, :]
         visible = keys <= query_positions
         if sliding_window is not None:
             visible &= keys > query_positions - sliding_window
@@ -199,7 +209,7 @@ def _sdpa_chunk(
     return _SdpaChunk(
         start=start,
         end=end,
-        blocks=torch.from_numpy(block_table[:num_blocks].astype(np.int64)),
+        blocks=torch.from_numpy(block_table[first_block:num_blocks].astype(np.int64)),
         context_len=context_len,
         mask=mask,
     )
@@ -220,8 +230,8 @@ def _attend_sdpa(
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_rows, num_heads = chunk.end - chunk.start, query.shape[1]
     if softcap:
-        keys = key_cache[chunk.blocks].flatten(0, 1)[: chunk.context_len]
-        values = value_cache[chunk.blocks].flatten(0, 1)[: chunk.context_len]
+        keys = key_cache[chunk.blocks].flatten(0, 1)[: chunk.num_keys]
+        values = value_cache[chunk.blocks].flatten(0, 1)[: chunk.num_keys]
         mask = chunk.mask
         if mask is None:
             mask = torch.ones(num_rows, chunk.context_len, dtype=torch.bool).tril(chunk.context_len - num_rows)
@@ -236,8 +246,8 @@ def _attend_sdpa(
         return
     # [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].
     q = query[chunk.start : chunk.end].transpose(0, 1).unflatten(0, (num_kv_heads, num_heads // num_kv_heads))
-    keys = key_cache[chunk.blocks].flatten(0, 1)[: chunk.context_len].transpose(0, 1).unsqueeze(1)
-    values = value_cache[chunk.blocks].flatten(0, 1)[: chunk.context_len].transpose(0, 1).unsqueeze(1)
+    keys = key_cache[chunk.blocks].flatten(0, 1)[: chunk.num_keys].transpose(0, 1).unsqueeze(1)
+    values = value_cache[chunk.blocks].flatten(0, 1)[: chunk.num_keys].transpose(0, 1).unsqueeze(1)
     attended = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale
     )

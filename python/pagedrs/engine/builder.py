@@ -265,7 +265,7 @@ def _log_start(info: EngineInfo, plan: KVCachePlan) -> None:
     if info.speculative is not None:
         logger.info("speculative decoding: %s", info.speculative)
     logger.info(
-        "pagedrs engine: %s (%s) %s on %s, tensor parallel %d%s, %d KV blocks of %d tokens (%d tokens)",
+        "pagedrs engine: %s (%s) %s on %s, tensor parallel %d%s, %d KV blocks of %d tokens x %d layers%s",
         info.model_name,
         info.architecture,
         info.dtype,
@@ -274,5 +274,8 @@ def _log_start(info: EngineInfo, plan: KVCachePlan) -> None:
         f" ({info.distributed_backend})" if info.distributed_backend is not None else "",
         plan.capacity.num_blocks,
         config.block_size,
-        plan.capacity.num_tokens,
+        plan.layout.num_slots,
+        f" in {plan.layout.num_groups} layer groups, windows {list(plan.layout.group_windows)}"
+        if plan.layout.num_groups > 1 or plan.layout.group_windows[0] is not None
+        else "",
     )
