@@ -128,3 +128,20 @@ def test_detokenization_is_correct_across_multi_byte_characters(default_llm):
     pieces = [detokenizer.add(token) for token in token_ids]
     assert "".join(pieces) == tokenizer.decode(token_ids)
     assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_n_choices_of_a_prompt_too_big_for_the_cache_all_end_with_capacity(tiny_llama):
+    """The choices of a prompt that can never fit end together (none left waiting forever)."""
+    from pagedrs import LLM
+    from pagedrs.memory import kv_bytes_per_token
+
+    block_size = 4
+    llm = LLM(
+        tiny_llama, block_size=block_size, kv_cache_memory=6 * block_size * kv_bytes_per_token(tiny_llama, "float32")
+    )
+    assert llm.engine.scheduler.num_blocks == 6
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=0, n=3)
+    big, fits = llm.generate([list(range(10, 40)), [5, 6, 7]], params, use_tqdm=False)
+    assert [choice.finish_reason for choice in big.outputs] == ["capacity"] * 3
+    assert all(len(choice.token_ids) == 4 for choice in fits.outputs)
+    assert llm.engine.scheduler.stats().num_used_blocks == 0 and not llm.engine.has_unfinished_requests()

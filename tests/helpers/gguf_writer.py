@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
@@ -55,6 +56,8 @@ _HF_TO_GGUF = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -67,6 +70,9 @@ ARCH_NAMES = {
         "post_feedforward_layernorm": "post_ffw_norm",
     },
 }
+ARCH_NAMES["gemma3"] = ARCH_NAMES["gemma2"]
+GEMMA = {"gemma2", "gemma3"}
+"""Architectures whose converter stores each norm as 1 + w."""
 
 
 def gguf_name(name: str, architecture: str = "llama") -> str:
@@ -124,7 +130,9 @@ def write_gguf(
     array, e.g. ``rope_freqs.weight``) and ``extra_metadata`` (key -> string) are written too.
     ``architecture``: as llama.cpp's converter writes it: ``llama`` (q/k rows permuted),
     ``phi3`` (q/k/v and gate/up fused, its window and rotary dimension), ``gemma2`` (its norm
-    names, each norm as 1 + w, its softcaps and window)."""
+    names, each norm as 1 + w, its softcaps and window), ``gemma3`` (Gemma 2's names and norms,
+    q/k norms, the window, the global layers' rotary base and linear scaling; the pattern of
+    local layers and their base are llama.cpp's fixed ones, not in the file)."""
     config = model.config
     writer = GGUFWriter(path, architecture)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -139,6 +147,16 @@ def write_gguf(
         writer.add_sliding_window(config.sliding_window)
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    rope_base = 10000.0
+    if architecture == "gemma3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(config.sliding_window)
+        global_rope = config.rope_parameters["full_attention"]
+        rope_base = global_rope["rope_theta"]
+        if global_rope["rope_type"] == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(global_rope["factor"])
     for key, value in (extra_metadata or {}).items():
         writer.add_string(key, value)
     for name, array in (extra_tensors or {}).items():
@@ -150,7 +168,7 @@ def write_gguf(
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(rope_base)
     writer.add_rope_dimension_count(rotary_dim)
     writer.add_tokenizer_model("llama")
     tokens = ["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(3, config.vocab_size)]
@@ -164,7 +182,7 @@ def write_gguf(
             continue
         array = tensor.float().numpy()
         target = gguf_name(name, architecture)
-        if architecture == "gemma2" and target.endswith("norm.weight"):
+        if architecture in GEMMA and target.endswith("norm.weight"):
             array = array + 1  # llama.cpp's Gemma converter stores 1 + w
         if architecture == "llama" and ".attn_q." in target:
             array = llama_cpp_permute(array, config.num_attention_heads)

@@ -244,3 +244,36 @@ def test_sliding_groups_hold_only_their_window(name, tmp_path):
                 assert gaps[j] < 1e-3, f"{name}: diverged at token {j}"
                 break
             assert completion.logprobs[j][token].logprob == pytest.approx(logprobs[j], abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3-mini", "granite", "olmo2"])
+def test_speculation_and_structured_outputs_run_on_the_family(name, tmp_path):
+    """Model-free speculation and a draft model (the model drafting for itself, its KV in the
+    target's full layer group) give plain decoding's greedy tokens; a regex constraint holds."""
+    import re
+
+    from pagedrs.sampling_params import StructuredOutputsParams
+
+    save_family(name, tmp_path)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(10, 47))]
+    settings = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        return [list(output.outputs[0].token_ids) for output in llm.generate(prompts, params, use_tqdm=False)]
+
+    plain = LLM(str(tmp_path), **settings)
+    expected = tokens(plain)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": 0}
+    drafting = {"model": str(tmp_path), "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    for spec in (ngram, drafting):
+        speculative = LLM(str(tmp_path), **settings, speculative_config=spec)
+        assert tokens(speculative) == expected, spec
+        stats = speculative.engine.scheduler.stats()
+        assert stats.num_drafts_total > 0 and stats.num_used_blocks == 0
+        if spec is drafting:  # drafting for itself: every proposal is right
+            assert stats.num_accepted_tokens_total == stats.num_draft_tokens_total
+    constraint = StructuredOutputsParams(regex="(w[2-9])+")
+    constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=12, structured_outputs=constraint)
+    for output in plain.generate(prompts, constrained, use_tqdm=False):
+        assert re.fullmatch("(w[2-9])+", output.outputs[0].text.replace(" ", "")), output.outputs[0].text

@@ -429,14 +429,18 @@ impl Scheduler {
     /// `update_from_output` reports it.
     fn end_for_capacity(&mut self, id: SequenceId) -> Result<()> {
         let seq = &self.sequences[id];
-        self.pending_updates.push(SequenceUpdate {
-            request: seq.request,
-            num_cached_tokens: self.requests[seq.request].reported_num_cached_tokens(),
-            choice_index: seq.choice_index,
-            new_token_id: None,
-            logits_row: None,
-            finish_reason: Some(FinishReason::Capacity),
-        });
+        // A prompt that never ran to its end takes its forks-to-be with it: each of the
+        // request's choices gets its own report.
+        for choice_index in seq.choice_index..=seq.choice_index + seq.num_pending_forks {
+            self.pending_updates.push(SequenceUpdate {
+                request: seq.request,
+                num_cached_tokens: self.requests[seq.request].reported_num_cached_tokens(),
+                choice_index,
+                new_token_id: None,
+                logits_row: None,
+                finish_reason: Some(FinishReason::Capacity),
+            });
+        }
         self.release(id)
     }
 

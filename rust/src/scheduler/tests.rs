@@ -234,6 +234,15 @@ fn a_request_that_can_never_fit_ends_with_capacity() {
     assert_eq!(reasons, vec![FinishReason::Capacity]);
     assert!(!s.has_unfinished_requests());
     assert_eq!(s.kv_cache().num_free_blocks(), 2);
+    // With n = 3, every choice is reported, the forks that never happened too (the caller
+    // waits for each of them).
+    let mut s = Scheduler::new(config(4, 64)).unwrap();
+    s.add_request("huge", &prompt(30, 0), RequestParams { n: 3, ..params(4) }).unwrap();
+    let (_, updates) = step(&mut s, 1);
+    let choices: Vec<_> = updates.iter().map(|u| (u.choice_index, u.finish_reason)).collect();
+    let capacity = Some(FinishReason::Capacity);
+    assert_eq!(choices, vec![(0, capacity), (1, capacity), (2, capacity)]);
+    assert!(!s.has_unfinished_requests());
 }
 
 #[test]
