@@ -15,8 +15,8 @@ import json
 import tempfile
 
 from pagedrs.memory_cli import add_memory_arguments, check, predict
-from tests.helpers.servers import start_server
 from tests.helpers.checkpoints import save_word_tokenizer
+from tests.helpers.servers import start_server
 
 OUTPUT_TOKENS = 48
 BUDGET = "512MiB"

@@ -111,19 +111,20 @@ def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str,
     prompt at most until the step after the prompt's last chunk, then its window's blocks
     (`KVLayout.decode_peak_blocks`); the peak counts each sequence at the larger of the two."""
     from pagedrs.bench.client import Endpoint, MetricsSampler
-    from pagedrs.engine.kv_layout import decode_peak_blocks
     from pagedrs.bench.workloads import RequestSpec
+    from pagedrs.engine.kv_layout import decode_peak_blocks
 
     endpoint = Endpoint(url)
     block = prediction["block_size"]
     info = endpoint.server_info() or {}
-    specs = []
+    specs, prompt_lens = [], []
     for index, length in enumerate(prediction["lengths"]):
         out = max(1, min(output_tokens, length - 1))
         # Ids below 300 exist in every vocabulary; distinct first tokens keep any two requests
         # from sharing a cached prefix block.
         prompt = [4 + index % 296] + [4 + (index * 7919 + i) % 296 for i in range(length - out - 1)]
         specs.append(RequestSpec(prompt=prompt, output_len=out))
+        prompt_lens.append(len(prompt))
 
     async def load() -> tuple[list[Any], list[dict[str, float]]]:
         await endpoint.resolve_model()
@@ -140,11 +141,8 @@ def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str,
     after = endpoint.metrics()
     windows = prediction["kv_group_windows"]
     predicted_peak = sum(
-        max(
-            math.ceil(len(spec.prompt) / block) * len(windows),
-            decode_peak_blocks(windows, len(spec.prompt), length - 1, block),
-        )
-        for spec, length in zip(specs, prediction["lengths"])
+        max(math.ceil(prompt / block) * len(windows), decode_peak_blocks(windows, prompt, length - 1, block))
+        for prompt, length in zip(prompt_lens, prediction["lengths"])
     )
     observed_peak = max((point.get("kv_used_blocks", 0.0) for point in timeline), default=0.0)
     # Decoding: from every request's second token (the step after its prompt's last chunk
@@ -157,8 +155,8 @@ def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str,
         if "kv_used_blocks" in point and len(seconds) == len(results) and max(seconds) < point["t"] < min(ends)
     ]
     predicted_decode = sum(
-        decode_peak_blocks(windows, len(spec.prompt), length - 1, block)
-        for spec, length in zip(specs, prediction["lengths"])
+        decode_peak_blocks(windows, prompt, length - 1, block)
+        for prompt, length in zip(prompt_lens, prediction["lengths"])
     )
     return {
         "url": url,
