@@ -42,7 +42,7 @@ def _phi3(**extra):
     return transformers.Phi3Config(**TINY, rope_parameters=longrope, pad_token_id=0, eos_token_id=1, **extra)
 
 
-def _gemma(version: int):
+def _gemma(version: int, num_hidden_layers: int | None = None):
     import transformers
 
     shape = {**TINY, "head_dim": 16}
@@ -56,12 +56,13 @@ def _gemma(version: int):
             attn_logit_softcapping=5.0,
             final_logit_softcapping=3.0,
         )
-    # Gemma 3's text model: a sliding layer with its own base, a global one scaled linearly.
+    # Gemma 3's text model: sliding layers with their own base, a global one scaled linearly.
+    layers = num_hidden_layers or 3
     return transformers.Gemma3TextConfig(
-        **{**shape, "num_hidden_layers": 3},
+        **{**shape, "num_hidden_layers": layers},
         sliding_window=WINDOW,
         query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
         rope_parameters={
             "sliding_attention": _rope("default"),
             "full_attention": _rope("linear", factor=4.0, rope_theta=1e6),
@@ -100,6 +101,9 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "gemma": lambda: _gemma(1),
     "gemma2": lambda: _gemma(2),
     "gemma3": lambda: _gemma(3),
+    # Gemma 3 as llama.cpp runs every Gemma 3 GGUF: five local layers (base 10,000), then a
+    # global one; the attention scaled by the head size.
+    "gemma3-llama.cpp": lambda: _gemma(3, num_hidden_layers=6),
     "phi3-longrope": lambda: _phi3(),
     "phi3-partial-sliding": lambda: _phi3(partial=0.5, partial_rotary_factor=0.5, sliding_window=WINDOW),
     # Phi-4-mini's shape: partial rotary with the plain rotary, a window.

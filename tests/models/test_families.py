@@ -145,22 +145,24 @@ def test_bad_configs_are_refused_before_weights_are_read(tmp_path, change, messa
 
 
 def test_gguf_of_an_unread_architecture_is_refused(tmp_path):
-    """A GGUF architecture whose tensors or metadata pagedrs does not read (Gemma 3's local
-    rotary base, say) is refused, not loaded as if it were a Llama."""
+    """A GGUF architecture whose tensors or metadata pagedrs does not read is refused, not
+    loaded as if it were a Llama."""
     from tests.helpers.gguf_writer import write_gguf
 
     hf_model = save_family("llama-linear", tmp_path / "hf")
-    path = str(tmp_path / "gemma3.gguf")
-    write_gguf(path, hf_model, {}, architecture="gemma3")
-    with pytest.raises(ValueError, match="architecture 'gemma3' are not supported yet"):
+    path = str(tmp_path / "starcoder2.gguf")
+    write_gguf(path, hf_model, {}, architecture="starcoder2")
+    with pytest.raises(ValueError, match="architecture 'starcoder2' are not supported yet"):
         LLM(path)
 
 
-@pytest.mark.parametrize("family", ["phi3-mini", "gemma2"])
+@pytest.mark.parametrize("family", ["phi3-mini", "gemma2", "gemma3-llama.cpp"])
 def test_gguf_of_other_families_matches_hugging_face(tmp_path, family):
     """llama.cpp's Phi-3 (q/k/v and gate/up fused, window and partial rotary only in the
-    metadata) and Gemma 2 (its own norm names, norms as 1 + w, softcaps in the metadata), read
-    from the file against transformers running the same weights."""
+    metadata), Gemma 2 (its own norm names, norms as 1 + w, softcaps in the metadata) and Gemma
+    3 (q/k norms as 1 + w too, the global layers' linear rotary scaling in the metadata, its
+    local layers' pattern and base llama.cpp's fixed ones), read from the file against
+    transformers running the same weights."""
     from tests.helpers.gguf_writer import write_gguf
 
     hf_model = save_family(family, tmp_path / "hf")

@@ -61,9 +61,11 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
 }
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 
-# Architectures whose converter stores each RMSNorm weight as 1 + w (Gemma's form of the norm).
-_NORMS_PLUS_ONE = {"gemma2"}
+# Architectures whose converter stores each RMSNorm weight as 1 + w (Gemma's form of the norm;
+# Gemma 3's q/k norms too).
+_NORMS_PLUS_ONE = {"gemma2", "gemma3"}
 
 # Per GGUF architecture, metadata transformers' config drops that pagedrs carries into it
 # (`complete_config`): key after the architecture's prefix -> config attribute.
@@ -76,8 +78,10 @@ _CARRIED: dict[str, dict[str, str]] = {
 }
 
 # Keys `complete_config` checks against the config: the rotary dimension (Phi-3's partial
-# rotary factor), the key and value head sizes (which must be the head size).
+# rotary factor), the key and value head sizes (which must be the head size), and the rotary
+# scaling of Gemma 3's global layers (the only scaling llama.cpp writes for it).
 _CHECKED = {"rope.dimension_count", "attention.key_length", "attention.value_length"}
+_CHECKED_BY_ARCH = {"gemma3": {"rope.scaling.type", "rope.scaling.factor"}}
 
 # Tensors llama.cpp stores that Hugging Face checkpoints do not: Llama 3's rotary scaling,
 # as one divisor per frequency (transformers' GGUF loader drops it, and with it the scaling).
@@ -226,8 +230,8 @@ def check_architecture(architecture: str) -> None:
     """Refuses a GGUF architecture whose tensors and metadata pagedrs does not read."""
     if architecture not in GGUF_ARCHITECTURES:
         # NOTE: not only a matter of names: llama.cpp stores Gemma's norms as 1 + w, Phi-3's
-        # q/k/v fused, Gemma 3's local rotary base nowhere; such files must not load as if
-        # they were Llama's.
+        # q/k/v fused, Granite's multipliers under keys of its own; such files must not load
+        # as if they were Llama's.
         raise ValueError(
             f"GGUF files of architecture {architecture!r} are not supported yet (pagedrs reads "
             f"{', '.join(GGUF_ARCHITECTURES)}; load its safetensors checkpoint instead)"
@@ -254,6 +258,8 @@ def check_metadata(reader: GGUFReader, architecture: str) -> None:
         # A key transformers maps to None is read and dropped: as good as unknown, unless
         # `complete_config` carries it (the rotary dimension, as a partial rotary factor).
         if mapping.get(name) is not None or name in carried or name in _CHECKED:
+            continue
+        if name in _CHECKED_BY_ARCH.get(architecture, ()):
             continue
         harmless = _IGNORED_KEYS.get(name)
         value = _field(reader, key)
@@ -295,11 +301,32 @@ def complete_config(config: Any, path: str | os.PathLike) -> None:
         params = dict(getattr(config, "rope_parameters", None) or {})
         params["partial_rotary_factor"] = int(rotary_dim) / head_dim
         config.rope_parameters = params
-    if architecture == "gemma2":
-        # llama.cpp's rule (the file does not say): the 27B model (46 layers) scales by
-        # hidden / heads, the others by the head size.
+    if architecture in ("gemma2", "gemma3"):
+        # llama.cpp's rule (the file does not say): the 27B models (Gemma 2's 46 layers, Gemma
+        # 3's 62) scale by hidden / heads, the others by the head size.
         heads = config.num_attention_heads
-        config.query_pre_attn_scalar = config.hidden_size // heads if config.num_hidden_layers == 46 else head_dim
+        largest = config.num_hidden_layers == (46 if architecture == "gemma2" else 62)
+        config.query_pre_attn_scalar = config.hidden_size // heads if largest else head_dim
+    if architecture == "gemma3":
+        _gemma3_global_rope(config, reader, prefix)
+
+
+def _gemma3_global_rope(config: Any, reader: GGUFReader, prefix: str) -> None:
+    """Gemma 3's global layers' rotary scaling, which transformers' config drops: llama.cpp
+    writes it as ``rope.scaling.type`` (only ``linear``) and ``.factor``, for the global layers
+    alone. The local layers' base (10,000) and their pattern (five local layers, then a global
+    one) are llama.cpp's fixed ones, and transformers' defaults for the config."""
+    kind = _field(reader, prefix + "rope.scaling.type")
+    if kind is None or str(kind) == "none":
+        return
+    if str(kind) != "linear":
+        raise ValueError(f"the GGUF file's {prefix}rope.scaling.type is {kind!r}: pagedrs runs Gemma 3 with 'linear'")
+    factor = _field(reader, prefix + "rope.scaling.factor")
+    if factor is None:
+        raise ValueError(f"the GGUF file has {prefix}rope.scaling.type linear but no {prefix}rope.scaling.factor")
+    params = dict(config.rope_parameters)
+    params["full_attention"] = {**params["full_attention"], "rope_type": "linear", "factor": float(factor)}
+    config.rope_parameters = params
 
 
 class GGUFCheckpoint:
