@@ -116,6 +116,20 @@ def llama3_rope_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+def _add_phi3_longrope(writer: GGUFWriter, config) -> None:
+    """Phi-3's LongRoPE as llama.cpp's converter writes it: the factors as tensors, the original
+    context and the cos/sin scale in the metadata."""
+    import math
+
+    params = config.rope_parameters
+    original = params["original_max_position_embeddings"]
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    writer.add_tensor("rope_factors_long.weight", np.array(params["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(params["short_factor"], dtype=np.float32))
+
+
 def write_gguf(
     path: str,
     model,
@@ -141,6 +155,8 @@ def write_gguf(
         rotary_dim = int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
         if config.sliding_window is not None:
             writer.add_sliding_window(config.sliding_window)
+        if config.rope_parameters["rope_type"] == "longrope":
+            _add_phi3_longrope(writer, config)
     if architecture == "gemma2":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

@@ -156,13 +156,14 @@ def test_gguf_of_an_unread_architecture_is_refused(tmp_path):
         LLM(path)
 
 
-@pytest.mark.parametrize("family", ["phi3-mini", "gemma2", "gemma3-llama.cpp"])
+@pytest.mark.parametrize("family", ["phi3-mini", "phi3-longrope", "phi3-partial-sliding", "gemma2", "gemma3-llama.cpp"])
 def test_gguf_of_other_families_matches_hugging_face(tmp_path, family):
     """llama.cpp's Phi-3 (q/k/v and gate/up fused, window and partial rotary only in the
-    metadata), Gemma 2 (its own norm names, norms as 1 + w, softcaps in the metadata) and Gemma
-    3 (q/k norms as 1 + w too, the global layers' linear rotary scaling in the metadata, its
-    local layers' pattern and base llama.cpp's fixed ones), read from the file against
-    transformers running the same weights."""
+    metadata; LongRoPE's factors as tensors, prompts past ``original_max_position_embeddings``),
+    Gemma 2 (its own norm names, norms as 1 + w, softcaps in the metadata) and Gemma 3 (q/k norms
+    as 1 + w too, the global layers' linear rotary scaling in the metadata, its local layers'
+    pattern and base llama.cpp's fixed ones), read from the file against transformers running
+    the same weights."""
     from tests.helpers.gguf_writer import write_gguf
 
     hf_model = save_family(family, tmp_path / "hf")

@@ -81,7 +81,14 @@ _CARRIED: dict[str, dict[str, str]] = {
 # rotary factor), the key and value head sizes (which must be the head size), and the rotary
 # scaling of Gemma 3's global layers (the only scaling llama.cpp writes for it).
 _CHECKED = {"rope.dimension_count", "attention.key_length", "attention.value_length"}
-_CHECKED_BY_ARCH = {"gemma3": {"rope.scaling.type", "rope.scaling.factor"}}
+_CHECKED_BY_ARCH = {
+    "gemma3": {"rope.scaling.type", "rope.scaling.factor"},
+    # Phi-3's LongRoPE, with its `_LONGROPE_TENSORS` (`_phi3_longrope`).
+    "phi3": {"rope.scaling.original_context_length", "rope.scaling.attn_factor"},
+}
+
+# Phi-3's LongRoPE factors, which llama.cpp stores as tensors: config, not weights.
+_LONGROPE_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 
 # Tensors llama.cpp stores that Hugging Face checkpoints do not: Llama 3's rotary scaling,
 # as one divisor per frequency (transformers' GGUF loader drops it, and with it the scaling).
@@ -309,6 +316,37 @@ def complete_config(config: Any, path: str | os.PathLike) -> None:
         config.query_pre_attn_scalar = config.hidden_size // heads if largest else head_dim
     if architecture == "gemma3":
         _gemma3_global_rope(config, reader, prefix)
+    if architecture == "phi3":
+        _phi3_longrope(config, reader, prefix)
+
+
+def _phi3_longrope(config: Any, reader: GGUFReader, prefix: str) -> None:
+    """Phi-3's LongRoPE (Phi-3/3.5-mini 128k, Phi-4-mini) as transformers' config spells it,
+    from what llama.cpp's converter writes: the short and long factors as the
+    ``rope_factors_short`` / ``rope_factors_long`` tensors, the original context as
+    ``rope.scaling.original_context_length`` and the cos/sin scale as
+    ``rope.scaling.attn_factor``. As in transformers, the factors are chosen by each
+    sequence's length (llama.cpp chooses them by the context size it was started with)."""
+    tensors = {tensor.name: tensor for tensor in reader.tensors if tensor.name in _LONGROPE_TENSORS}
+    original = _field(reader, prefix + "rope.scaling.original_context_length")
+    attn_factor = _field(reader, prefix + "rope.scaling.attn_factor")
+    if not tensors and original is None and attn_factor is None:
+        return
+    if len(tensors) != len(_LONGROPE_TENSORS) or original is None:
+        raise ValueError(
+            "the GGUF file has part of Phi-3's LongRoPE (the rope_factors_short / rope_factors_long tensors "
+            f"and {prefix}rope.scaling.original_context_length go together): refusing to run without the rest"
+        )
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.update(rope_type="longrope", original_max_position_embeddings=int(original))
+    for name, key in _LONGROPE_TENSORS.items():
+        tensor = tensors[name]
+        if GGMLQuantizationType(tensor.tensor_type) != GGMLQuantizationType.F32:
+            raise ValueError(f"the GGUF file's {name} is {tensor.tensor_type!r}, not float32")
+        params[key] = [float(value) for value in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
+    if attn_factor is not None:
+        params["attention_factor"] = float(attn_factor)
+    config.rope_parameters = params
 
 
 def _gemma3_global_rope(config: Any, reader: GGUFReader, prefix: str) -> None:
@@ -341,6 +379,8 @@ class GGUFCheckpoint:
         num_kv_heads = _field(reader, f"{self.architecture}.attention.head_count_kv") or num_heads
         self.tensors: dict[str, GGUFTensor] = {}
         for tensor in reader.tensors:
+            if self.architecture == "phi3" and tensor.name in _LONGROPE_TENSORS:
+                continue  # the rotary's factors: read into the config (`complete_config`)
             name = hf_name(tensor.name, self.architecture)
             row_order = None
             # transformers' LlamaTensorProcessor: only the `llama` architecture is permuted.
