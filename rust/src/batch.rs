@@ -37,7 +37,6 @@
 //! sequence's prefix hit may point at blocks that another sequence of the same batch is
 //! computing in this very step (prefixes are cached when allocated, as in vLLM).
 
-use crate::block_id::BlockId;
 use crate::kv_cache_manager::{BlockCopy, GroupBlocks, SequenceId};
 use crate::sequence::{FinishReason, RequestHandle};
 
@@ -92,6 +91,8 @@ pub struct SchedulerOutput {
     pub block_tables: Vec<i32>,
     /// KV layer groups (the leading dimension of `slot_mapping` and `block_tables`).
     pub num_groups: usize,
+    /// Tokens and sequences `for_sequences` sized the group arrays for (their strides).
+    planned: (usize, usize),
     /// Columns of `block_tables`: the most blocks any scheduled sequence needs.
     pub block_table_width: usize,
     /// Input rows whose logits are sampled. `[num_logits]`
@@ -191,6 +192,7 @@ impl SchedulerOutput {
             block_tables: vec![0; num_groups * width * num_seqs],
             block_table_width: width,
             num_groups,
+            planned: (num_tokens, num_seqs),
             logits_indices: Vec::with_capacity(num_logits),
             logits_request_indices: Vec::with_capacity(num_logits),
             logits_choice_indices: Vec::with_capacity(num_logits),
@@ -223,10 +225,9 @@ impl SchedulerOutput {
         let known = &token_ids[seq.start..seq.start + seq.num_tokens];
         self.input_token_ids.extend(known.iter().chain(drafts).map(|&t| i64::from(t)));
         self.positions.extend((seq.start..end).map(|p| p as i64));
-        let num_step_tokens = self.slot_mapping.len() / self.num_groups;
+        let (num_step_tokens, num_seqs) = self.planned;
         let num_blocks = end.div_ceil(block_size);
         let width = self.block_table_width;
-        let num_seqs = self.block_tables.len() / (self.num_groups * width).max(1);
         for (group, blocks) in groups.iter().enumerate() {
             let table = blocks.table();
             let slots = &mut self.slot_mapping[group * num_step_tokens..][first_row..];
@@ -234,10 +235,12 @@ impl SchedulerOutput {
                 let block = table[position / block_size].0 as usize;
                 *slot = (block * block_size + position % block_size) as i64;
             }
-            let start = (group * num_seqs + row) * width;
-            let out = &mut self.block_tables[start..start + num_blocks];
-            for (slot, &block) in out.iter_mut().zip(&table[..num_blocks]) {
-                *slot = if block == BlockId::NULL { 0 } else { block.0 as i32 };
+            // Released blocks (all before the first held one) stay 0.
+            let (start, held) =
+                ((group * num_seqs + row) * width, blocks.first_held().min(num_blocks));
+            let out = &mut self.block_tables[start + held..start + num_blocks];
+            for (slot, block) in out.iter_mut().zip(&table[held..num_blocks]) {
+                *slot = block.0 as i32;
             }
         }
         self.query_start_loc.push(self.input_token_ids.len() as i32);

@@ -16,6 +16,8 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use crate::block_id::BlockId;
 use crate::block_pool::{BlockPool, BlockRef};
 use crate::error::{Error, Result};
@@ -102,17 +104,29 @@ pub(crate) struct GroupBlocks {
     /// The last block offered to the prefix cache, as it was then: the parent of the next
     /// one in group 0's chain, still right after that block was released.
     last_cached: Option<BlockRef>,
-    /// The prefix hit found by `get_computed_blocks` in this group: blocks
-    /// `pending_hit_start..` of the hit (those before it are out of the window).
-    pending_hit: Vec<BlockRef>,
-    /// Index of `pending_hit`'s first block.
-    pending_hit_start: usize,
+}
+
+/// The prefix `get_computed_blocks` found, until the next `allocate_slots` claims it.
+#[derive(Debug, Clone)]
+struct PendingHit {
+    /// Blocks of the prefix: every group's hit ends there.
+    num_blocks: usize,
+    /// Group 0's last block of it (the parent of the next block that group caches).
+    tail: BlockRef,
+    /// Per group: the index of the first block it claims (those before are out of its
+    /// window), and the blocks from there to the end of the prefix.
+    groups: SmallVec<[(usize, Vec<BlockRef>); 1]>,
 }
 
 impl GroupBlocks {
     /// The group's block table (`BlockId::NULL` for released blocks).
     pub(crate) fn table(&self) -> &[BlockId] {
         &self.table
+    }
+
+    /// Index of the first held block: every entry before it is `BlockId::NULL`, none after.
+    pub(crate) fn first_held(&self) -> usize {
+        self.num_skipped
     }
 
     /// Blocks the group holds now.
@@ -138,15 +152,13 @@ struct SequenceBlocks {
     /// Keys of the full blocks of `token_ids`, computed lazily as far as needed (group 0's;
     /// every other group keys its blocks by these mixed with its index).
     block_hashes: Vec<BlockHash>,
-    /// One entry per layer group of the manager.
-    groups: Vec<GroupBlocks>,
+    /// One entry per layer group of the manager (inline for one group).
+    groups: SmallVec<[GroupBlocks; 1]>,
     /// Tokens whose KV is in the cache or being computed in the current step.
     num_computed_tokens: usize,
-    /// Blocks of the prefix found by `get_computed_blocks` (every group's hit ends there),
-    /// claimed by the first `allocate_slots`.
-    num_pending_hit_blocks: usize,
-    /// Group 0's last block of that prefix (the parent of the next block it caches).
-    pending_hit_tail: Option<BlockRef>,
+    /// The prefix found by `get_computed_blocks`, claimed by the first `allocate_slots`
+    /// (boxed: most sequences never have one, and every step walks them all).
+    pending_hit: Option<Box<PendingHit>>,
     /// Tokens looked up by `get_computed_blocks`, counted as a prefix-cache query once the
     /// next `allocate_slots` succeeds (so a sequence retried every step counts once).
     pending_query_tokens: Option<usize>,
@@ -154,12 +166,11 @@ struct SequenceBlocks {
 
 impl SequenceBlocks {
     fn clear_pending_hit(&mut self) {
-        for group in &mut self.groups {
-            group.pending_hit.clear();
-            group.pending_hit_start = 0;
-        }
-        self.num_pending_hit_blocks = 0;
-        self.pending_hit_tail = None;
+        self.pending_hit = None;
+    }
+
+    fn num_pending_hit_blocks(&self) -> usize {
+        self.pending_hit.as_ref().map_or(0, |hit| hit.num_blocks)
     }
 }
 
@@ -342,10 +353,9 @@ impl KVCacheManager {
             cache_salt: cache_salt.map(Arc::from),
             root_hash: self.hasher.root(cache_salt),
             block_hashes: Vec::with_capacity(num_blocks_hint),
-            groups: vec![group; self.group_windows.len()],
+            groups: SmallVec::from_elem(group, self.group_windows.len()),
             num_computed_tokens: 0,
-            num_pending_hit_blocks: 0,
-            pending_hit_tail: None,
+            pending_hit: None,
             pending_query_tokens: None,
         };
         Ok(self.insert(sequence))
@@ -410,8 +420,8 @@ impl KVCacheManager {
 
         // Later groups: each block confirmed against group 0's block of the same index. A
         // block a group still reads but lacks ends the prefix just before it.
-        let mut found: Vec<Vec<Option<BlockRef>>> = Vec::with_capacity(self.group_windows.len());
-        found.push(chain.iter().copied().map(Some).collect());
+        let mut found: Vec<Vec<Option<BlockRef>>> =
+            Vec::with_capacity(self.group_windows.len() - 1);
         for group in 1..self.group_windows.len() {
             let blocks = (0..num_hit)
                 .map(|index| {
@@ -425,7 +435,7 @@ impl KVCacheManager {
         }
         loop {
             let before = num_hit;
-            for (blocks, &window) in found.iter().zip(&self.group_windows).skip(1) {
+            for (blocks, &window) in found.iter().zip(&self.group_windows[1..]) {
                 let first = first_visible_block(window, num_hit * block_size, block_size);
                 if let Some(missing) = (first..num_hit).rev().find(|&index| blocks[index].is_none())
                 {
@@ -437,15 +447,22 @@ impl KVCacheManager {
             }
         }
 
-        sequence.num_pending_hit_blocks = num_hit;
-        sequence.pending_hit_tail = num_hit.checked_sub(1).map(|last| chain[last]);
-        for ((group, blocks), &window) in
-            sequence.groups.iter_mut().zip(&found).zip(&self.group_windows)
-        {
-            let first = first_visible_block(window, num_hit * block_size, block_size).min(num_hit);
-            group.pending_hit_start = first;
-            group.pending_hit =
-                blocks[first..num_hit].iter().map(|block| block.expect("a hit")).collect();
+        if num_hit > 0 {
+            let tail = chain[num_hit - 1];
+            let first =
+                first_visible_block(self.group_windows[0], num_hit * block_size, block_size)
+                    .min(num_hit);
+            chain.truncate(num_hit);
+            chain.drain(..first);
+            let mut groups = SmallVec::with_capacity(self.group_windows.len());
+            groups.push((first, chain));
+            for (blocks, &window) in found.iter().zip(&self.group_windows[1..]) {
+                let first =
+                    first_visible_block(window, num_hit * block_size, block_size).min(num_hit);
+                let claimed = blocks[first..num_hit].iter().map(|block| block.expect("a hit"));
+                groups.push((first, claimed.collect()));
+            }
+            sequence.pending_hit = Some(Box::new(PendingHit { num_blocks: num_hit, tail, groups }));
         }
         sequence.pending_query_tokens = Some(num_tokens);
         Ok(num_hit * block_size)
@@ -453,7 +470,8 @@ impl KVCacheManager {
 
     /// Group 0's blocks of the prefix hit found by the last `get_computed_blocks`.
     pub fn pending_hit_blocks(&self, id: SequenceId) -> Result<Vec<BlockId>> {
-        Ok(self.sequence(id)?.groups[0].pending_hit.iter().map(|block| block.id).collect())
+        let hit = self.sequence(id)?.pending_hit.as_ref();
+        Ok(hit.map_or_else(Vec::new, |hit| hit.groups[0].1.iter().map(|block| block.id).collect()))
     }
 
     /// Reserves slots for the next `num_new_tokens` tokens of a sequence (after its computed
@@ -482,15 +500,16 @@ impl KVCacheManager {
     ) -> Result<Option<Vec<BlockCopy>>> {
         let block_size = self.pool.block_size();
         let sequence = lookup_mut(&mut self.slots, id)?;
-        let stale = sequence
-            .groups
-            .iter()
-            .any(|group| group.pending_hit.iter().any(|&block| !self.pool.is_current(block)));
+        let num_hit_blocks = sequence.num_pending_hit_blocks();
+        let stale = sequence.pending_hit.as_ref().is_some_and(|hit| {
+            hit.groups
+                .iter()
+                .any(|(_, blocks)| blocks.iter().any(|&block| !self.pool.is_current(block)))
+        });
         if stale {
             sequence.clear_pending_hit();
             return Err(Error::StalePrefixHit(id.to_string()));
         }
-        let num_hit_blocks = sequence.num_pending_hit_blocks;
         let first_new_token = sequence.num_computed_tokens + num_hit_blocks * block_size;
         let end = first_new_token + num_new_tokens;
         if end > sequence.token_ids.len() {
@@ -501,6 +520,9 @@ impl KVCacheManager {
             )));
         }
         for (group, &window) in sequence.groups.iter_mut().zip(&self.group_windows) {
+            if window.is_none() {
+                continue;
+            }
             let first =
                 first_visible_block(window, first_new_token, block_size).min(group.table.len());
             for index in group.num_skipped..first {
@@ -518,15 +540,20 @@ impl KVCacheManager {
         let writes_into_a_block = num_new_tokens > 0 && !first_new_token.is_multiple_of(block_size);
         let mut num_needed = 0;
         let mut num_hit_blocks_now_free = 0;
-        for group in &sequence.groups {
-            let num_entries =
-                group.table.len() + if num_hit_blocks > 0 { num_hit_blocks } else { 0 };
-            num_needed += num_table_blocks.saturating_sub(num_entries);
-            num_needed += usize::from(
-                writes_into_a_block && self.pool.ref_count(group.table[write_block]) > 1,
-            );
-            num_hit_blocks_now_free +=
-                group.pending_hit.iter().filter(|block| self.pool.ref_count(block.id) == 0).count();
+        // Bit g: group g's write block is shared and must be copied first.
+        let mut copy_groups: u64 = 0;
+        for (index, group) in sequence.groups.iter().enumerate() {
+            num_needed += num_table_blocks.saturating_sub(group.table.len() + num_hit_blocks);
+            if writes_into_a_block && self.pool.ref_count(group.table[write_block]) > 1 {
+                copy_groups |= 1 << index;
+                num_needed += 1;
+            }
+        }
+        if let Some(hit) = &sequence.pending_hit {
+            for (_, blocks) in &hit.groups {
+                num_hit_blocks_now_free +=
+                    blocks.iter().filter(|block| self.pool.ref_count(block.id) == 0).count();
+            }
         }
         if num_needed > self.pool.num_free_blocks() - num_hit_blocks_now_free {
             return Ok(None);
@@ -538,24 +565,22 @@ impl KVCacheManager {
             self.prefix_cache_queries += num_query_tokens as u64;
             self.prefix_cache_hits += (num_hit_blocks * block_size) as u64;
         }
-        if num_hit_blocks > 0 {
-            let tail = sequence.pending_hit_tail.take();
-            for group in &mut sequence.groups {
-                group.table.resize(group.pending_hit_start, BlockId::NULL);
-                group.num_skipped = group.pending_hit_start;
-                for block in std::mem::take(&mut group.pending_hit) {
+        if let Some(hit) = sequence.pending_hit.take() {
+            for (group, (start, blocks)) in sequence.groups.iter_mut().zip(hit.groups) {
+                group.table.resize(start, BlockId::NULL);
+                group.num_skipped = start;
+                for block in blocks {
                     self.pool.touch(block.id);
                     group.table.push(block.id);
                 }
-                group.num_cached_blocks = num_hit_blocks;
-                group.last_cached = tail;
+                group.num_cached_blocks = hit.num_blocks;
+                group.last_cached = Some(hit.tail);
             }
-            sequence.num_pending_hit_blocks = 0;
         }
 
         let mut copies = Vec::new();
-        for group in &mut sequence.groups {
-            if writes_into_a_block && self.pool.ref_count(group.table[write_block]) > 1 {
+        for (index, group) in sequence.groups.iter_mut().enumerate() {
+            if copy_groups & (1 << index) != 0 {
                 let shared = group.table[write_block];
                 let private = self.pool.allocate().expect("capacity was checked above");
                 self.pool.release(shared)?;
@@ -700,11 +725,21 @@ impl KVCacheManager {
     }
 }
 
-/// Checks the layer groups' windows: at least one group, every window at least one token,
+/// The most KV layer groups a manager takes (`allocate_slots` keeps one bit per group).
+pub const MAX_GROUPS: usize = 64;
+
+/// Checks the layer groups' windows: at least one group (at most `MAX_GROUPS`), every window
+/// at least one token,
 /// and group 0 full attention when there are others.
 pub(crate) fn check_group_windows(group_windows: &[Option<usize>]) -> Result<()> {
     if group_windows.is_empty() {
         return Err(Error::InvalidArgument("the KV cache needs at least one layer group".into()));
+    }
+    if group_windows.len() > MAX_GROUPS {
+        return Err(Error::InvalidArgument(format!(
+            "the KV cache takes at most {MAX_GROUPS} layer groups, got {}",
+            group_windows.len()
+        )));
     }
     if group_windows.contains(&Some(0)) {
         return Err(Error::InvalidArgument("a layer group's window must be at least 1".into()));

@@ -71,7 +71,8 @@ ARCH_NAMES = {
     },
 }
 ARCH_NAMES["gemma3"] = ARCH_NAMES["gemma2"]
-GEMMA = {"gemma2", "gemma3"}
+ARCH_NAMES["olmo2"] = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+GEMMA = {"gemma", "gemma2", "gemma3"}
 """Architectures whose converter stores each norm as 1 + w."""
 
 
@@ -143,7 +144,8 @@ def write_gguf(
     them): the oracle must then load the file itself. ``extra_tensors`` (GGUF name -> float32
     array, e.g. ``rope_freqs.weight``) and ``extra_metadata`` (key -> string) are written too.
     ``architecture``: as llama.cpp's converter writes it: ``llama`` (q/k rows permuted),
-    ``phi3`` (q/k/v and gate/up fused, its window and rotary dimension), ``gemma2`` (its norm
+    ``granite`` (permuted as llama, its multipliers), ``olmo2`` (its post-norms), ``gemma``
+    (norms as 1 + w), ``phi3`` (q/k/v and gate/up fused, its window and rotary dimension), ``gemma2`` (its norm
     names, each norm as 1 + w, its softcaps and window), ``gemma3`` (Gemma 2's names and norms,
     q/k norms, the window, the global layers' rotary base and linear scaling; the pattern of
     local layers and their base are llama.cpp's fixed ones, not in the file)."""
@@ -164,6 +166,14 @@ def write_gguf(
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     rope_base = 10000.0
+    if architecture == "gemma":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if architecture == "granite":  # llama.cpp's names for Granite's multipliers
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     if architecture == "gemma3":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -200,9 +210,9 @@ def write_gguf(
         target = gguf_name(name, architecture)
         if architecture in GEMMA and target.endswith("norm.weight"):
             array = array + 1  # llama.cpp's Gemma converter stores 1 + w
-        if architecture == "llama" and ".attn_q." in target:
+        if architecture in ("llama", "granite") and ".attn_q." in target:
             array = llama_cpp_permute(array, config.num_attention_heads)
-        elif architecture == "llama" and ".attn_k." in target:
+        elif architecture in ("llama", "granite") and ".attn_k." in target:
             array = llama_cpp_permute(array, config.num_key_value_heads)
         qtype = types.get(target.removesuffix(".weight")) if array.ndim == 2 else None
         if qtype is None:

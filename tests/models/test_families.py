@@ -156,14 +156,19 @@ def test_gguf_of_an_unread_architecture_is_refused(tmp_path):
         LLM(path)
 
 
-@pytest.mark.parametrize("family", ["phi3-mini", "phi3-longrope", "phi3-partial-sliding", "gemma2", "gemma3-llama.cpp"])
+@pytest.mark.parametrize(
+    "family",
+    ["phi3-mini", "phi3-longrope", "phi3-partial-sliding", "gemma", "gemma2", "gemma3-llama.cpp", "granite", "olmo2"],
+)
 def test_gguf_of_other_families_matches_hugging_face(tmp_path, family):
     """llama.cpp's Phi-3 (q/k/v and gate/up fused, window and partial rotary only in the
     metadata; LongRoPE's factors as tensors, prompts past ``original_max_position_embeddings``),
-    Gemma 2 (its own norm names, norms as 1 + w, softcaps in the metadata) and Gemma 3 (q/k norms
-    as 1 + w too, the global layers' linear rotary scaling in the metadata, its local layers'
-    pattern and base llama.cpp's fixed ones), read from the file against transformers running
-    the same weights."""
+    Gemma 1 and 2 (norms as 1 + w, Gemma 2's own norm names and softcaps in the metadata), Gemma 3
+    (q/k norms as 1 + w too, the global layers' linear rotary scaling in the metadata, its local
+    layers' pattern and base llama.cpp's fixed ones), Granite (q/k permuted as llama's, its
+    multipliers in the metadata) and OLMo 2 (post-norms, full-width q/k norms), whose configs
+    pagedrs builds itself (transformers reads none from these files): read from the file
+    against transformers running the same weights."""
     from tests.helpers.gguf_writer import write_gguf
 
     hf_model = save_family(family, tmp_path / "hf")

@@ -6,9 +6,9 @@ Orientation: a GGUF matrix of ``ne = [in, out]`` is stored as ``out`` rows of ``
 quantized row is ``in / block_weights`` blocks), which is Hugging Face's ``[out, in]``: rows are output
 features, and a row range of a packed weight is a row range of its bytes.
 
-NOTE: llama.cpp's converter permutes the rows of q and k of ``llama`` models (its rotary pairs
-adjacent features, Hugging Face's pairs halves of a head); transformers undoes it when loading,
-and so do we, as a row order: per head of ``2 * half`` rows, Hugging Face's row ``a * half + d``
+NOTE: llama.cpp's converter permutes the rows of q and k of ``llama`` (and ``granite``) models
+(its rotary pairs adjacent features, Hugging Face's pairs halves of a head); transformers undoes
+it when loading, and so do we, as a row order: per head of ``2 * half`` rows, Hugging Face's row ``a * half + d``
 is GGUF's row ``2 d + a``. Rows move whole, so packed rows are permuted without dequantizing.
 """
 
@@ -62,10 +62,46 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     },
 }
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+# OLMo 2's norms come after attention and the MLP (there are none before them).
+_ARCH_LAYER_NAMES["olmo2"] = {
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 
 # Architectures whose converter stores each RMSNorm weight as 1 + w (Gemma's form of the norm;
 # Gemma 3's q/k norms too).
-_NORMS_PLUS_ONE = {"gemma2", "gemma3"}
+_NORMS_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
+
+# Architectures whose converter permutes q and k as llama's does (see the module's note).
+_PERMUTED_QK = {"llama", "granite"}
+
+_COMMON_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+}
+# Architectures transformers reads no config from: pagedrs builds it from the file's metadata
+# (`own_config`), as the transformers config class named, with these keys (after the
+# architecture's prefix) -> its attributes.
+OWN_CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
+    "gemma": ("GemmaConfig", {**_COMMON_KEYS, "attention.key_length": "head_dim"}),
+    "granite": (
+        "GraniteConfig",
+        {
+            **_COMMON_KEYS,
+            "attention.scale": "attention_multiplier",
+            "embedding_scale": "embedding_multiplier",
+            "residual_scale": "residual_multiplier",
+            "logit_scale": "logits_scaling",
+        },
+    ),
+    "olmo2": ("Olmo2Config", _COMMON_KEYS),
+}
 
 # Per GGUF architecture, metadata transformers' config drops that pagedrs carries into it
 # (`complete_config`): key after the architecture's prefix -> config attribute.
@@ -253,6 +289,8 @@ def check_metadata(reader: GGUFReader, architecture: str) -> None:
 
     check_architecture(architecture)
     mapping = cast("dict[str, Any] | None", GGUF_CONFIG_MAPPING.get(architecture))
+    if architecture in OWN_CONFIGS:
+        mapping = OWN_CONFIGS[architecture][1]
     if mapping is None:
         raise ValueError(f"GGUF architecture {architecture!r} is not one transformers reads a config from")
     prefix = f"{architecture}."
@@ -278,6 +316,42 @@ def check_metadata(reader: GGUFReader, architecture: str) -> None:
             f"the GGUF file sets {', '.join(sorted(unknown))}, which pagedrs cannot carry into the model "
             "(transformers' config drops it): refusing to run the model without it"
         )
+
+
+def architecture_of_file(path: str | os.PathLike) -> str:
+    """The file's ``general.architecture``."""
+    return str(_field(GGUFReader(os.fspath(path), "r"), "general.architecture"))
+
+
+def own_config(path: str | os.PathLike) -> Any:
+    """The transformers config of a GGUF file of an `OWN_CONFIGS` architecture (transformers
+    reads none from it), built from the file's metadata; `complete_config` then carries the
+    rest, as for every GGUF file."""
+    import transformers
+
+    reader = GGUFReader(os.fspath(path), "r")
+    architecture = str(_field(reader, "general.architecture"))
+    class_name, keys = OWN_CONFIGS[architecture]
+    prefix = f"{architecture}."
+    values: dict[str, Any] = {}
+    for key, attribute in keys.items():
+        value = _field(reader, prefix + key)
+        if value is not None:
+            values[attribute] = value
+    missing = [key for key in ("embedding_length", "block_count", "attention.head_count") if keys[key] not in values]
+    if missing:
+        raise ValueError(f"the GGUF file has no {', '.join(prefix + key for key in missing)}")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError("the GGUF file has no tokenizer.ggml.tokens (its vocabulary)")
+    values["vocab_size"] = len(tokens)
+    values.setdefault("head_dim", int(values["hidden_size"]) // int(values["num_attention_heads"]))
+    values["rope_parameters"] = {"rope_type": "default", "rope_theta": float(values.pop("rope_theta", 10000.0))}
+    values["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in reader.tensors)
+    for name in ("bos_token_id", "eos_token_id", "padding_token_id"):
+        token = _field(reader, f"tokenizer.ggml.{name}")
+        values[name.replace("padding", "pad")] = None if token is None else int(token)
+    return getattr(transformers, class_name)(**values)
 
 
 def complete_config(config: Any, path: str | os.PathLike) -> None:
@@ -383,8 +457,9 @@ class GGUFCheckpoint:
                 continue  # the rotary's factors: read into the config (`complete_config`)
             name = hf_name(tensor.name, self.architecture)
             row_order = None
-            # transformers' LlamaTensorProcessor: only the `llama` architecture is permuted.
-            if self.architecture == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            # transformers' LlamaTensorProcessor: `llama` is permuted (and, by llama.cpp's
+            # converter, `granite`).
+            if self.architecture in _PERMUTED_QK and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
                 heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
                 row_order = rotary_row_order(int(tensor.shape[-1]), int(heads))
             plus_one = self.architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight")

@@ -31,6 +31,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+MAX_GROUPS = 64
+"""The most layer groups the core takes (``MAX_GROUPS`` in ``kv_cache_manager.rs``)."""
 _MAX_SLIDING_PADDING = 1 / 8
 """Most of the sliding groups' slots left unused (when their layers do not divide evenly) that
 `KVLayout.plan` accepts before it tries a smaller group size."""
@@ -78,12 +80,16 @@ class KVLayout:
         num_full = len(layers_of[0])
         sliding = [len(layers) for layers in layers_of[1:]]
         size = next(
-            size
-            for size in range(min(len(layers) for layers in layers_of), 0, -1)
-            if num_full % size == 0
-            and sum(math.ceil(n / size) * size - n for n in sliding) <= _MAX_SLIDING_PADDING * sum(sliding)
+            (
+                size
+                for size in range(min(len(layers) for layers in layers_of), 0, -1)
+                if num_full % size == 0
+                and sum(math.ceil(n / size) * size - n for n in sliding) <= _MAX_SLIDING_PADDING * sum(sliding)
+                and num_full // size + sum(math.ceil(n / size) for n in sliding) <= MAX_GROUPS
+            ),
+            None,
         )
-        return cls._grouped(kinds, layers_of, size)
+        return cls._single(windows) if size is None else cls._grouped(kinds, layers_of, size)
 
     @classmethod
     def _single(cls, windows: list[int | None]) -> KVLayout:

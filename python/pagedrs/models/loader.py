@@ -52,18 +52,27 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
 def load_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
+    from pagedrs.checkpoint import gguf
+
     try:
-        config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+        if source.gguf_file is not None and gguf.architecture_of_file(source.name) in gguf.OWN_CONFIGS:
+            config = gguf.own_config(source.name)
+        else:
+            config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
     except (KeyError, TypeError) as error:  # transformers' own checks of the config's fields
         raise ValueError(f"the model config of {source.name!r} is invalid: {error}") from error
     if source.gguf_file is not None:
-        from pagedrs.checkpoint.gguf import complete_config
-
-        complete_config(config, source.name)
+        gguf.complete_config(config, source.name)
     return config
 
 
 def load_tokenizer(source: ModelSource) -> Any:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from pagedrs.checkpoint import gguf
+
+    if source.gguf_file is not None and gguf.architecture_of_file(source.name) in gguf.OWN_CONFIGS:
+        # AutoTokenizer would read the config through transformers, which has none for it;
+        # the tokenizer itself converts from the file as any GGUF vocabulary does.
+        return PreTrainedTokenizerFast.from_pretrained(source.directory, gguf_file=source.gguf_file)
     return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
