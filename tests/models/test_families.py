@@ -205,6 +205,28 @@ def test_phi3_gguf_keeps_its_fused_linears_packed(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("family", ["gemma", "gemma3-llama.cpp", "granite", "olmo2"])
+def test_packed_gguf_linears_of_other_families_decode_as_dequantized(tmp_path, family):
+    """Each family's GGUF linears stored as Q8_0 stay packed under ``quantization="auto"`` and
+    decode the tokens the same file gives dequantized."""
+    from gguf import GGMLQuantizationType
+
+    from tests.helpers.gguf_writer import gguf_name, write_gguf
+
+    hf_model = save_family(family, tmp_path / "hf")
+    architecture = family.split("-")[0]
+    linears = [name for name, p in hf_model.state_dict().items() if p.ndim == 2 and "proj" in name]
+    types = {gguf_name(name, architecture).removesuffix(".weight"): GGMLQuantizationType.Q8_0 for name in linears}
+    path = str(tmp_path / f"{family}.gguf")
+    write_gguf(path, hf_model, types, architecture=architecture)
+    packed, dense = LLM(path), LLM(path, quantization="none")
+    layer = packed.engine.model.layers[0]
+    assert type(layer.self_attn.qkv_proj).__name__ == "QuantColumnParallelLinear"
+    assert type(layer.mlp.down_proj).__name__ == "QuantRowParallelLinear"
+    for a, b in zip(generate(packed, PROMPTS), generate(dense, PROMPTS)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("name", ["gemma3", "gemma2", "phi3-mini"])
 def test_sliding_groups_hold_only_their_window(name, tmp_path):
     """Long sequences on models with sliding layers (Gemma 3: two sliding layers per global
