@@ -48,6 +48,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def predict(args: argparse.Namespace) -> dict[str, Any]:
     from pagedrs.config import EngineConfig, resolve_dtype
     from pagedrs.engine.builder import plan_kv_cache
+    from pagedrs.engine.kv_layout import final_blocks
     from pagedrs.models.loader import load_config, resolve_model
 
     engine_config = EngineConfig(
@@ -66,7 +67,7 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(item) for item in args.lengths.split(",") if item.strip()]
     slack = block_slack(lengths, args.block_size)
     # A block holds `layout.num_slots` layers; a sliding layer group keeps only its window's.
-    blocks_per_sequence = [layout.final_blocks(length, args.block_size) for length in lengths]
+    blocks_per_sequence = [final_blocks(layout.group_windows, length, args.block_size) for length in lengths]
     fit, used = 0, 0
     for blocks in blocks_per_sequence:  # in the order given, as a FCFS scheduler admits them
         if used + blocks > capacity.num_blocks:
@@ -109,7 +110,8 @@ def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str,
     sequence of total length L never stores its last sampled token: without sliding layers it
     peaks at ``ceil((L - 1) / block_size)`` blocks. A sliding layer group holds its whole
     prompt at most until the step after the prompt's last chunk, then its window's blocks
-    (`KVLayout.decode_peak_blocks`); the peak counts each sequence at the larger of the two."""
+    (`pagedrs.engine.kv_layout.decode_peak_blocks`); the peak counts each sequence at the larger of
+    the two."""
     from pagedrs.bench.client import Endpoint, MetricsSampler
     from pagedrs.bench.workloads import RequestSpec
     from pagedrs.engine.kv_layout import decode_peak_blocks
@@ -140,9 +142,13 @@ def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str,
     results, timeline = asyncio.run(load())
     after = endpoint.metrics()
     windows = prediction["kv_group_windows"]
-    predicted_peak = sum(
-        max(math.ceil(prompt / block) * len(windows), decode_peak_blocks(windows, prompt, length - 1, block))
+    decode_peaks = [
+        decode_peak_blocks(windows, prompt, length - 1, block)
         for prompt, length in zip(prompt_lens, prediction["lengths"])
+    ]
+    # At its prompt's last chunk, a sequence may hold the whole prompt in every group.
+    predicted_peak = sum(
+        max(math.ceil(prompt / block) * len(windows), peak) for prompt, peak in zip(prompt_lens, decode_peaks)
     )
     observed_peak = max((point.get("kv_used_blocks", 0.0) for point in timeline), default=0.0)
     # Decoding: from every request's second token (the step after its prompt's last chunk
@@ -154,10 +160,6 @@ def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str,
         for point in timeline
         if "kv_used_blocks" in point and len(seconds) == len(results) and max(seconds) < point["t"] < min(ends)
     ]
-    predicted_decode = sum(
-        decode_peak_blocks(windows, prompt, length - 1, block)
-        for prompt, length in zip(prompt_lens, prediction["lengths"])
-    )
     return {
         "url": url,
         "server_num_blocks": after.get("kv_blocks"),
@@ -168,7 +170,7 @@ def check(prediction: dict[str, Any], url: str, output_tokens: int) -> dict[str,
         "requests_ok": sum(r.success for r in results),
         "predicted_peak_used_blocks": predicted_peak if prediction["load_fits"] else prediction["num_blocks"],
         "observed_peak_used_blocks": observed_peak,
-        "predicted_decode_used_blocks": predicted_decode,
+        "predicted_decode_used_blocks": sum(decode_peaks),
         "observed_decode_used_blocks": max(decoding, default=None),
         "preemptions": after.get("preemptions", 0.0) - before.get("preemptions", 0.0),
         "samples": len(timeline),

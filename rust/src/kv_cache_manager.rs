@@ -797,16 +797,12 @@ fn cache_full_blocks(
         // key is already cached (two sequences computed it at once), this one stays
         // uncached, and so, in effect, do its descendants: a lost hit, never a wrong one.
         let parent = anchor.last_cached;
-        if index == 0 || parent.is_some() {
-            pool.cache(
-                block,
-                sequence.block_hashes[index],
-                parent,
-                sequence.cache_salt.as_ref(),
-                tokens,
-            );
+        let chained = index == 0 || parent.is_some();
+        if chained {
+            let salt = sequence.cache_salt.as_ref();
+            pool.cache(block, sequence.block_hashes[index], parent, salt, tokens);
         }
-        anchor.last_cached = (index == 0 || parent.is_some()).then(|| pool.block_ref(block));
+        anchor.last_cached = chained.then(|| pool.block_ref(block));
     }
     for (offset, group) in others.iter_mut().enumerate() {
         for index in group.num_cached_blocks..num_full_blocks {

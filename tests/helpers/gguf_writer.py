@@ -61,7 +61,9 @@ _HF_TO_GGUF = {
 }
 
 
-# Per architecture, llama.cpp's names that differ from the Llama family's.
+# Per architecture, llama.cpp's names that differ from the Llama family's. Written out here
+# rather than inverted from pagedrs's reader (`checkpoint.gguf`): the files must be llama.cpp's,
+# not a mirror of what the reader expects.
 ARCH_NAMES = {
     "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
     "gemma2": {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pagedrs import LLM, SamplingParams
+from pagedrs.engine.kv_layout import decode_peak_blocks
 from pagedrs.kernels.cpu import available as cpu_kernels_available
 from tests.helpers.families import FAMILIES, hf_greedy_logprobs, save_family
 
@@ -68,7 +69,7 @@ def test_chunks_prefix_hits_preemption_and_n2_match_hugging_face(family):
     # Preemption: room for the longer sequence alone (and a chunk of 8 tokens in flight in
     # every KV layer group), not for both: sliding groups hold only their window's blocks.
     layout = llm.engine.runner.layout
-    peaks = [layout.decode_peak_blocks(len(p), len(p) + NEW_TOKENS - 1, 4) for p in PROMPTS]
+    peaks = [decode_peak_blocks(layout.group_windows, len(p), len(p) + NEW_TOKENS - 1, 4) for p in PROMPTS]
     num_blocks = max(peaks) + 2 * layout.num_groups
     assert sum(peaks) > num_blocks
     slots = llm.engine.runner.cache_slots

@@ -132,14 +132,6 @@ class KVLayout:
     def num_groups(self) -> int:
         return len(self.group_windows)
 
-    def final_blocks(self, length: int, block_size: int) -> int:
-        """See `final_blocks` (the module function)."""
-        return final_blocks(self.group_windows, length, block_size)
-
-    def decode_peak_blocks(self, prompt_len: int, length: int, block_size: int) -> int:
-        """See `decode_peak_blocks` (the module function)."""
-        return decode_peak_blocks(self.group_windows, prompt_len, length, block_size)
-
 
 def final_blocks(group_windows: Sequence[int | None], length: int, block_size: int) -> int:
     """Blocks a sequence of ``length`` tokens holds in all groups once the last of them is
