@@ -44,6 +44,13 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::T
 // [out_features, row_bytes] of ggml_type; returns [num_tokens, out_features] in x's dtype.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type, int64_t in_features);
 
+// moe.cpp: x [num_tokens, hidden_size] through each token's top-k experts (topk_ids, topk_weights
+// [num_tokens, top_k]), experts' gate_up [E, 2 * I, ...] and down [E, H, ...] float32 or packed
+// of their ggml type; returns [num_tokens, hidden_size] float32.
+at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                         const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down, int64_t down_type,
+                         int64_t intermediate_size, int64_t activation);
+
 // decoder_stack.cpp: a dense model's decoder layers run in one call per step (weights
 // and per-step tensors: the header comment of decoder_stack.cpp). Registered as
 // torch.classes.pagedrs_cpu.DecoderStack, made by make_decoder_stack.
@@ -89,6 +96,22 @@ c10::intrusive_ptr<DecoderStack> make_decoder_stack(int64_t hidden_size, int64_t
 void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
                       int64_t out_features, int64_t ggml_type);
 
+// quant_matmul.cpp: out[t * out_stride + n] = x[t * x_stride + :] . dequant(weight row n) for
+// weight rows n in [row_begin, row_end), on the calling thread (callers split the work).
+void quant_matmul_rows_f32(const float* x, int64_t x_stride, const uint8_t* weight, float* out, int64_t out_stride,
+                           int64_t num_tokens, int64_t in_features, int64_t row_begin, int64_t row_end,
+                           int64_t ggml_type);
+
+// moe.cpp: checks one layer's experts (shapes in moe.cpp's header comment); fails loudly.
+void check_moe_experts(const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down, int64_t down_type,
+                       int64_t hidden_size, int64_t intermediate_size, int64_t activation);
+
+// moe.cpp: out [num_tokens, H] (written) = x through each token's top_k experts, tensors checked
+// by the caller (check_moe_experts; ids within [0, E)).
+void fused_experts_f32(const at::Tensor& x, const int64_t* topk_ids, const float* topk_weights, int64_t top_k,
+                       const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down, int64_t down_type,
+                       int64_t activation, at::Tensor& out);
+
 // quant_matmul.cpp: bytes and weights of one stored block of a supported ggml type (32
 // weights, 256 for the k-quants); both fail loudly on any other type.
 int64_t quant_block_bytes(int64_t ggml_type);
@@ -110,6 +133,42 @@ inline float exp_nonpositive(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
   return p * __builtin_bit_cast(float, (static_cast<int>(n) + 127) << 23);
+}
+
+// The MLP activations the kernels apply to a gate and an up row (decoder_stack.cpp, moe.cpp).
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
+
+// silu(gate) * up, with silu(g) = g / (1 + exp(-g)) written for an exp of non-positive
+// arguments (it vectorizes; std::exp does not).
+inline void silu_mul(const float* __restrict__ gate, const float* __restrict__ up, int64_t n, float* __restrict__ out) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float g = gate[j];
+    const float e = exp_nonpositive(-std::abs(g));  // exp(-|g|)
+    const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+    out[j] = g * sigmoid * up[j];
+  }
+}
+
+// gelu(gate) * up: torch's tanh approximation (Gemma's gelu_pytorch_tanh), or the exact erf form.
+inline void gelu_mul(const float* __restrict__ gate, const float* __restrict__ up, int64_t n, bool tanh_form,
+                     float* __restrict__ out) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f, kInvSqrt2 = 0.7071067811865476f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float g = gate[j];
+    const float cdf = tanh_form ? 0.5f * (1.f + std::tanh(kBeta * (g + kKappa * g * g * g)))
+                                : 0.5f * (1.f + std::erf(g * kInvSqrt2));
+    out[j] = g * cdf * up[j];
+  }
+}
+
+// out = act(gate) * up over n elements, act an Activation.
+inline void activate_mul(int64_t activation, const float* gate, const float* up, int64_t n, float* out) {
+  if (activation == kSilu) {
+    silu_mul(gate, up, n, out);
+  } else {
+    gelu_mul(gate, up, n, activation == kGeluTanh, out);
+  }
 }
 
 }  // namespace pagedrs_cpu

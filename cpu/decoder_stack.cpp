@@ -119,7 +119,9 @@ Linear make_linear(const char* name, const at::Tensor& weight, int64_t ggml_type
   return Linear{weight, ggml_type, bias, in_features, out_features};
 }
 
-enum Activation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
+using pagedrs_cpu::kGelu;
+using pagedrs_cpu::kGeluTanh;
+using pagedrs_cpu::kSilu;
 
 // One decoder layer's weights (shapes in the header) and how it computes.
 struct Layer {
@@ -167,30 +169,6 @@ inline void rotate(float* __restrict__ x, const float* __restrict__ cos, const f
     rotated[j + half] = x[j + half] * cos[j + half] + x[j] * sin[j + half];
   }
   std::copy(rotated, rotated + size, x);
-}
-
-// silu(gate) * up, with silu(g) = g / (1 + exp(-g)) written for an exp of non-positive
-// arguments (it vectorizes; std::exp does not).
-inline void silu_mul(const float* __restrict__ gate, const float* __restrict__ up, int64_t n, float* __restrict__ out) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float g = gate[j];
-    const float e = pagedrs_cpu::exp_nonpositive(-std::abs(g));  // exp(-|g|)
-    const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-    out[j] = g * sigmoid * up[j];
-  }
-}
-
-// gelu(gate) * up: torch's tanh approximation (Gemma's gelu_pytorch_tanh), or the exact erf form.
-inline void gelu_mul(const float* __restrict__ gate, const float* __restrict__ up, int64_t n, bool tanh_form,
-                     float* __restrict__ out) {
-  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f, kInvSqrt2 = 0.7071067811865476f;
-  for (int64_t j = 0; j < n; ++j) {
-    const float g = gate[j];
-    const float cdf = tanh_form ? 0.5f * (1.f + std::tanh(kBeta * (g + kKappa * g * g * g)))
-                                : 0.5f * (1.f + std::erf(g * kInvSqrt2));
-    out[j] = g * cdf * up[j];
-  }
 }
 
 // x += multiplier * y (the residual add; Granite scales the branch).
@@ -383,11 +361,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       layer.gate_up.apply(pre_mlp_norm != nullptr ? normed : hidden, gate_up);
       for_rows(num_tokens, [&](int64_t t) {
         const float* gate = gate_up_rows + t * 2 * I;
-        if (layer.activation == kSilu) {
-          silu_mul(gate, gate + I, I, activated_rows + t * I);
-        } else {
-          gelu_mul(gate, gate + I, I, layer.activation == kGeluTanh, activated_rows + t * I);
-        }
+        pagedrs_cpu::activate_mul(layer.activation, gate, gate + I, I, activated_rows + t * I);
       });
       layer.down.apply(activated, projected);
       const float* mlp_out_norm = data(layer.mlp_out_norm);

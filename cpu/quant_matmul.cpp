@@ -305,23 +305,30 @@ inline void dot_row_tokens(int num_tokens, const float* x, int64_t x_stride, con
   }
 }
 
+// out[t * out_stride + n] for weight rows n in [row_begin, row_end), on the calling thread.
+template <class Format>
+void matmul_rows(const float* x, int64_t x_stride, const uint8_t* weight, float* out, int64_t out_stride,
+                 int64_t num_tokens, int64_t in_features, int64_t row_begin, int64_t row_end) {
+  const int64_t num_blocks = in_features / Format::kWeights;
+  const int64_t row_bytes = num_blocks * Format::kBytes;
+  for (int64_t chunk = row_begin; chunk < row_end; chunk += kRowChunk) {
+    const int64_t chunk_end = std::min(row_end, chunk + kRowChunk);
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
+      const int tile = static_cast<int>(std::min<int64_t>(kTokenTile, num_tokens - t0));
+      for (int64_t n = chunk; n < chunk_end; ++n) {
+        dot_row_tokens<Format>(tile, x + t0 * x_stride, x_stride, weight + n * row_bytes, num_blocks,
+                               out + t0 * out_stride + n, out_stride);
+      }
+    }
+  }
+}
+
 template <class Format>
 void matmul(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
             int64_t out_features) {
-  const int64_t num_blocks = in_features / Format::kWeights;
-  const int64_t row_bytes = num_blocks * Format::kBytes;
   // A range of at least 16 rows per thread: smaller ones cost more in scheduling than they save.
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t chunk = begin; chunk < end; chunk += kRowChunk) {
-      const int64_t chunk_end = std::min(end, chunk + kRowChunk);
-      for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
-        const int tile = static_cast<int>(std::min<int64_t>(kTokenTile, num_tokens - t0));
-        for (int64_t n = chunk; n < chunk_end; ++n) {
-          dot_row_tokens<Format>(tile, x + t0 * in_features, in_features, weight + n * row_bytes, num_blocks,
-                                 out + t0 * out_features + n, out_features);
-        }
-      }
-    }
+    matmul_rows<Format>(x, in_features, weight, out, out_features, num_tokens, in_features, begin, end);
   });
 }
 
@@ -358,6 +365,21 @@ void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t
     case kQ4_1: matmul<Q4_1>(x, weight, out, num_tokens, in_features, out_features); break;
     case kQ4_K: matmul<Q4_K>(x, weight, out, num_tokens, in_features, out_features); break;
     case kQ6_K: matmul<Q6_K>(x, weight, out, num_tokens, in_features, out_features); break;
+    default: quant_block_bytes(ggml_type);  // fails with the list of supported types
+  }
+}
+
+void quant_matmul_rows_f32(const float* x, int64_t x_stride, const uint8_t* weight, float* out, int64_t out_stride,
+                           int64_t num_tokens, int64_t in_features, int64_t row_begin, int64_t row_end,
+                           int64_t ggml_type) {
+  if (num_tokens == 0 || row_begin >= row_end) return;
+  const auto args = [&](auto run) { run(x, x_stride, weight, out, out_stride, num_tokens, in_features, row_begin, row_end); };
+  switch (ggml_type) {
+    case kQ8_0: args(matmul_rows<Q8_0>); break;
+    case kQ4_0: args(matmul_rows<Q4_0>); break;
+    case kQ4_1: args(matmul_rows<Q4_1>); break;
+    case kQ4_K: args(matmul_rows<Q4_K>); break;
+    case kQ6_K: args(matmul_rows<Q6_K>); break;
     default: quant_block_bytes(ggml_type);  // fails with the list of supported types
   }
 }

@@ -19,6 +19,9 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
   // quant_matmul.cpp
   m.def("quant_matmul(Tensor x, Tensor weight, int ggml_type, int in_features) -> Tensor");
+  // moe.cpp
+  m.def("fused_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, int gate_up_type, "
+        "Tensor down, int down_type, int intermediate_size, int activation) -> Tensor");
   // decoder_stack.cpp: a class, its methods' schemas inferred from their C++ signatures
   m.class_<pagedrs_cpu::DecoderStack>("DecoderStack")
       .def(torch::init(&pagedrs_cpu::make_decoder_stack))
@@ -33,4 +36,5 @@ TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) {
   m.impl("sample_from_rows", &pagedrs_cpu::sample_from_rows);
   m.impl("apply_token_bitmask", &pagedrs_cpu::apply_token_bitmask);
   m.impl("quant_matmul", &pagedrs_cpu::quant_matmul);
+  m.impl("fused_experts", &pagedrs_cpu::fused_experts);
 }

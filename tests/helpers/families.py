@@ -114,6 +114,31 @@ FAMILIES: dict[str, Callable[[], Any]] = {
         **TINY, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=0.5
     ),
     "olmo2": lambda: __import__("transformers").Olmo2Config(**TINY, pad_token_id=0, eos_token_id=1),
+    # Mixtures of experts: odd expert counts, top-k 2 to 4, a window on every Mixtral layer,
+    # Qwen2-MoE's shared expert and a dense layer (mlp_only_layers), Qwen3-MoE's dense first
+    # layer (decoder_sparse_step 2), OLMoE's full-width q/k norms.
+    "mixtral": lambda: __import__("transformers").MixtralConfig(
+        **TINY, num_local_experts=5, num_experts_per_tok=2, sliding_window=WINDOW
+    ),
+    "qwen2-moe": lambda: __import__("transformers").Qwen2MoeConfig(
+        **TINY,
+        num_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=96,
+        mlp_only_layers=[1],
+    ),
+    "qwen3-moe": lambda: __import__("transformers").Qwen3MoeConfig(
+        **{**TINY, "head_dim": 16},
+        num_experts=8,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+    ),
+    "olmoe": lambda: __import__("transformers").OlmoeConfig(
+        **TINY, num_experts=7, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1
+    ),
 }
 
 

@@ -87,6 +87,29 @@ class RowSlice:
         raise AttributeError(name)
 
 
+class ExpertSlice:
+    """Expert ``index`` of a 3-D tensor that stacks every expert's matrix (``[E, rows, cols]``:
+    transformers' fused experts, llama.cpp's ``ffn_*_exps``) as a 2-D tensor of its own, read
+    lazily: ``h[rows]`` and ``h[:, cols]`` read just that expert's slice."""
+
+    def __init__(self, handle: WeightHandle, index: int):
+        if len(handle.shape) != 3 or not 0 <= index < handle.shape[0]:
+            raise ValueError(f"expert {index} of a tensor of shape {tuple(handle.shape)} (not [experts, rows, cols])")
+        self._handle, self._index = handle, index
+        self.shape = tuple(handle.shape)[1:]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rest = index if isinstance(index, tuple) else (index,)
+        return self._handle[(self._index, *rest)]
+
+
+def expert_of(handle: WeightHandle, index: int) -> WeightHandle:
+    """Expert ``index`` of a stacked 3-D tensor as a 2-D handle: a GGUF tensor's own (which
+    hands out packed rows too), else an `ExpertSlice`."""
+    expert = getattr(handle, "expert", None)
+    return expert(index) if expert is not None else ExpertSlice(handle, index)
+
+
 class SafetensorsHandle:
     """A tensor of a memory-mapped safetensors file; a slice reads only its bytes."""
 

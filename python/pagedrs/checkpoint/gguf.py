@@ -14,6 +14,7 @@ is GGUF's row ``2 d + a``. Rows move whole, so packed rows are permuted without 
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from collections.abc import Iterator
@@ -49,6 +50,16 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtures of experts: the router, every expert stacked in one 3-D tensor per projection
+    # ([experts, rows, cols]; `pagedrs.models.decoder` loads them), and Qwen2-MoE's shared expert.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 
 # Per GGUF architecture, the layer tensors whose names differ from the Llama family's.
@@ -191,6 +202,15 @@ class GGUFTensor:
         # GGUF lists dimensions innermost first; Hugging Face outermost first.
         self.shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         self._row_order = row_order
+
+    def expert(self, index: int) -> GGUFTensor:
+        """Expert ``index`` of a 3-D ``ffn_*_exps`` tensor (``[experts, rows, cols]``) as a 2-D
+        tensor of its own (a view of the same memory map)."""
+        if len(self.shape) != 3 or not 0 <= index < self.shape[0] or self._row_order is not None:
+            raise ValueError(f"{self.name} (shape {self.shape}) has no expert {index}")
+        expert = copy.copy(self)
+        expert.name, expert.shape, expert._data = f"{self.name}[{index}]", self.shape[1:], self._data[index]
+        return expert
 
     @property
     def quantized(self) -> bool:

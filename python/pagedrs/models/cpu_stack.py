@@ -59,12 +59,16 @@ def _linears(model: DecoderForCausalLM) -> list[nn.Module]:
 
 def why_unsupported(model: DecoderForCausalLM, device: torch.device, attention_backend: AttentionBackend) -> str | None:
     """Why the stack cannot run this model's layers, or ``None`` when it can."""
+    from pagedrs.models.decoder import MLP
+
     if device.type != "cpu" or attention_backend.metadata is not CpuAttentionMetadata:  # the layout it reads
         return f"it runs on the CPU attention backend (this model uses {attention_backend.name!r} on {device})"
     if model.tp.size > 1:
         return "tensor parallelism all-reduces inside each layer"
     if model.head_dim % 2 or model.head_dim > MAX_HEAD_DIM:
         return f"it rotates even head sizes up to {MAX_HEAD_DIM} (this model's is {model.head_dim})"
+    if any(not isinstance(layer.mlp, MLP) for layer in model.decoder_layers()):
+        return "mixture-of-experts layers run in Python"
     if model.norm.weight.dtype != torch.float32:
         return f"it computes in float32 (the model is {model.norm.weight.dtype})"
     for linear in _linears(model):

@@ -21,12 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedrs.attention import AttentionMetadata, StepViews
-from pagedrs.checkpoint import ROPE_FACTORS, RowSlice, WeightHandle
+from pagedrs.checkpoint import ROPE_FACTORS, RowSlice, WeightHandle, expert_of
 from pagedrs.layers import fused
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
+from pagedrs.layers.moe import Routing, SparseMoe
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, get_rope, per_layer_type
-from pagedrs.models.registry import Family, family_of
+from pagedrs.models.registry import Family, MixtureOfExperts, family_of
 
 if TYPE_CHECKING:
     from pagedrs.attention.cpu_backend import CpuAttentionMetadata
@@ -105,7 +106,7 @@ class Attention(nn.Module):
         # Qwen2 has q/k/v biases whatever the config says; `attention_bias` (Llama, Mistral,
         # Qwen3, Gemma, Granite, OLMo 2) puts biases on q/k/v and on the output projection.
         output_bias = bool(getattr(config, "attention_bias", False))
-        bias = family.qkv_bias or output_bias
+        bias = family.qkv_bias or output_bias or bool(family.qkv_bias_key and getattr(config, family.qkv_bias_key))
         self.spec = spec
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")
@@ -149,14 +150,22 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, q_size))
 
 
+def _activation(config: Any, family: Family) -> str:
+    activation = getattr(config, family.activation_key, None) or "silu"
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not supported ({', '.join(_ACTIVATIONS)})")
+    return activation
+
+
 class MLP(nn.Module):
-    def __init__(self, config: Any, family: Family, tp: TensorParallel, dtype: torch.dtype):
+    def __init__(
+        self, config: Any, family: Family, tp: TensorParallel, dtype: torch.dtype, intermediate: int | None = None
+    ):
+        """``intermediate``: the width (default: the config's ``intermediate_size``)."""
         super().__init__()
-        self.activation = getattr(config, family.activation_key, None) or "silu"
-        if self.activation not in _ACTIVATIONS:
-            raise ValueError(f"activation {self.activation!r} is not supported ({', '.join(_ACTIVATIONS)})")
+        self.activation = _activation(config, family)
         self._act = _ACTIVATIONS[self.activation]
-        intermediate = config.intermediate_size
+        intermediate = intermediate or config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [intermediate, intermediate], bias, tp, dtype)
         self.down_proj = RowParallelLinear(intermediate, config.hidden_size, bias, tp, dtype)
@@ -169,8 +178,43 @@ class MLP(nn.Module):
         return self.down_proj(self._act(gate) * up)
 
 
+def is_sparse_layer(config: Any, family: Family, index: int) -> bool:
+    """Whether layer ``index`` of a mixture-of-experts family is a mixture (else a dense MLP)."""
+    if family.moe is None:
+        return False
+    if not family.moe.sparse_step:
+        return True
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    return index not in dense and int(getattr(config, family.moe.num_experts_key)) > 0 and (index + 1) % step == 0
+
+
+def sparse_moe(config: Any, family: Family, tp: TensorParallel, dtype: torch.dtype) -> SparseMoe:
+    """A mixture-of-experts MLP as ``config`` describes it; ``ValueError`` for settings pagedrs
+    does not run."""
+    moe = cast(MixtureOfExperts, family.moe)
+    if getattr(config, "clip_qkv", None) is not None:
+        raise ValueError("clip_qkv is not supported")
+    renormalize = moe.always_renormalize or bool(getattr(config, "norm_topk_prob", False))
+    routing = Routing(int(getattr(config, moe.num_experts_key)), int(config.num_experts_per_tok), renormalize)
+    shared = None
+    if moe.shared_expert and int(getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0:
+        shared = MLP(config, family, tp, dtype, intermediate=int(config.shared_expert_intermediate_size))
+    width = int(getattr(config, moe.width_key))
+    return SparseMoe(routing, config.hidden_size, width, _activation(config, family), tp, dtype, shared)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, family: Family, spec: LayerAttention, tp: TensorParallel, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: Any,
+        family: Family,
+        spec: LayerAttention,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        sparse: bool = False,
+    ):
+        """``sparse``: the MLP is a mixture of experts."""
         super().__init__()
         size = config.hidden_size
         self.placement = family.norm_placement
@@ -181,7 +225,7 @@ class DecoderLayer(nn.Module):
         sandwich = self.placement == "sandwich"
         self.pre_feedforward_layernorm = _norm(config, family, size, dtype) if sandwich else None
         self.post_feedforward_layernorm = _norm(config, family, size, dtype) if self.placement != "pre" else None
-        self.mlp = MLP(config, family, tp, dtype)
+        self.mlp: MLP | SparseMoe = sparse_moe(config, family, tp, dtype) if sparse else MLP(config, family, tp, dtype)
         self.residual_multiplier = float(config.residual_multiplier) if family.granite_multipliers else 1.0
 
     def norms(self) -> dict[str, RMSNorm | None]:
@@ -237,7 +281,10 @@ class DecoderForCausalLM(nn.Module):
             # transformers' other families ignore partial_rotary_factor or fail on it.
             raise ValueError(f"partial_rotary_factor is not supported for {type(config).__name__} models")
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        layers = [DecoderLayer(config, family, spec, tp, dtype) for spec in specs]
+        layers = [
+            DecoderLayer(config, family, spec, tp, dtype, sparse=is_sparse_layer(config, family, index))
+            for index, spec in enumerate(specs)
+        ]
         self.layers = nn.ModuleList(layers)
         self.norm = _norm(config, family, config.hidden_size, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -337,6 +384,9 @@ class DecoderForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             loaded.add("lm_head.weight")
         missing = {name for name in expected if name not in loaded}
+        for index, layer in enumerate(self.decoder_layers()):
+            if isinstance(layer.mlp, SparseMoe):
+                missing.update(f"layers.{index}.mlp.experts.{part}" for part in layer.mlp.experts.unloaded())
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
@@ -396,19 +446,22 @@ class DecoderForCausalLM(nn.Module):
         prefix = f"layers.{parts[1]}."
         rest, kind = ".".join(parts[2:-1]), parts[-1]
         attn, mlp = layer.self_attn, layer.mlp
+        if isinstance(mlp, SparseMoe) and rest.split(".")[0] in ("mlp", "block_sparse_moe"):
+            return [prefix + loaded for loaded in _load_moe(mlp, rest, kind, tensor)]
         fused_parts = {
             "self_attn.q_proj": (attn.qkv_proj, 0, "self_attn.qkv_proj"),
             "self_attn.k_proj": (attn.qkv_proj, 1, "self_attn.qkv_proj"),
             "self_attn.v_proj": (attn.qkv_proj, 2, "self_attn.qkv_proj"),
-            "mlp.gate_proj": (mlp.gate_up_proj, 0, "mlp.gate_up_proj"),
-            "mlp.up_proj": (mlp.gate_up_proj, 1, "mlp.gate_up_proj"),
         }
+        if isinstance(mlp, MLP):
+            fused_parts["mlp.gate_proj"] = (mlp.gate_up_proj, 0, "mlp.gate_up_proj")
+            fused_parts["mlp.up_proj"] = (mlp.gate_up_proj, 1, "mlp.gate_up_proj")
         if rest in fused_parts:
             module, shard, target = fused_parts[rest]
             (module.load if kind == "weight" else module.load_bias)(shard, tensor)
             return [f"{prefix}{target}.{kind}"]
-        if rest in ("self_attn.o_proj", "mlp.down_proj"):
-            projection = attn.o_proj if rest == "self_attn.o_proj" else mlp.down_proj
+        if rest == "self_attn.o_proj" or (rest == "mlp.down_proj" and isinstance(mlp, MLP)):
+            projection = attn.o_proj if rest == "self_attn.o_proj" else cast(MLP, mlp).down_proj
             (projection.load if kind == "weight" else projection.load_bias)(tensor)
             return [f"{prefix}{rest}.{kind}"]
         norm = layer.norms().get(rest)
@@ -416,3 +469,62 @@ class DecoderForCausalLM(nn.Module):
             norm.load(tensor)
             return [f"{prefix}{rest}.weight"]
         raise ValueError(f"unexpected checkpoint tensor {name!r}")
+
+
+# Mixtral's names of an expert's projections (``block_sparse_moe.experts.N.w1``) -> the others'.
+_MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _load_moe(moe: SparseMoe, rest: str, kind: str, tensor: WeightHandle) -> list[str]:
+    """Loads a mixture's checkpoint tensor (``rest``: its name after ``layers.N.``, without the
+    last part, ``kind``) in any of the layouts checkpoints store experts in: one tensor per
+    expert and projection (``mlp.experts.3.gate_proj.weight``; Mixtral's
+    ``block_sparse_moe.experts.3.w1.weight``), transformers' stacked ``mlp.experts.gate_up_proj``
+    ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``, or one stacked tensor per
+    projection (``mlp.experts.gate_proj.weight`` ``[E, I, H]``, as GGUF's ``ffn_gate_exps``).
+    Returns the parameter names loaded (relative to the layer)."""
+    parts = rest.split(".")
+    parts[0] = "mlp"  # Mixtral's block_sparse_moe
+    experts = moe.experts
+    if len(parts) == 4 and parts[1] == "experts" and kind == "weight":  # one expert's projection
+        expert, projection = int(parts[2]), _MIXTRAL_EXPERT_NAMES.get(parts[3], parts[3])
+        if projection in ("gate_proj", "up_proj"):
+            experts.load_gate_up(expert, 0 if projection == "gate_proj" else 1, tensor)
+            return ["mlp.experts.gate_up"]
+        if projection == "down_proj":
+            experts.load_down(expert, tensor)
+            return ["mlp.experts.down"]
+    stacked = parts[1:] == ["experts"] and kind in ("gate_up_proj", "down_proj")  # transformers' names
+    stacked = stacked or (len(parts) == 3 and parts[1] == "experts" and kind == "weight")
+    if stacked:
+        projection = kind if kind != "weight" else parts[2]
+        if projection not in ("gate_up_proj", "gate_proj", "up_proj", "down_proj"):
+            raise ValueError(f"unexpected experts tensor {rest}.{kind}")
+        if len(tensor.shape) != 3 or tensor.shape[0] != experts.num_experts:
+            raise ValueError(f"{rest}.{kind} must stack {experts.num_experts} experts, got shape {tuple(tensor.shape)}")
+        for expert in range(experts.num_experts):
+            weight = expert_of(tensor, expert)
+            if projection == "gate_up_proj":
+                size = weight.shape[0] // 2
+                experts.load_gate_up(expert, 0, RowSlice(weight, 0, size))
+                experts.load_gate_up(expert, 1, RowSlice(weight, size, size))
+            elif projection == "down_proj":
+                experts.load_down(expert, weight)
+            else:
+                experts.load_gate_up(expert, 0 if projection == "gate_proj" else 1, weight)
+        return ["mlp.experts.down" if projection == "down_proj" else "mlp.experts.gate_up"]
+    if parts == ["mlp", "gate"] and kind == "weight":  # the router
+        moe.gate.copy_(tensor[:])
+        return ["mlp.gate"]
+    if parts == ["mlp", "shared_expert_gate"] and kind == "weight" and moe.shared_expert_gate is not None:
+        moe.shared_expert_gate.copy_(tensor[:])
+        return ["mlp.shared_expert_gate"]
+    shared = moe.shared_expert
+    if len(parts) == 3 and parts[1] == "shared_expert" and kind == "weight" and isinstance(shared, MLP):
+        if parts[2] in ("gate_proj", "up_proj"):
+            shared.gate_up_proj.load(0 if parts[2] == "gate_proj" else 1, tensor)
+            return ["mlp.shared_expert.gate_up_proj.weight"]
+        if parts[2] == "down_proj":
+            shared.down_proj.load(tensor)
+            return ["mlp.shared_expert.down_proj.weight"]
+    raise ValueError(f"unexpected checkpoint tensor {rest}.{kind} of a mixture-of-experts layer")

@@ -20,11 +20,31 @@ NormStyle = Literal["llama", "float32", "gemma"]
 
 
 @dataclass(frozen=True)
+class MixtureOfExperts:
+    """How a mixture-of-experts family's config names its experts (`pagedrs.layers.moe`)."""
+
+    num_experts_key: str = "num_experts"
+    """The config key of the number of routed experts (Mixtral: ``num_local_experts``)."""
+    width_key: str = "moe_intermediate_size"
+    """The config key of one expert's intermediate size (Mixtral, OLMoE: ``intermediate_size``)."""
+    always_renormalize: bool = False
+    """The top-k weights always sum to 1 (Mixtral); else as ``norm_topk_prob`` says."""
+    shared_expert: bool = False
+    """A shared expert of ``shared_expert_intermediate_size`` every token runs, scaled by a
+    sigmoid gate (Qwen2-MoE)."""
+    sparse_step: bool = False
+    """Only layers ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers`` are
+    mixtures; the others dense MLPs of ``intermediate_size`` (Qwen2-MoE, Qwen3-MoE)."""
+
+
+@dataclass(frozen=True)
 class Family:
     """How one family's decoder differs from Llama's."""
 
     qkv_bias: bool = False
     """Biases on q/k/v whatever the config says (Qwen2)."""
+    qkv_bias_key: str | None = None
+    """The config key saying whether q/k/v have biases (Qwen2-MoE: ``qkv_bias``)."""
     qk_norm: Literal["head", "full"] | None = None
     """RMSNorm of q and k: per head (Qwen3, Gemma 3) or over all heads at once (OLMo 2)."""
     norm: NormStyle = "llama"
@@ -51,6 +71,8 @@ class Family:
     other families here ignore it or fail on it, so pagedrs refuses it for them."""
     activation_key: str = "hidden_act"
     """The config key naming the MLP's activation (Gemma 2/3: ``hidden_activation``)."""
+    moe: MixtureOfExperts | None = None
+    """The MLPs are mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE), configured so."""
 
 
 LLAMA = Family()
@@ -87,6 +109,19 @@ _ROWS: dict[str, tuple[str, Family]] = {
     "Phi3ForCausalLM": ("decoder", Family(window_on_every_layer=True, fused_checkpoint=True, partial_rotary=True)),
     "GraniteForCausalLM": ("decoder", Family(embedding_scale="multiplier", granite_multipliers=True)),
     "Olmo2ForCausalLM": ("decoder", Family(qk_norm="full", norm="float32", norm_placement="post")),
+    "MixtralForCausalLM": (
+        "decoder",
+        Family(
+            window_on_every_layer=True,
+            moe=MixtureOfExperts(num_experts_key="num_local_experts", width_key="intermediate_size", always_renormalize=True),
+        ),
+    ),
+    "Qwen2MoeForCausalLM": (
+        "decoder",
+        Family(qkv_bias_key="qkv_bias", moe=MixtureOfExperts(shared_expert=True, sparse_step=True)),
+    ),
+    "Qwen3MoeForCausalLM": ("decoder", Family(qk_norm="head", moe=MixtureOfExperts(sparse_step=True))),
+    "OlmoeForCausalLM": ("decoder", Family(qk_norm="full", moe=MixtureOfExperts(width_key="intermediate_size"))),
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -99,6 +134,10 @@ _MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ROWS)

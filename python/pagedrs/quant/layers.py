@@ -22,6 +22,7 @@ from torch import nn
 
 from pagedrs.checkpoint import ggml_blocks
 from pagedrs.kernels import cpu as cpu_kernels
+from pagedrs.layers.moe import FusedExperts
 from pagedrs.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -150,3 +151,37 @@ class QuantVocabEmbedding(_Packed):
         """As `VocabEmbedding.logits`: the whole vocabulary on rank 0 (gathered), this rank's
         slice elsewhere."""
         return gather_logits(quant_matmul(hidden, self.weight, self.ggml_type), self.tp, self.vocab_size)
+
+
+class QuantFusedExperts(FusedExperts):
+    """`FusedExperts` with packed blocks: ``gate_up`` uint8 ``[E, 2 * I / tp, H / block_weights *
+    block_bytes]`` and ``down`` uint8 ``[E, H, I / tp / block_weights * block_bytes]``, each of its
+    own type, loaded as a GGUF file stores them (``ffn_*_exps``: packed rows of each expert) or
+    quantized to Q8_0 from float weights; run by the CPU kernel (in float32)."""
+
+    def __init__(self, dense: FusedExperts, gate_up_type: GGMLQuantizationType, down_type: GGMLQuantizationType):
+        nn.Module.__init__(self)
+        self.num_experts, self.hidden_size = dense.num_experts, dense.hidden_size
+        self.intermediate_size, self.tp = dense.intermediate_size, dense.tp
+        self.activation, self._act, self._loaded = dense.activation, dense._act, set()
+        self.gate_up_type, self.down_type = int(gate_up_type), int(down_type)
+        self.dtype = dense.gate_up.dtype
+        gate_up_bytes = ggml_blocks.row_bytes(gate_up_type, self.hidden_size)
+        down_bytes = ggml_blocks.row_bytes(down_type, self.intermediate_size)
+        rows = 2 * self.intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(self.num_experts, rows, gate_up_bytes, dtype=torch.uint8), False)
+        self.down = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, down_bytes, dtype=torch.uint8), False)
+
+    def _read(self, weight: Any, rows: slice, cols: slice) -> torch.Tensor:
+        ggml_type = self.down_type if cols != slice(None) else self.gate_up_type
+        return _packed_slice(weight, GGMLQuantizationType(ggml_type), rows, cols)
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        return True
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float(), ids, weights).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        names = GGMLQuantizationType(self.gate_up_type).name, GGMLQuantizationType(self.down_type).name
+        return f"experts={self.num_experts}, gate_up={names[0]}, down={names[1]}"

@@ -28,6 +28,7 @@ from pagedrs.checkpoint import ModelSource, ggml_blocks, iter_weights
 from pagedrs.checkpoint.gguf import GGUFCheckpoint
 from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
+from pagedrs.layers.moe import FusedExperts
 from pagedrs.quant import QUANTIZATION_CHOICES
 from pagedrs.quant.fp8 import (
     SCALE_SUFFIXES,
@@ -40,6 +41,7 @@ from pagedrs.quant.fp8 import (
 )
 from pagedrs.quant.layers import (
     QuantColumnParallelLinear,
+    QuantFusedExperts,
     QuantRowParallelLinear,
     QuantVocabEmbedding,
     fits_row_shard,
@@ -73,6 +75,9 @@ def checkpoint_names(module_name: str, stored: Mapping[str, object] | None = Non
         if module_name.endswith("." + fused):
             prefix = module_name.removesuffix(fused)
             return [f"model.{prefix}{part}.weight" for part in parts]
+        if module_name.endswith(".shared_expert." + fused.split(".")[-1]):  # Qwen2-MoE's shared expert
+            prefix = module_name.removesuffix(fused.split(".")[-1])
+            return [f"model.{prefix}{part.split('.')[-1]}.weight" for part in parts]
     return [f"model.{module_name}.weight"]
 
 
@@ -112,6 +117,12 @@ def pack_linears(
         return {}
     packed: dict[str, GGMLQuantizationType] = {}
     for name, module in list(model.named_modules()):
+        if isinstance(module, FusedExperts):
+            experts = _packed_experts(module, name, quantization, ggml_types)
+            if experts is not None:
+                model.set_submodule(name, experts)
+                packed[name] = GGMLQuantizationType(experts.gate_up_type)
+            continue
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabEmbedding)):
             continue
         ggml_type = _chosen_type(checkpoint_names(name, ggml_types), quantization, ggml_types)
@@ -133,6 +144,29 @@ def pack_linears(
         model.set_submodule(name, replacement)
         packed[name] = ggml_type
     return packed
+
+
+def expert_checkpoint_names(module_name: str) -> tuple[list[str], list[str]]:
+    """The stacked checkpoint tensors (GGUF's ``ffn_*_exps``, by Hugging Face name) of a
+    mixture's experts: its gate and up projections, and its down projection."""
+    prefix = f"model.{module_name}"
+    return [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"], [f"{prefix}.down_proj.weight"]
+
+
+def _packed_experts(
+    module: FusedExperts, name: str, quantization: str, ggml_types: Mapping[str, GGMLQuantizationType] | None
+) -> QuantFusedExperts | None:
+    """The packed form of a mixture's experts, where both projections' types are kernel
+    formats whose blocks fit this rank's shard; else ``None`` (they load dense)."""
+    gate_up_names, down_names = expert_checkpoint_names(name)
+    gate_up_type = _chosen_type(gate_up_names, quantization, ggml_types)
+    down_type = _chosen_type(down_names, quantization, ggml_types)
+    if gate_up_type is None or down_type is None:
+        return None
+    fits = ggml_blocks.fits_blocks(gate_up_type, module.hidden_size)
+    if not fits or not ggml_blocks.fits_blocks(down_type, module.intermediate_size):
+        return None
+    return QuantFusedExperts(module, gate_up_type, down_type)
 
 
 def makes_fp8_linears(quantization: str, scheme: Fp8Scheme | None) -> bool:
@@ -215,7 +249,9 @@ def predicted_weight_bytes(source: ModelSource, quantization: str, dtype: torch.
         for name, handle in handles.items():
             numel = int(np.prod(handle.shape))
             kept = packs and quantization == "auto" and handle.ggml_type in ggml_blocks.KERNEL_TYPES
-            kept = kept and len(handle.shape) == 2 and ggml_blocks.fits_blocks(handle.ggml_type, handle.shape[1])
+            # a matrix, or a mixture's stacked experts (GGUF's ffn_*_exps)
+            kept = kept and (len(handle.shape) == 2 or (len(handle.shape) == 3 and ".mlp.experts." in name))
+            kept = kept and ggml_blocks.fits_blocks(handle.ggml_type, handle.shape[-1])
             kept = kept and len({handles[part].ggml_type for part in _fused_parts(name) if part in handles}) <= 1
             total += handle.nbytes if kept else numel * element
         return total

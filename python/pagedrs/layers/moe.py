@@ -1,0 +1,201 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks each
+token's top-k experts, each expert is a gated MLP, and the token's output is the weighted sum
+of its experts' outputs (plus, for Qwen2-MoE, a shared expert scaled by a sigmoid gate).
+
+Experts are stored stacked, ``gate_up [E, 2 * I, H]`` and ``down [E, H, I]`` (transformers'
+fused layout and llama.cpp's ``ffn_*_exps``), each rank holding its share of every expert's
+intermediate features (vLLM's default sharding): the router is replicated, each rank computes
+partial sums over its features, and one all-reduce joins them. On the CPU the experts run as
+one fused kernel (``torch.ops.pagedrs_cpu.fused_experts``, ``cpu/moe.cpp``: tokens grouped by
+expert, only experts with tokens read, float32 or packed GGUF blocks); elsewhere as a loop
+over the experts that have tokens, which is also the reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedrs.checkpoint import WeightHandle
+from pagedrs.kernels import cpu as cpu_kernels
+from pagedrs.layers.linear import TensorParallel, _all_reduce
+
+ACTIVATION_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu": 2}
+"""The CPU kernels' id of each gated activation (``cpu/cpu_kernels.h``'s ``Activation``)."""
+F32 = 0
+"""ggml's type id of float32: dense experts, for the kernel."""
+MAX_TOP_K = 64
+"""The most experts a token may be routed to (no released model comes near it)."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How the router turns its logits into each token's experts and weights."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool
+    """The top-k probabilities divided by their sum (Mixtral always; Qwen-MoE and OLMoE by
+    ``norm_topk_prob``)."""
+
+
+def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids int64 [T, K], weights float32 [T, K])`` from router logits ``[T, E]``: the softmax
+    (in float32, as transformers computes it) of the top-k experts, optionally renormalized."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def experts_reference(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: Any,
+) -> torch.Tensor:
+    """Each token through its experts, one expert at a time over the tokens routed to it
+    (transformers' eager loop): ``gate_up [E, 2I, H]``, ``down [E, H, I]`` dense."""
+    out = torch.zeros_like(x)
+    intermediate = down.shape[2]
+    for expert in torch.unique(ids).tolist():
+        tokens, slots = torch.where(ids == expert)
+        gate, up = F.linear(x[tokens], gate_up[expert]).split(intermediate, dim=-1)
+        y = F.linear(activation(gate) * up, down[expert])
+        out.index_add_(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
+    return out
+
+
+class FusedExperts(nn.Module):
+    """``num_experts`` gated MLPs, stacked: ``gate_up [E, 2 * I / tp, H]`` (this rank's gate
+    rows, then its up rows) and ``down [E, H, I / tp]``, dense in the model's dtype (the packed
+    kind: `pagedrs.quant.layers.QuantFusedExperts`). Returns partial sums under tensor
+    parallelism; the caller all-reduces."""
+
+    gate_up_type = F32
+    down_type = F32
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size = tp.split(intermediate_size, "the experts' intermediate size")
+        self.tp = tp
+        self.activation = activation
+        self._act = {"silu": F.silu, "gelu": F.gelu}.get(activation) or (lambda x: F.gelu(x, approximate="tanh"))
+        size = self.intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, size, dtype=dtype), requires_grad=False)
+        self._loaded: set[tuple[int, str]] = set()
+
+    def unloaded(self) -> list[str]:
+        """The expert projections no checkpoint tensor has been loaded into, e.g. ``["3.up"]``."""
+        return [
+            f"{expert}.{part}"
+            for expert in range(self.num_experts)
+            for part in ("gate", "up", "down")
+            if (expert, part) not in self._loaded
+        ]
+
+    def shard_rows(self) -> slice:
+        """This rank's intermediate features of an expert (rows of gate or up, columns of down)."""
+        return slice(self.tp.rank * self.intermediate_size, (self.tp.rank + 1) * self.intermediate_size)
+
+    def load_gate_up(self, expert: int, part: int, weight: WeightHandle) -> None:
+        """Expert ``expert``'s gate (``part`` 0) or up (1) projection, ``[I, H]`` in full."""
+        size = self.intermediate_size
+        self.gate_up[expert, part * size : (part + 1) * size].copy_(self._read(weight, self.shard_rows(), slice(None)))
+        self._loaded.add((expert, ("gate", "up")[part]))
+
+    def load_down(self, expert: int, weight: WeightHandle) -> None:
+        """Expert ``expert``'s down projection, ``[H, I]`` in full."""
+        self.down[expert].copy_(self._read(weight, slice(None), self.shard_rows()))
+        self._loaded.add((expert, "down"))
+
+    def _read(self, weight: WeightHandle, rows: slice, cols: slice) -> torch.Tensor:
+        """``weight[rows, cols]`` as this layer stores it."""
+        return weight[rows, cols]
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.available()
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.uses_kernel(x):
+            return cpu_kernels.load().fused_experts(
+                x.contiguous(),
+                ids.contiguous(),
+                weights.float().contiguous(),
+                self.gate_up,
+                self.gate_up_type,
+                self.down,
+                self.down_type,
+                self.intermediate_size,
+                ACTIVATION_IDS[self.activation],
+            )
+        return experts_reference(x, ids, weights, self.gate_up, self.down, self._act)
+
+
+class SparseMoe(nn.Module):
+    """A mixture-of-experts MLP: the router (``gate``, replicated), the routed experts, and an
+    optional shared expert (an MLP every token runs) scaled by ``sigmoid(shared_expert_gate(x))``
+    (Qwen2-MoE)."""
+
+    def __init__(
+        self,
+        routing: Routing,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        shared_expert: nn.Module | None = None,
+    ):
+        super().__init__()
+        if not 0 < routing.top_k <= min(routing.num_experts, MAX_TOP_K):
+            raise ValueError(
+                f"num_experts_per_tok must be in 1..{min(routing.num_experts, MAX_TOP_K)}, got {routing.top_k}"
+            )
+        if activation not in ACTIVATION_IDS:
+            raise ValueError(f"experts' activation {activation!r} is not supported ({', '.join(ACTIVATION_IDS)})")
+        self.routing = routing
+        self.tp = tp
+        self.gate = nn.Parameter(torch.empty(routing.num_experts, hidden_size, dtype=dtype), requires_grad=False)
+        self.experts = FusedExperts(routing.num_experts, hidden_size, intermediate_size, activation, tp, dtype)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            nn.Parameter(torch.empty(1, hidden_size, dtype=dtype), requires_grad=False) if shared_expert else None
+        )
+        self.expert_tokens: torch.Tensor | None = None
+        """Tokens routed to each expert since the counts were last taken (`take_expert_tokens`),
+        counted when `count_experts` is on."""
+        self.count_experts = False
+
+    def take_expert_tokens(self) -> torch.Tensor | None:
+        """Tokens routed to each expert since the last call (int64 ``[E]``), or ``None``."""
+        counts, self.expert_tokens = self.expert_tokens, None
+        return counts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = route(F.linear(x, self.gate), self.routing)
+        if self.count_experts:
+            counts = torch.bincount(ids.reshape(-1), minlength=self.routing.num_experts).cpu()
+            self.expert_tokens = counts if self.expert_tokens is None else self.expert_tokens + counts
+        out = _all_reduce(self.experts(x, ids, weights), self.tp)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # the shared expert's down projection is row-parallel: it all-reduces itself
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        return out
