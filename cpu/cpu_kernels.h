@@ -65,11 +65,21 @@ class DecoderStack : public torch::CustomClassHolder {
                          std::optional<at::Tensor> pre_mlp_norm, std::optional<at::Tensor> mlp_out_norm,
                          std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, at::Tensor qkv,
                          int64_t qkv_type, std::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type,
-                         std::optional<at::Tensor> o_bias, at::Tensor gate_up, int64_t gate_up_type,
-                         std::optional<at::Tensor> gate_up_bias, at::Tensor down, int64_t down_type,
+                         std::optional<at::Tensor> o_bias, std::optional<at::Tensor> gate_up, int64_t gate_up_type,
+                         std::optional<at::Tensor> gate_up_bias, std::optional<at::Tensor> down, int64_t down_type,
                          std::optional<at::Tensor> down_bias, int64_t activation, double residual_multiplier,
                          double scale, int64_t sliding_window, double softcap, int64_t rope,
                          int64_t view) = 0;
+
+  // Makes the last added layer's MLP (added without gate_up and down) a mixture of experts: the
+  // router [E, H] float32, top_k, whether the top-k weights are renormalized, the experts'
+  // gate_up [E, 2 * I_e, ...] and down [E, H, ...] and their types (moe.cpp), and an optional
+  // shared expert (its gate_up and down linears and the [1, H] or [H] float32 gate of its sigmoid).
+  virtual void set_experts(at::Tensor router, int64_t top_k, bool renormalize, at::Tensor gate_up,
+                           int64_t gate_up_type, at::Tensor down, int64_t down_type,
+                           std::optional<at::Tensor> shared_gate_up, int64_t shared_gate_up_type,
+                           std::optional<at::Tensor> shared_down, int64_t shared_down_type,
+                           std::optional<at::Tensor> shared_gate) = 0;
 
   virtual int64_t num_layers() const = 0;
 

@@ -123,6 +123,51 @@ using pagedrs_cpu::kGelu;
 using pagedrs_cpu::kGeluTanh;
 using pagedrs_cpu::kSilu;
 
+// A mixture-of-experts MLP (moe.cpp): the router, each token's top-k experts, and an optional
+// shared expert scaled by a sigmoid gate (Qwen2-MoE).
+struct Experts {
+  at::Tensor router;    // float32 [E, H]
+  int64_t top_k;
+  bool renormalize;     // the top-k probabilities divided by their sum
+  at::Tensor gate_up;   // [E, 2 * I_e, H] float32 or packed (moe.cpp's layouts)
+  int64_t gate_up_type;
+  at::Tensor down;      // [E, H, I_e]
+  int64_t down_type;
+  int64_t intermediate_size;             // I_e, one expert's width
+  std::optional<Linear> shared_gate_up;  // [2 * I_s, H], the shared expert's
+  std::optional<Linear> shared_down;     // [H, I_s]
+  std::optional<at::Tensor> shared_gate; // float32 [H]: the shared expert's output times sigmoid(x . gate)
+};
+
+// Each row's top_k experts by router probability (softmax of its logits [num_tokens, E], in
+// float32) into ids and weights [num_tokens, top_k], highest first (the first index on ties,
+// as torch.topk on these values), divided by their sum when renormalize.
+void route(const at::Tensor& logits, int64_t top_k, bool renormalize, int64_t* ids, float* weights) {
+  const int64_t num_experts = logits.size(1);
+  const float* rows = logits.data_ptr<float>();
+  at::parallel_for(0, logits.size(0), kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(num_experts);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = rows + t * num_experts;
+      const float top = *std::max_element(row, row + num_experts);
+      float sum = 0.f;
+      for (int64_t e = 0; e < num_experts; ++e) sum += probs[e] = std::exp(row[e] - top);
+      for (int64_t e = 0; e < num_experts; ++e) probs[e] /= sum;
+      float chosen = 0.f;
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int64_t best = std::max_element(probs.begin(), probs.end()) - probs.begin();
+        ids[t * top_k + k] = best;
+        weights[t * top_k + k] = probs[best];
+        chosen += probs[best];
+        probs[best] = -1.f;  // below every probability: never chosen again
+      }
+      if (renormalize) {
+        for (int64_t k = 0; k < top_k; ++k) weights[t * top_k + k] /= chosen;
+      }
+    }
+  });
+}
+
 // One decoder layer's weights (shapes in the header) and how it computes.
 struct Layer {
   std::optional<at::Tensor> input_norm;     // RMSNorm before attention
@@ -133,8 +178,9 @@ struct Layer {
   std::optional<at::Tensor> k_norm;
   Linear qkv;      // fused q, k, v projections
   Linear o;        // attention output projection
-  Linear gate_up;  // fused gate and up projections
-  Linear down;     // MLP output projection
+  std::optional<Linear> gate_up;  // fused gate and up projections (absent: a mixture, `experts`)
+  std::optional<Linear> down;     // MLP output projection
+  std::optional<Experts> experts; // the mixture of experts in place of the MLP
   int64_t activation;         // an Activation
   float residual_multiplier;  // each branch's output times it joins the residual stream
   double scale;               // of the attention scores
@@ -213,7 +259,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                  std::optional<at::Tensor> pre_mlp_norm, std::optional<at::Tensor> mlp_out_norm,
                  std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, at::Tensor qkv, int64_t qkv_type,
                  std::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type, std::optional<at::Tensor> o_bias,
-                 at::Tensor gate_up, int64_t gate_up_type, std::optional<at::Tensor> gate_up_bias, at::Tensor down,
+                 std::optional<at::Tensor> gate_up, int64_t gate_up_type, std::optional<at::Tensor> gate_up_bias,
+                 std::optional<at::Tensor> down,
                  int64_t down_type, std::optional<at::Tensor> down_bias, int64_t activation,
                  double residual_multiplier, double scale, int64_t sliding_window, double softcap, int64_t rope,
                  int64_t view) override {
@@ -242,8 +289,12 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         k_norm,
         make_linear("qkv", qkv, qkv_type, qkv_bias, hidden_size_, qkv_size),
         make_linear("o", o, o_type, o_bias, q_size, hidden_size_),
-        make_linear("gate_up", gate_up, gate_up_type, gate_up_bias, hidden_size_, 2 * intermediate_size_),
-        make_linear("down", down, down_type, down_bias, intermediate_size_, hidden_size_),
+        gate_up ? std::optional<Linear>(make_linear("gate_up", *gate_up, gate_up_type, gate_up_bias, hidden_size_,
+                                                    2 * intermediate_size_))
+                : std::nullopt,
+        down ? std::optional<Linear>(make_linear("down", *down, down_type, down_bias, intermediate_size_, hidden_size_))
+             : std::nullopt,
+        std::nullopt,
         activation,
         static_cast<float>(residual_multiplier),
         scale,
@@ -252,6 +303,42 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         rope,
         view,
     });
+  }
+
+  // Makes the last layer's MLP a mixture of experts (see Experts; shapes in moe.cpp's header).
+  void set_experts(at::Tensor router, int64_t top_k, bool renormalize, at::Tensor gate_up, int64_t gate_up_type,
+                   at::Tensor down, int64_t down_type, std::optional<at::Tensor> shared_gate_up,
+                   int64_t shared_gate_up_type, std::optional<at::Tensor> shared_down, int64_t shared_down_type,
+                   std::optional<at::Tensor> shared_gate) override {
+    TORCH_CHECK(!layers_.empty(), "pagedrs_cpu: set_experts follows the add_layer of its layer");
+    Layer& layer = layers_.back();
+    TORCH_CHECK(!layer.gate_up && !layer.down, "pagedrs_cpu: a layer with experts has no dense gate_up and down");
+    TORCH_CHECK(router.device().is_cpu() && router.scalar_type() == at::kFloat && router.is_contiguous() &&
+                    router.dim() == 2 && router.size(1) == hidden_size_ && router.size(0) > 0,
+                "pagedrs_cpu: router must be contiguous float32 [num_experts, ", hidden_size_, "]");
+    const int64_t num_experts = router.size(0);
+    TORCH_CHECK(0 < top_k && top_k <= num_experts, "pagedrs_cpu: top_k must be in 1..", num_experts, ", got ", top_k);
+    TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(0) == num_experts && gate_up.size(1) % 2 == 0,
+                "pagedrs_cpu: gate_up must be [", num_experts, ", 2 * intermediate_size, ...]");
+    const int64_t intermediate = gate_up.size(1) / 2;
+    pagedrs_cpu::check_moe_experts(gate_up, gate_up_type, down, down_type, hidden_size_, intermediate,
+                                   layer.activation);
+    TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() &&
+                    shared_gate_up.has_value() == shared_gate.has_value(),
+                "pagedrs_cpu: a shared expert needs gate_up, down and its gate");
+    Experts experts{router, top_k, renormalize, gate_up, gate_up_type, down, down_type, intermediate,
+                    std::nullopt, std::nullopt, std::nullopt};
+    if (shared_gate_up) {
+      const int64_t shared = shared_gate_up->size(0) / 2;
+      experts.shared_gate_up = make_linear("shared_gate_up", *shared_gate_up, shared_gate_up_type, std::nullopt,
+                                           hidden_size_, 2 * shared);
+      experts.shared_down = make_linear("shared_down", *shared_down, shared_down_type, std::nullopt, shared,
+                                        hidden_size_);
+      const at::Tensor gate = shared_gate->reshape({-1});
+      check_float_vector(gate, hidden_size_, "shared_gate");
+      experts.shared_gate = gate;
+    }
+    layer.experts = std::move(experts);
   }
 
   int64_t num_layers() const override { return static_cast<int64_t>(layers_.size()); }
@@ -289,6 +376,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     for (const Layer& layer : layers_) {
       TORCH_CHECK(static_cast<size_t>(layer.view) < num_views, "pagedrs_cpu: a layer reads attention view ",
                   layer.view, ", but only ", num_views, " came");
+      TORCH_CHECK((layer.gate_up && layer.down) || layer.experts,
+                  "pagedrs_cpu: a layer without gate_up and down needs its experts (set_experts)");
     }
     check_chunks(num_tokens, key_caches.empty() ? 0 : key_caches[0].size(1), chunk_bounds, chunk_blocks, chunk_masks);
     if (num_tokens == 0) return;
@@ -358,12 +447,17 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         add_rows(hidden_rows + t * H, out, multiplier, H);
         if (pre_mlp_norm != nullptr) rms_norm(hidden_rows + t * H, pre_mlp_norm, eps_, H, normed_rows + t * H);
       });
-      layer.gate_up.apply(pre_mlp_norm != nullptr ? normed : hidden, gate_up);
-      for_rows(num_tokens, [&](int64_t t) {
-        const float* gate = gate_up_rows + t * 2 * I;
-        pagedrs_cpu::activate_mul(layer.activation, gate, gate + I, I, activated_rows + t * I);
-      });
-      layer.down.apply(activated, projected);
+      const at::Tensor& mlp_input = pre_mlp_norm != nullptr ? normed : hidden;
+      if (layer.experts) {
+        mixture(*layer.experts, layer.activation, mlp_input, projected);
+      } else {
+        layer.gate_up->apply(mlp_input, gate_up);
+        for_rows(num_tokens, [&](int64_t t) {
+          const float* gate = gate_up_rows + t * 2 * I;
+          pagedrs_cpu::activate_mul(layer.activation, gate, gate + I, I, activated_rows + t * I);
+        });
+        layer.down->apply(activated, projected);
+      }
       const float* mlp_out_norm = data(layer.mlp_out_norm);
       for_rows(num_tokens, [&](int64_t t) {
         float* out = projected_rows + t * H;
@@ -374,6 +468,42 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   }
 
  private:
+  // out [num_tokens, H] = the mixture's output for x [num_tokens, H]: the router, the routed
+  // experts (moe.cpp), plus the gated shared expert.
+  void mixture(const Experts& experts, int64_t activation, const at::Tensor& x, at::Tensor& out) const {
+    const int64_t num_tokens = x.size(0), H = hidden_size_, K = experts.top_k;
+    const at::Tensor logits = at::mm(x, experts.router.t());
+    std::vector<int64_t> ids(num_tokens * K);
+    std::vector<float> weights(num_tokens * K);
+    route(logits, K, experts.renormalize, ids.data(), weights.data());
+    pagedrs_cpu::fused_experts_f32(x, ids.data(), weights.data(), K, experts.gate_up, experts.gate_up_type,
+                                   experts.down, experts.down_type, activation, out);
+    if (!experts.shared_gate_up) return;
+    const int64_t S = experts.shared_down->in_features;
+    at::Tensor gate_up = at::empty({num_tokens, 2 * S}, x.options());
+    at::Tensor activated = at::empty({num_tokens, S}, x.options());
+    at::Tensor shared = at::empty({num_tokens, H}, x.options());
+    experts.shared_gate_up->apply(x, gate_up);
+    const float* gate_up_rows = gate_up.data_ptr<float>();
+    float* activated_rows = activated.data_ptr<float>();
+    for_rows(num_tokens, [&](int64_t t) {
+      const float* gate = gate_up_rows + t * 2 * S;
+      pagedrs_cpu::activate_mul(activation, gate, gate + S, S, activated_rows + t * S);
+    });
+    experts.shared_down->apply(activated, shared);
+    const float* x_rows = x.data_ptr<float>();
+    const float* gate_weight = experts.shared_gate->data_ptr<float>();
+    const float* shared_rows = shared.data_ptr<float>();
+    float* out_rows = out.data_ptr<float>();
+    for_rows(num_tokens, [&](int64_t t) {
+      float dot = 0.f;
+      for (int64_t j = 0; j < H; ++j) dot += x_rows[t * H + j] * gate_weight[j];
+      const float scale = 1.f / (1.f + std::exp(-dot));
+#pragma omp simd
+      for (int64_t j = 0; j < H; ++j) out_rows[t * H + j] += scale * shared_rows[t * H + j];
+    });
+  }
+
   // SDPA reads a chunk's rows and keys through slices, which would clamp bounds silently. A
   // chunk's keys run from its first gathered block to the end of its context: all of them
   // without a mask, else as many as its mask has columns.

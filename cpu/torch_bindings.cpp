@@ -26,6 +26,7 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
   m.class_<pagedrs_cpu::DecoderStack>("DecoderStack")
       .def(torch::init(&pagedrs_cpu::make_decoder_stack))
       .def("add_layer", &pagedrs_cpu::DecoderStack::add_layer)
+      .def("set_experts", &pagedrs_cpu::DecoderStack::set_experts)
       .def("num_layers", &pagedrs_cpu::DecoderStack::num_layers)
       .def("forward", &pagedrs_cpu::DecoderStack::forward);
 }

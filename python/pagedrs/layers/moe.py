@@ -111,6 +111,11 @@ class FusedExperts(nn.Module):
             if (expert, part) not in self._loaded
         ]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the experts compute in (packed experts: float32)."""
+        return self.gate_up.dtype
+
     def shard_rows(self) -> slice:
         """This rank's intermediate features of an expert (rows of gate or up, columns of down)."""
         return slice(self.tp.rank * self.intermediate_size, (self.tp.rank + 1) * self.intermediate_size)

@@ -25,6 +25,7 @@ from pagedrs.attention import AttentionBackend, StepViews
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedrs.layers.moe import SparseMoe
 from pagedrs.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -49,26 +50,29 @@ def _linear_type(module: nn.Module) -> int | None:
 
 
 def _linears(model: DecoderForCausalLM) -> list[nn.Module]:
-    """Every decoder layer's four linears, in the stack's order."""
+    """Every decoder layer's linears: attention's two, then the MLP's two (a mixture's shared
+    expert's, if it has one)."""
     linears: list[nn.Module] = []
     for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
-        linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        linears += [attn.qkv_proj, attn.o_proj]
+        dense = mlp.shared_expert if isinstance(mlp, SparseMoe) else mlp
+        if dense is not None:
+            linears += [dense.gate_up_proj, dense.down_proj]
     return linears
 
 
 def why_unsupported(model: DecoderForCausalLM, device: torch.device, attention_backend: AttentionBackend) -> str | None:
     """Why the stack cannot run this model's layers, or ``None`` when it can."""
-    from pagedrs.models.decoder import MLP
-
     if device.type != "cpu" or attention_backend.metadata is not CpuAttentionMetadata:  # the layout it reads
         return f"it runs on the CPU attention backend (this model uses {attention_backend.name!r} on {device})"
     if model.tp.size > 1:
         return "tensor parallelism all-reduces inside each layer"
     if model.head_dim % 2 or model.head_dim > MAX_HEAD_DIM:
         return f"it rotates even head sizes up to {MAX_HEAD_DIM} (this model's is {model.head_dim})"
-    if any(not isinstance(layer.mlp, MLP) for layer in model.decoder_layers()):
-        return "mixture-of-experts layers run in Python"
+    for layer in model.decoder_layers():
+        if isinstance(layer.mlp, SparseMoe) and layer.mlp.experts.dtype != torch.float32:
+            return f"experts of {layer.mlp.experts.dtype} (it runs float32 or packed experts)"
     if model.norm.weight.dtype != torch.float32:
         return f"it computes in float32 (the model is {model.norm.weight.dtype})"
     for linear in _linears(model):
@@ -113,10 +117,15 @@ class CpuDecoderStack:
                 attn.k_norm,
             ]
             args: list[Any] = [None if norm is None else self._weight_of(norm) for norm in norms]
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            for linear in (attn.qkv_proj, attn.o_proj):
                 args += [linear.weight, _linear_type(linear), linear.bias]
+            if isinstance(mlp, SparseMoe):
+                args += [None, F32, None, None, F32, None]  # the experts follow (set_experts)
+            else:
+                for linear in (mlp.gate_up_proj, mlp.down_proj):
+                    args += [linear.weight, _linear_type(linear), linear.bias]
             args += [
-                _ACTIVATIONS[mlp.activation],
+                _ACTIVATIONS[mlp.experts.activation if isinstance(mlp, SparseMoe) else mlp.activation],
                 layer.residual_multiplier,
                 spec.scale,
                 spec.window or 0,
@@ -125,6 +134,25 @@ class CpuDecoderStack:
                 view,
             ]
             self._stack.add_layer(*args)
+            if isinstance(mlp, SparseMoe):
+                self._set_experts(mlp)
+
+    def _set_experts(self, moe: SparseMoe) -> None:
+        experts, shared = moe.experts, moe.shared_expert
+        self._stack.set_experts(
+            moe.gate,
+            moe.routing.top_k,
+            moe.routing.renormalize,
+            experts.gate_up,
+            experts.gate_up_type,
+            experts.down,
+            experts.down_type,
+            None if shared is None else shared.gate_up_proj.weight,
+            F32 if shared is None else _linear_type(shared.gate_up_proj),
+            None if shared is None else shared.down_proj.weight,
+            F32 if shared is None else _linear_type(shared.down_proj),
+            moe.shared_expert_gate,
+        )
 
     def _weight_of(self, norm: RMSNorm) -> torch.Tensor:
         """What the stack multiplies a norm's output by: its weight, or Gemma's ``1 + w``."""

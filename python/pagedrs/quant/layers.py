@@ -165,7 +165,6 @@ class QuantFusedExperts(FusedExperts):
         self.intermediate_size, self.tp = dense.intermediate_size, dense.tp
         self.activation, self._act, self._loaded = dense.activation, dense._act, set()
         self.gate_up_type, self.down_type = int(gate_up_type), int(down_type)
-        self.dtype = dense.gate_up.dtype
         gate_up_bytes = ggml_blocks.row_bytes(gate_up_type, self.hidden_size)
         down_bytes = ggml_blocks.row_bytes(down_type, self.intermediate_size)
         rows = 2 * self.intermediate_size
@@ -175,6 +174,10 @@ class QuantFusedExperts(FusedExperts):
     def _read(self, weight: Any, rows: slice, cols: slice) -> torch.Tensor:
         ggml_type = self.down_type if cols != slice(None) else self.gate_up_type
         return _packed_slice(weight, GGMLQuantizationType(ggml_type), rows, cols)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         return True
