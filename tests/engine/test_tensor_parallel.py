@@ -369,13 +369,17 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(tiny_checkpoint):
 
 
 @pytest.mark.slow  # tensor-parallel ranks
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3-partial-sliding", "granite", "qwen2-sliding"])
+@pytest.mark.parametrize(
+    "family",
+    ["gemma2", "gemma3", "phi3-partial-sliding", "granite", "qwen2-sliding", "mixtral", "qwen2-moe", "qwen3-moe"],
+)
 def test_tp2_of_the_other_families_generates_what_tp1_does(family, tmp_path):
     """Per-layer windows, softcaps, Gemma's norms, Phi-3's fused checkpoint tensors (split
-    across ranks) and Granite's multipliers under tensor parallelism."""
+    across ranks), Granite's multipliers and mixtures of experts (each expert's intermediate
+    features split, the router replicated; Qwen2-MoE's shared expert) under tensor parallelism."""
     from tests.helpers.families import save_family
 
     save_family(family, tmp_path)
-    # Phi-3's window is on every layer: a sequence holds at most a few blocks of 16 tokens, so
+    # Phi-3's and Mixtral's window is on every layer: a sequence holds at most a few blocks of 16 tokens, so
     # only a smaller cache preempts.
-    compare_tp(str(tmp_path), 2, num_blocks=4 if family.startswith("phi3") else NUM_BLOCKS)
+    compare_tp(str(tmp_path), 2, num_blocks=4 if family.startswith(("phi3", "mixtral")) else NUM_BLOCKS)

@@ -58,7 +58,10 @@ _HF_TO_GGUF = {
     "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
 }
+# A mixture's stacked experts as llama.cpp stores them: one 3-D tensor per projection.
+_EXPERTS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 
 
 # Per architecture, llama.cpp's names that differ from the Llama family's. Written out here
@@ -86,6 +89,26 @@ def gguf_name(name: str, architecture: str = "llama") -> str:
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}.get(
         name, "output.weight"
     )
+
+
+def _tensors(model, architecture: str):
+    """``(Hugging Face name, float32 array, GGUF name)`` of every tensor the file holds: a
+    mixture's stacked ``gate_up_proj`` split into its gate and up halves."""
+    config = model.config
+    for name, tensor in model.state_dict().items():
+        if "rotary" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        array = tensor.float().numpy()
+        if ".mlp.experts." in name:
+            layer = name.split(".")[2]
+            if name.endswith("gate_up_proj"):
+                half = array.shape[1] // 2
+                yield name, np.ascontiguousarray(array[:, :half]), f"blk.{layer}.{_EXPERTS['gate']}.weight"
+                yield name, np.ascontiguousarray(array[:, half:]), f"blk.{layer}.{_EXPERTS['up']}.weight"
+            else:
+                yield name, array, f"blk.{layer}.{_EXPERTS['down']}.weight"
+            continue
+        yield name, array, gguf_name(name, architecture)
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -167,7 +190,7 @@ def write_gguf(
         writer.add_sliding_window(config.sliding_window)
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
-    rope_base = 10000.0
+    rope_base = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
     if architecture == "gemma":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -176,6 +199,14 @@ def write_gguf(
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
         writer.add_logit_scale(config.logits_scaling)
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if num_experts:  # Mixtral (as `llama`) and Qwen3-MoE (`qwen3moe`)
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if architecture == "qwen3moe":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
     if architecture == "gemma3":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -205,23 +236,25 @@ def write_gguf(
     writer.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    for name, tensor in model.state_dict().items():
-        if "rotary" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
-            continue
-        array = tensor.float().numpy()
-        target = gguf_name(name, architecture)
+    for name, array, target in _tensors(model, architecture):
         if architecture in GEMMA and target.endswith("norm.weight"):
             array = array + 1  # llama.cpp's Gemma converter stores 1 + w
         if architecture in ("llama", "granite") and ".attn_q." in target:
             array = llama_cpp_permute(array, config.num_attention_heads)
         elif architecture in ("llama", "granite") and ".attn_k." in target:
             array = llama_cpp_permute(array, config.num_key_value_heads)
-        qtype = types.get(target.removesuffix(".weight")) if array.ndim == 2 else None
+        qtype = types.get(target.removesuffix(".weight")) if array.ndim >= 2 else None
         if qtype is None:
             writer.add_tensor(target, array)
         elif qtype in K_QUANTS:
-            blocks = random_k_blocks(qtype, *array.shape, seed=len(target), scale_range=(1e-4, 4e-4), centred=True)
-            writer.add_tensor(target, blocks, raw_dtype=qtype)
+            matrices = array.reshape(-1, *array.shape[-2:])
+            blocks = np.stack(
+                [
+                    random_k_blocks(qtype, *matrix.shape, seed=len(target) + i, scale_range=(1e-4, 4e-4), centred=True)
+                    for i, matrix in enumerate(matrices)
+                ]
+            )
+            writer.add_tensor(target, blocks.reshape(*array.shape[:-1], -1), raw_dtype=qtype)
         else:
             writer.add_tensor(target, quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

@@ -24,8 +24,21 @@ ROPE_FACTORS = "rope_freqs.weight"
 divisor per frequency, which Hugging Face checkpoints do not hold (they compute it)."""
 
 
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2")
-"""The GGUF architectures whose tensors and metadata pagedrs reads (`pagedrs.checkpoint.gguf`)."""
+GGUF_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3moe",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "granite",
+    "olmo2",
+)
+"""The GGUF architectures whose tensors and metadata pagedrs reads (`pagedrs.checkpoint.gguf`);
+llama.cpp stores Mixtral as ``llama`` with experts."""
 
 
 @dataclass(frozen=True)

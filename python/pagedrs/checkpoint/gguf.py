@@ -117,6 +117,9 @@ OWN_CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
 # Per GGUF architecture, metadata transformers' config drops that pagedrs carries into it
 # (`complete_config`): key after the architecture's prefix -> config attribute.
 _CARRIED: dict[str, dict[str, str]] = {
+    # Mixtral is a `llama` file with experts (`complete_config` makes its config Mixtral's).
+    "llama": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "phi3": {"attention.sliding_window": "sliding_window"},
     "gemma2": {
         "attn_logit_softcapping": "attn_logit_softcapping",
@@ -145,6 +148,9 @@ _EXTRA = {"rope_freqs": ROPE_FACTORS.removesuffix(".weight")}
 # other key of the architecture's own (``llama.rope.scaling.type``, ``llama.attention.
 # sliding_window``, ...) would change the computation without reaching the config.
 _IGNORED_KEYS = {"rope.scaling.type": ("none",)}
+
+# GGUF architectures transformers' GGUF tables spell otherwise.
+_TRANSFORMERS_NAMES = {"qwen3moe": "qwen3_moe"}
 
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
@@ -308,7 +314,7 @@ def check_metadata(reader: GGUFReader, architecture: str) -> None:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     check_architecture(architecture)
-    mapping = cast("dict[str, Any] | None", GGUF_CONFIG_MAPPING.get(architecture))
+    mapping = cast("dict[str, Any] | None", GGUF_CONFIG_MAPPING.get(_TRANSFORMERS_NAMES.get(architecture, architecture)))
     if architecture in OWN_CONFIGS:
         mapping = OWN_CONFIGS[architecture][1]
     if mapping is None:
@@ -374,11 +380,12 @@ def own_config(path: str | os.PathLike) -> Any:
     return getattr(transformers, class_name)(**values)
 
 
-def complete_config(config: Any, path: str | os.PathLike) -> None:
+def complete_config(config: Any, path: str | os.PathLike) -> Any:
     """Carries into ``config`` (transformers' config of a GGUF file) what transformers drops and
     the model's computation needs: the keys of `_CARRIED`, Phi-3's rotary dimension (its partial
     rotary factor), Gemma 2's attention scale as llama.cpp computes it. Refuses a rotary
-    dimension the config cannot express."""
+    dimension the config cannot express. Returns the config: ``config`` itself, or for a
+    ``llama`` file with experts (how llama.cpp stores Mixtral) a Mixtral config of its values."""
     reader = GGUFReader(os.fspath(path), "r")
     architecture = str(_field(reader, "general.architecture"))
     check_architecture(architecture)
@@ -412,6 +419,23 @@ def complete_config(config: Any, path: str | os.PathLike) -> None:
         _gemma3_global_rope(config, reader, prefix)
     if architecture == "phi3":
         _phi3_longrope(config, reader, prefix)
+    if architecture == "llama" and getattr(config, "num_local_experts", None):
+        return _as_mixtral(config)
+    return config
+
+
+def _as_mixtral(config: Any) -> Any:
+    """A Mixtral config of a Llama config's values and its experts (llama.cpp writes Mixtral as
+    ``llama`` with ``expert_count`` and ``expert_used_count``; transformers reads a Llama)."""
+    import transformers
+
+    values = config.to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "mlp_bias", "pretraining_tp"):
+        values.pop(key, None)
+    if values.get("attention_bias"):
+        raise ValueError("a Mixtral GGUF file with attention biases is not one pagedrs reads")
+    values.pop("attention_bias", None)
+    return transformers.MixtralConfig(**values, sliding_window=None)
 
 
 def _phi3_longrope(config: Any, reader: GGUFReader, prefix: str) -> None:

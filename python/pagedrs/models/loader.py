@@ -62,7 +62,7 @@ def load_config(source: ModelSource) -> Any:
     except (KeyError, TypeError) as error:  # transformers' own checks of the config's fields
         raise ValueError(f"the model config of {source.name!r} is invalid: {error}") from error
     if source.gguf_file is not None:
-        gguf.complete_config(config, source.name)
+        config = gguf.complete_config(config, source.name)
     return config
 
 

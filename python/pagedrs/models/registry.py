@@ -146,14 +146,14 @@ SUPPORTED_ARCHITECTURES = tuple(_ROWS)
 def supported_models() -> list[tuple[str, str, str]]:
     """``(architecture, model_type, checkpoint formats)`` of every registered architecture."""
     by_architecture = {architecture: model_type for model_type, architecture in _MODEL_TYPES.items()}
-    return [
-        (
-            architecture,
-            by_architecture.get(architecture, "-"),
-            "safetensors, GGUF" if by_architecture.get(architecture) in GGUF_ARCHITECTURES else "safetensors",
+    gguf_names = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}  # llama.cpp's names, where they differ
+    formats = {}
+    for architecture in _ROWS:
+        model_type = by_architecture.get(architecture, "-")
+        formats[architecture] = (
+            "safetensors, GGUF" if gguf_names.get(model_type, model_type) in GGUF_ARCHITECTURES else "safetensors"
         )
-        for architecture in _ROWS
-    ]
+    return [(architecture, by_architecture.get(architecture, "-"), formats[architecture]) for architecture in _ROWS]
 
 
 def architecture_of(config: Any) -> str:
