@@ -236,7 +236,7 @@ def write_gguf(
     writer.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    for name, array, target in _tensors(model, architecture):
+    for _, array, target in _tensors(model, architecture):
         if architecture in GEMMA and target.endswith("norm.weight"):
             array = array + 1  # llama.cpp's Gemma converter stores 1 + w
         if architecture in ("llama", "granite") and ".attn_q." in target:

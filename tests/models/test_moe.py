@@ -49,7 +49,10 @@ def _dequantized_in_place(model, types: dict[str, GGMLQuantizationType]) -> None
             halves = [(f"blk.{layer}.ffn_down_exps", tensor)]
             if name.endswith("gate_up_proj"):
                 half = tensor.shape[1] // 2
-                halves = [(f"blk.{layer}.ffn_gate_exps", tensor[:, :half]), (f"blk.{layer}.ffn_up_exps", tensor[:, half:])]
+                halves = [
+                    (f"blk.{layer}.ffn_gate_exps", tensor[:, :half]),
+                    (f"blk.{layer}.ffn_up_exps", tensor[:, half:]),
+                ]
             for gguf_name, part in halves:
                 qtype = types.get(gguf_name)
                 if qtype is None:

@@ -69,7 +69,9 @@ def test_equals_a_loop_over_experts(qtype, case):
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(3))
     ids, weights = routed(num_tokens, num_experts, top_k, seed=num_tokens, skip=num_experts // 2)
     out = run(x, ids, weights, gate_up, qtype, down, qtype, intermediate)
-    expected = experts_reference(x.double(), ids, weights.double(), gate_up_values.double(), down_values.double(), F.silu)
+    expected = experts_reference(
+        x.double(), ids, weights.double(), gate_up_values.double(), down_values.double(), F.silu
+    )
     assert out.shape == (num_tokens, hidden) and out.dtype == torch.float32
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
@@ -84,7 +86,9 @@ def test_k_quant_experts_and_mixed_types(qtype):
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(4))
     ids, weights = routed(num_tokens, num_experts, top_k, seed=7)
     out = run(x, ids, weights, gate_up, qtype, down, GGMLQuantizationType.Q8_0, intermediate)
-    expected = experts_reference(x.double(), ids, weights.double(), gate_up_values.double(), down_values.double(), F.silu)
+    expected = experts_reference(
+        x.double(), ids, weights.double(), gate_up_values.double(), down_values.double(), F.silu
+    )
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 

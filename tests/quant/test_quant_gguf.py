@@ -101,8 +101,11 @@ def test_a_column_shard_copies_only_its_columns(tiny_gguf, name):
 def test_unknown_tensor_names_are_refused():
     assert hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
     assert hf_name("rope_freqs.weight") == "rope_freqs.weight"  # Llama 3's rotary scaling
+    assert hf_name("blk.0.ffn_gate_exps.weight") == "model.layers.0.mlp.experts.gate_proj.weight"  # stacked experts
     with pytest.raises(ValueError, match="no Hugging Face counterpart"):
-        hf_name("blk.0.ffn_gate_exps.weight")
+        hf_name("blk.0.ffn_gate.3.weight")  # llama.cpp's old one-tensor-per-expert layout
+    with pytest.raises(ValueError, match="no Hugging Face counterpart"):
+        hf_name("blk.0.ffn_gate_chexps.weight")
 
 
 def test_auto_packs_single_type_linears_and_loads_the_rest_dense(tiny_gguf):

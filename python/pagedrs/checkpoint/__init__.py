@@ -113,7 +113,7 @@ class ExpertSlice:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         rest = index if isinstance(index, tuple) else (index,)
-        return self._handle[(self._index, *rest)]
+        return self._handle[(self._index,) + tuple(rest)]
 
 
 def expert_of(handle: WeightHandle, index: int) -> WeightHandle:

@@ -314,7 +314,9 @@ def check_metadata(reader: GGUFReader, architecture: str) -> None:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     check_architecture(architecture)
-    mapping = cast("dict[str, Any] | None", GGUF_CONFIG_MAPPING.get(_TRANSFORMERS_NAMES.get(architecture, architecture)))
+    mapping = cast(
+        "dict[str, Any] | None", GGUF_CONFIG_MAPPING.get(_TRANSFORMERS_NAMES.get(architecture, architecture))
+    )
     if architecture in OWN_CONFIGS:
         mapping = OWN_CONFIGS[architecture][1]
     if mapping is None:

@@ -18,7 +18,14 @@ import sysconfig
 from pathlib import Path
 from types import ModuleType
 
-SOURCES = ("torch_bindings.cpp", "paged_attention.cpp", "sampling.cpp", "quant_matmul.cpp", "moe.cpp", "decoder_stack.cpp")
+SOURCES = (
+    "torch_bindings.cpp",
+    "paged_attention.cpp",
+    "sampling.cpp",
+    "quant_matmul.cpp",
+    "moe.cpp",
+    "decoder_stack.cpp",
+)
 HEADERS = ("cpu_kernels.h",)
 
 

@@ -56,7 +56,7 @@ def _linears(model: DecoderForCausalLM) -> list[nn.Module]:
     for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
         linears += [attn.qkv_proj, attn.o_proj]
-        dense = mlp.shared_expert if isinstance(mlp, SparseMoe) else mlp
+        dense: Any = mlp.shared_expert if isinstance(mlp, SparseMoe) else mlp  # an MLP
         if dense is not None:
             linears += [dense.gate_up_proj, dense.down_proj]
     return linears
@@ -138,7 +138,8 @@ class CpuDecoderStack:
                 self._set_experts(mlp)
 
     def _set_experts(self, moe: SparseMoe) -> None:
-        experts, shared = moe.experts, moe.shared_expert
+        experts = moe.experts
+        shared: Any = moe.shared_expert  # an MLP
         self._stack.set_experts(
             moe.gate,
             moe.routing.top_k,

@@ -113,7 +113,9 @@ _ROWS: dict[str, tuple[str, Family]] = {
         "decoder",
         Family(
             window_on_every_layer=True,
-            moe=MixtureOfExperts(num_experts_key="num_local_experts", width_key="intermediate_size", always_renormalize=True),
+            moe=MixtureOfExperts(
+                num_experts_key="num_local_experts", width_key="intermediate_size", always_renormalize=True
+            ),
         ),
     ),
     "Qwen2MoeForCausalLM": (

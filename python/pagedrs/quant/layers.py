@@ -22,7 +22,6 @@ from torch import nn
 
 from pagedrs.checkpoint import ggml_blocks
 from pagedrs.kernels import cpu as cpu_kernels
-from pagedrs.layers.moe import FusedExperts
 from pagedrs.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -30,6 +29,7 @@ from pagedrs.layers.linear import (
     VocabEmbedding,
     gather_logits,
 )
+from pagedrs.layers.moe import FusedExperts
 from pagedrs.quant.sharding import ColumnShardBias, ReplicatedBias
 
 
