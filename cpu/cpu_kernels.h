@@ -74,12 +74,13 @@ class DecoderStack : public torch::CustomClassHolder {
   // Makes the last added layer's MLP (added without gate_up and down) a mixture of experts: the
   // router [E, H] float32, top_k, whether the top-k weights are renormalized, the experts'
   // gate_up [E, 2 * I_e, ...] and down [E, H, ...] and their types (moe.cpp), and an optional
-  // shared expert (its gate_up and down linears and the [1, H] or [H] float32 gate of its sigmoid).
+  // shared expert (its gate_up and down linears and the [1, H] or [H] float32 gate of its sigmoid);
+  // expert_tokens, int64 [E], counts the (token, slot) pairs routed to each expert (written).
   virtual void set_experts(at::Tensor router, int64_t top_k, bool renormalize, at::Tensor gate_up,
                            int64_t gate_up_type, at::Tensor down, int64_t down_type,
                            std::optional<at::Tensor> shared_gate_up, int64_t shared_gate_up_type,
                            std::optional<at::Tensor> shared_down, int64_t shared_down_type,
-                           std::optional<at::Tensor> shared_gate) = 0;
+                           std::optional<at::Tensor> shared_gate, at::Tensor expert_tokens) = 0;
 
   virtual int64_t num_layers() const = 0;
 

@@ -137,6 +137,7 @@ struct Experts {
   std::optional<Linear> shared_gate_up;  // [2 * I_s, H], the shared expert's
   std::optional<Linear> shared_down;     // [H, I_s]
   std::optional<at::Tensor> shared_gate; // float32 [H]: the shared expert's output times sigmoid(x . gate)
+  at::Tensor expert_tokens;              // int64 [E] (written): (token, slot) pairs routed to each expert
 };
 
 // Each row's top_k experts by router probability (softmax of its logits [num_tokens, E], in
@@ -309,7 +310,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   void set_experts(at::Tensor router, int64_t top_k, bool renormalize, at::Tensor gate_up, int64_t gate_up_type,
                    at::Tensor down, int64_t down_type, std::optional<at::Tensor> shared_gate_up,
                    int64_t shared_gate_up_type, std::optional<at::Tensor> shared_down, int64_t shared_down_type,
-                   std::optional<at::Tensor> shared_gate) override {
+                   std::optional<at::Tensor> shared_gate, at::Tensor expert_tokens) override {
     TORCH_CHECK(!layers_.empty(), "pagedrs_cpu: set_experts follows the add_layer of its layer");
     Layer& layer = layers_.back();
     TORCH_CHECK(!layer.gate_up && !layer.down, "pagedrs_cpu: a layer with experts has no dense gate_up and down");
@@ -326,8 +327,11 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() &&
                     shared_gate_up.has_value() == shared_gate.has_value(),
                 "pagedrs_cpu: a shared expert needs gate_up, down and its gate");
-    Experts experts{router, top_k, renormalize, gate_up, gate_up_type, down, down_type, intermediate,
-                    std::nullopt, std::nullopt, std::nullopt};
+    TORCH_CHECK(expert_tokens.device().is_cpu() && expert_tokens.scalar_type() == at::kLong &&
+                    expert_tokens.is_contiguous() && expert_tokens.dim() == 1 && expert_tokens.size(0) == num_experts,
+                "pagedrs_cpu: expert_tokens must be contiguous int64 [", num_experts, "]");
+    Experts experts{router,       top_k,        renormalize,  gate_up,      gate_up_type, down,
+                    down_type,    intermediate, std::nullopt, std::nullopt, std::nullopt, expert_tokens};
     if (shared_gate_up) {
       const int64_t shared = shared_gate_up->size(0) / 2;
       experts.shared_gate_up = make_linear("shared_gate_up", *shared_gate_up, shared_gate_up_type, std::nullopt,
@@ -476,6 +480,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     std::vector<int64_t> ids(num_tokens * K);
     std::vector<float> weights(num_tokens * K);
     route(logits, K, experts.renormalize, ids.data(), weights.data());
+    int64_t* counts = experts.expert_tokens.data_ptr<int64_t>();
+    for (const int64_t id : ids) ++counts[id];
     pagedrs_cpu::fused_experts_f32(x, ids.data(), weights.data(), K, experts.gate_up, experts.gate_up_type,
                                    experts.down, experts.down_type, activation, out);
     if (!experts.shared_gate_up) return;

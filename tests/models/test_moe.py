@@ -167,3 +167,28 @@ def test_stacked_expert_tensors_load_like_per_expert_ones(tmp_path):
         assert torch.equal(layer_a.mlp.experts.down, layer_b.mlp.experts.down)
         assert torch.equal(layer_a.mlp.gate, layer_b.mlp.gate)
     assert WINDOW == a.engine.model.layer_windows[0]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_expert_token_counts_cover_every_routed_token(tmp_path, backend):
+    """Each mixture layer counts the (token, slot) pairs it routes (the decoder stack and the
+    Python layers alike), and the metrics page reports them per layer and expert."""
+    from types import SimpleNamespace
+
+    from prometheus_client.core import CounterMetricFamily
+
+    from pagedrs.server.metrics import _SchedulerCollector
+
+    save_family("qwen3-moe", tmp_path)  # layer 0 dense, layer 1 a mixture of 8 experts, top 4
+    llm = LLM(str(tmp_path), attention_backend=backend)
+    outputs = generate(llm, PROMPTS)
+    computed = sum(len(prompt) + NEW_TOKENS - 1 for prompt in PROMPTS)  # the last token is never fed back
+    counts = llm.engine.runner.expert_tokens()
+    assert list(counts) == [1] and counts[1].shape == (8,)
+    assert int(counts[1].sum()) == computed * 4
+    assert len(outputs) == len(PROMPTS)
+    collector = _SchedulerCollector(SimpleNamespace(expert_tokens=llm.engine.runner.expert_tokens), "tiny")
+    (family,) = list(collector._experts())
+    assert isinstance(family, CounterMetricFamily) and family.name == "pagedrs:moe_expert_tokens"
+    samples = {(s.labels["layer"], s.labels["expert"]): s.value for s in family.samples}
+    assert sum(samples.values()) == computed * 4 and ("1", "7") in samples

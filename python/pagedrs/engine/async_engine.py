@@ -21,12 +21,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedrs.engine.builder import EngineInfo
 from pagedrs.engine.llm_engine import LLMEngine
 from pagedrs.outputs import RequestOutput
 from pagedrs.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("pagedrs")
 
@@ -243,6 +246,11 @@ class AsyncLLMEngine:
         """With tensor parallelism: steps sent to the other ranks, their bytes and seconds."""
         parallel = self.engine.parallel
         return parallel.broadcast_stats() if parallel is not None else None
+
+    def expert_tokens(self) -> dict[int, torch.Tensor]:
+        """Each mixture-of-experts layer's routed (token, slot) pairs per expert
+        (`ModelRunner.expert_tokens`; read while the engine runs: a scrape's snapshot)."""
+        return self.engine.runner.expert_tokens()
 
     def is_alive(self) -> bool:
         return not self._stopped and self._dead is None

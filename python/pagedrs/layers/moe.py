@@ -184,21 +184,14 @@ class SparseMoe(nn.Module):
         self.shared_expert_gate = (
             nn.Parameter(torch.empty(1, hidden_size, dtype=dtype), requires_grad=False) if shared_expert else None
         )
-        self.expert_tokens: torch.Tensor | None = None
-        """Tokens routed to each expert since the counts were last taken (`take_expert_tokens`),
-        counted when `count_experts` is on."""
-        self.count_experts = False
-
-    def take_expert_tokens(self) -> torch.Tensor | None:
-        """Tokens routed to each expert since the last call (int64 ``[E]``), or ``None``."""
-        counts, self.expert_tokens = self.expert_tokens, None
-        return counts
+        self.expert_tokens: torch.Tensor
+        self.register_buffer("expert_tokens", torch.zeros(routing.num_experts, dtype=torch.int64), persistent=False)
+        """(Token, slot) pairs routed to each expert since the model was built: what
+        ``pagedrs:moe_expert_tokens`` reports (the CPU decoder stack counts into it too)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(F.linear(x, self.gate), self.routing)
-        if self.count_experts:
-            counts = torch.bincount(ids.reshape(-1), minlength=self.routing.num_experts).cpu()
-            self.expert_tokens = counts if self.expert_tokens is None else self.expert_tokens + counts
+        self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.routing.num_experts)
         out = _all_reduce(self.experts(x, ids, weights), self.tp)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # the shared expert's down projection is row-parallel: it all-reduces itself

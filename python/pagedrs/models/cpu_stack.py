@@ -153,6 +153,7 @@ class CpuDecoderStack:
             None if shared is None else shared.down_proj.weight,
             F32 if shared is None else _linear_type(shared.down_proj),
             moe.shared_expert_gate,
+            moe.expert_tokens,
         )
 
     def _weight_of(self, norm: RMSNorm) -> torch.Tensor:

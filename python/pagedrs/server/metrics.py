@@ -119,6 +119,23 @@ class _SchedulerCollector:
             yield self._family(counter, f"pagedrs:structured_output_{name}", documentation, value)
         yield from self._speculative(stats)
         yield from self._parallel()
+        yield from self._experts()
+
+    def _experts(self):
+        """Mixtures of experts: the (token, slot) pairs routed to each expert of each layer, so
+        load imbalance is visible (``rate()`` over a window gives the recent share)."""
+        counts = self.engine.expert_tokens()
+        if not counts:
+            return
+        family = CounterMetricFamily(
+            "pagedrs:moe_expert_tokens",
+            "Tokens routed to each expert of each mixture-of-experts layer (one per token and routed slot).",
+            labels=[*self.labels, "layer", "expert"],
+        )
+        for layer, per_expert in counts.items():
+            for expert, value in enumerate(per_expert.tolist()):
+                family.add_metric([*self.labels.values(), str(layer), str(expert)], value)
+        yield family
 
     def _speculative(self, stats):
         """Speculative decoding, with vLLM's names (only when it is on)."""
