@@ -131,7 +131,6 @@ class ModelRunner:
                     capture=capture,
                 )
 
-
     def expert_tokens(self) -> dict[int, torch.Tensor]:
         """(Token, slot) pairs routed to each expert of each mixture-of-experts layer since the
         model was built (int64 ``[E]`` copies, by layer index); empty for a dense model."""
@@ -142,6 +141,7 @@ class ModelRunner:
             for index, layer in enumerate(self.model.decoder_layers())
             if isinstance(layer.mlp, SparseMoe)
         }
+
     def execute(self, out: SchedulerOutput, extra_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy-on-write copies, then the forward pass. Returns float32 logits of the rows to
         sample (``[len(out.logits_indices), vocab]``) and of ``extra_rows`` (prompt logprobs).

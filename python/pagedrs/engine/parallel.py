@@ -253,3 +253,8 @@ class TensorParallelRunner:
             logits = self.runner.forward(arrays)
         num_sampled = len(out.logits_indices)
         return logits[:num_sampled], logits[num_sampled:]
+
+    def expert_tokens(self) -> dict[int, torch.Tensor]:
+        """Rank 0's counts (`ModelRunner.expert_tokens`): the router is replicated, every rank
+        routes the same tokens to the same experts."""
+        return self.runner.expert_tokens()
