@@ -85,3 +85,25 @@ def test_model_with_fused_ops_matches_transformers(tiny_checkpoint, fused_on):
     llm = LLM(directory, device=DEVICE, dtype="float32", attention_backend="torch", kv_cache_memory="4MiB")
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert got[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "hidden", "intermediate"),
+    [(1, 4, 2, 64, 32), (7, 5, 3, 48, 40), (20, 16, 8, 64, 64), (33, 9, 1, 32, 16)],
+)
+def test_grouped_experts_match_the_loop_over_experts(num_tokens, num_experts, top_k, hidden, intermediate):
+    """The Triton grouped matmuls of a mixture (odd expert counts, experts without tokens,
+    sizes that are not whole tiles, top-k up to 8) against transformers' loop over experts."""
+    from pagedrs.layers.moe import experts_reference
+
+    generator = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    gate_up = torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) * 0.2
+    down = torch.randn(num_experts, hidden, intermediate, generator=generator) * 0.2
+    scores = torch.rand(num_tokens, num_experts - 1, generator=generator)  # the last expert gets no token
+    ids = scores.topk(top_k, dim=-1).indices
+    weights = torch.rand(num_tokens, top_k, generator=generator).softmax(-1)
+    x, gate_up, down, ids, weights = (t.to(DEVICE) for t in (x, gate_up, down, ids, weights))
+    out = fused.grouped_experts(x, ids, weights, gate_up, down, F.silu)
+    expected = experts_reference(x, ids, weights, gate_up, down, F.silu)
+    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-4)

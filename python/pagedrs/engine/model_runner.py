@@ -16,6 +16,7 @@ from pagedrs.engine.kv_layout import KVLayout
 from pagedrs.engine.staging import StagedInputs
 from pagedrs.engine.step_arrays import StepArrays
 from pagedrs.layers.linear import TensorParallel
+from pagedrs.layers.moe import SparseMoe
 from pagedrs.layers.rotary import rope_lengths
 from pagedrs.models import build_model
 from pagedrs.models.cpu_stack import CpuDecoderStack, why_unsupported
@@ -103,8 +104,10 @@ class ModelRunner:
             self.cpu_stack = CpuDecoderStack(model, self.layout.layer_views)
         self.inputs = StagedInputs(device)
         # NOTE: a captured step holds one metadata: models whose layers attend with more than
-        # one view (window or layer group) run eagerly.
+        # one view (window or layer group) run eagerly; so do mixtures of experts, whose grouped
+        # matmuls size their launch by the step's routing (a host read a graph cannot replay).
         graphed = graphs is not None and self.attention_backend.graphable and len(self.layout.views) == 1
+        graphed = graphed and not any(isinstance(layer.mlp, SparseMoe) for layer in model.decoder_layers())
         # With graphs, one block past the scheduler's takes the padding rows' keys/values.
         shape = (num_blocks + int(graphed), block_size, model.num_kv_heads, model.head_dim)
         self.cache_slots = [
@@ -134,8 +137,6 @@ class ModelRunner:
     def expert_tokens(self) -> dict[int, torch.Tensor]:
         """(Token, slot) pairs routed to each expert of each mixture-of-experts layer since the
         model was built (int64 ``[E]`` copies, by layer index); empty for a dense model."""
-        from pagedrs.layers.moe import SparseMoe
-
         return {
             index: layer.mlp.expert_tokens.cpu().clone()
             for index, layer in enumerate(self.model.decoder_layers())

@@ -85,6 +85,75 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+GROUP_ROWS = 16
+"""Rows of one expert a block of the grouped matmul takes (the smallest ``tl.dot`` tile)."""
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's (token, slot) pairs (``ids [T, K]``) grouped by expert, each expert's run padded
+    to whole blocks of `GROUP_ROWS`: ``(slot of each grouped row (-1: padding), expert of each
+    block, grouped row of each slot)``; experts without tokens take no block."""
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts)
+    blocks = (counts + GROUP_ROWS - 1) // GROUP_ROWS
+    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=ids.device), blocks)
+    padded_start = (torch.cumsum(blocks, 0) - blocks) * GROUP_ROWS  # first grouped row of each expert
+    order = torch.argsort(flat, stable=True)  # slots by expert
+    start = torch.cumsum(counts, 0) - counts  # first sorted slot of each expert
+    sorted_experts = flat[order]
+    rank = torch.arange(flat.numel(), device=ids.device) - start[sorted_experts]
+    row_of_slot = torch.empty_like(flat)
+    row_of_slot[order] = padded_start[sorted_experts] + rank
+    slots = torch.full((int(blocks.sum()) * GROUP_ROWS,), -1, dtype=torch.int64, device=ids.device)
+    slots[row_of_slot] = torch.arange(flat.numel(), device=ids.device)
+    return slots, block_expert, row_of_slot
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation,
+) -> torch.Tensor:
+    """A mixture's routed experts (`pagedrs.layers.moe.experts_reference`'s result) as two
+    grouped matmuls (Triton), one per projection over every active expert at once: rows grouped
+    by expert, ``gate_up [E, 2I, H]``, the activation, ``down [E, H, I]``, then each token's
+    weighted sum of its slots in slot order."""
+    from pagedrs.layers import fused_kernels
+
+    num_tokens, top_k = ids.shape
+    num_experts, width, hidden = gate_up.shape
+    x = x.contiguous()
+    slots, block_expert, row_of_slot = group_by_expert(ids, num_experts)
+    grouped = slots.numel()
+    sources = torch.where(slots >= 0, slots // top_k, slots)
+    gate_up_out = torch.empty(grouped, width, dtype=x.dtype, device=x.device)
+    down_out = torch.empty(grouped, hidden, dtype=x.dtype, device=x.device)
+    block_n, block_k = 32, 32
+    with torch.cuda.device(x.device) if x.is_cuda else _nothing():
+        if grouped:
+            blocks = (grouped // GROUP_ROWS, -(-width // block_n))
+            fused_kernels.grouped_matmul[blocks](
+                x, gate_up.contiguous(), gate_up_out, sources, block_expert, width, hidden,
+                BLOCK_M=GROUP_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+            )  # fmt: skip
+            intermediate = width // 2
+            activated = (activation(gate_up_out[:, :intermediate]) * gate_up_out[:, intermediate:]).contiguous()
+            own_rows = torch.where(slots >= 0, torch.arange(grouped, device=x.device), slots)
+            blocks = (grouped // GROUP_ROWS, -(-hidden // block_n))
+            fused_kernels.grouped_matmul[blocks](
+                activated, down.contiguous(), down_out, own_rows, block_expert, hidden, intermediate,
+                BLOCK_M=GROUP_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+            )  # fmt: skip
+    per_slot = down_out[row_of_slot].view(num_tokens, top_k, hidden)
+    out = torch.zeros_like(x)
+    for k in range(top_k):  # slot order, as the CPU kernel adds them
+        out += per_slot[:, k] * weights[:, k, None].to(x.dtype)
+    return out
+
+
 def _nothing():
     import contextlib
 

@@ -51,3 +51,42 @@ def silu_and_mul(
     activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu rounds to the dtype
     out = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
     tl.store(out_ptr + row * intermediate + cols, out, mask=mask)
+
+
+@triton.jit
+def grouped_matmul(
+    x_ptr,  # [num_sources, K]: the rows the grouped rows read
+    w_ptr,  # [E, N, K]: each expert's matrix, rows are outputs
+    out_ptr,  # [num_grouped, N]
+    source_ptr,  # [num_grouped] int64: the x row of each grouped row (-1: padding)
+    block_expert_ptr,  # [num_grouped / BLOCK_M] int64: the expert of each block of grouped rows
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[r] = x[source[r]] @ W_e^T for the BLOCK_M grouped rows of one expert and BLOCK_N of
+    its outputs: a mixture's experts as one launch (vLLM's fused-MoE shape). Rows are grouped by
+    expert and each expert's run padded to whole blocks, so a block reads one expert's weights."""
+    block_m = tl.program_id(0).to(tl.int64)
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(block_expert_ptr + block_m)
+    sources = tl.load(source_ptr + rows)
+    valid = sources >= 0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + sources[:, None] * K + ks[None, :], mask=valid[:, None] & (ks[None, :] < K), other=0.0)
+        b = tl.load(
+            w_ptr + expert * N * K + cols[None, :] * K + ks[:, None],
+            mask=(cols[None, :] < N) & (ks[:, None] < K),
+            other=0.0,
+        )
+        acc += tl.dot(a, b, input_precision="ieee")
+    tl.store(
+        out_ptr + rows[:, None] * N + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=valid[:, None] & (cols[None, :] < N),
+    )

@@ -7,8 +7,9 @@ fused layout and llama.cpp's ``ffn_*_exps``), each rank holding its share of eve
 intermediate features (vLLM's default sharding): the router is replicated, each rank computes
 partial sums over its features, and one all-reduce joins them. On the CPU the experts run as
 one fused kernel (``torch.ops.pagedrs_cpu.fused_experts``, ``cpu/moe.cpp``: tokens grouped by
-expert, only experts with tokens read, float32 or packed GGUF blocks); elsewhere as a loop
-over the experts that have tokens, which is also the reference the kernel is tested against.
+expert, only experts with tokens read, float32 or packed GGUF blocks); on a GPU as two grouped
+matmuls in Triton (`pagedrs.layers.fused.grouped_experts`); elsewhere as a loop over the
+experts that have tokens, which is also the reference both kernels are tested against.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from pagedrs.checkpoint import WeightHandle
 from pagedrs.kernels import cpu as cpu_kernels
+from pagedrs.layers import fused
 from pagedrs.layers.linear import TensorParallel, _all_reduce
 
 ACTIVATION_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu": 2}
@@ -151,6 +153,8 @@ class FusedExperts(nn.Module):
                 self.intermediate_size,
                 ACTIVATION_IDS[self.activation],
             )
+        if fused.enabled(x):
+            return fused.grouped_experts(x, ids, weights, self.gate_up, self.down, self._act)
         return experts_reference(x, ids, weights, self.gate_up, self.down, self._act)
 
 
