@@ -24,7 +24,8 @@ namespace pagedrs_cpu {
 // and values must already be in the caches.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                     const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap);
+                     const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap,
+                     const std::optional<at::Tensor>& sinks);
 
 // sampling.cpp: the sampled tokens' logprobs and ranks and each row's top logprobs (all four
 // outputs written) of logits [num_rows, vocab_size].
@@ -49,7 +50,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t g
 // of their ggml type; returns [num_tokens, hidden_size] float32.
 at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                          const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down, int64_t down_type,
-                         int64_t intermediate_size, int64_t activation);
+                         int64_t intermediate_size, int64_t activation, const std::optional<at::Tensor>& gate_up_bias,
+                         const std::optional<at::Tensor>& down_bias, double alpha, double limit);
 
 // decoder_stack.cpp: a dense model's decoder layers run in one call per step (weights
 // and per-step tensors: the header comment of decoder_stack.cpp). Registered as
@@ -60,7 +62,8 @@ class DecoderStack : public torch::CustomClassHolder {
   // the MLP, on the MLP's output), q/k norms (both or neither), each linear's weight, ggml type
   // (0: dense float32) and bias; then its MLP activation (0 silu, 1 gelu tanh, 2 gelu), residual
   // multiplier, attention scale, window (0: none) and softcap (0: none), and which of forward's
-  // rotary pairs and attention views (slot mapping, block tables, chunk blocks and masks) it reads.
+  // rotary pairs and attention views (slot mapping, block tables, chunk blocks and masks) it reads,
+  // and its attention sinks (float32 [num_heads], gpt-oss), if any.
   virtual void add_layer(std::optional<at::Tensor> input_norm, std::optional<at::Tensor> attn_out_norm,
                          std::optional<at::Tensor> pre_mlp_norm, std::optional<at::Tensor> mlp_out_norm,
                          std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, at::Tensor qkv,
@@ -69,15 +72,19 @@ class DecoderStack : public torch::CustomClassHolder {
                          std::optional<at::Tensor> gate_up_bias, std::optional<at::Tensor> down, int64_t down_type,
                          std::optional<at::Tensor> down_bias, int64_t activation, double residual_multiplier,
                          double scale, int64_t sliding_window, double softcap, int64_t rope,
-                         int64_t view) = 0;
+                         int64_t view, std::optional<at::Tensor> sinks) = 0;
 
   // Makes the last added layer's MLP (added without gate_up and down) a mixture of experts: the
-  // router [E, H] float32, top_k, whether the top-k weights are renormalized, the experts'
-  // gate_up [E, 2 * I_e, ...] and down [E, H, ...] and their types (moe.cpp), and an optional
+  // router [E, H] float32 and its optional bias [E], top_k, whether the top-k weights are
+  // renormalized or are the softmax of the top-k logits (gpt-oss), the experts' gate_up
+  // [E, 2 * I_e, ...] and down [E, H, ...], their types and optional biases, the activation's
+  // alpha and limit (gpt-oss's clamped SwiGLU: the layer's activation 3; moe.cpp), and an optional
   // shared expert (its gate_up and down linears and the [1, H] or [H] float32 gate of its sigmoid);
   // expert_tokens, int64 [E], counts the (token, slot) pairs routed to each expert (written).
-  virtual void set_experts(at::Tensor router, int64_t top_k, bool renormalize, at::Tensor gate_up,
-                           int64_t gate_up_type, at::Tensor down, int64_t down_type,
+  virtual void set_experts(at::Tensor router, std::optional<at::Tensor> router_bias, int64_t top_k,
+                           bool renormalize, bool softmax_after_topk, at::Tensor gate_up, int64_t gate_up_type,
+                           at::Tensor down, int64_t down_type, std::optional<at::Tensor> gate_up_bias,
+                           std::optional<at::Tensor> down_bias, double alpha, double limit,
                            std::optional<at::Tensor> shared_gate_up, int64_t shared_gate_up_type,
                            std::optional<at::Tensor> shared_down, int64_t shared_down_type,
                            std::optional<at::Tensor> shared_gate, at::Tensor expert_tokens) = 0;
@@ -113,15 +120,26 @@ void quant_matmul_rows_f32(const float* x, int64_t x_stride, const uint8_t* weig
                            int64_t num_tokens, int64_t in_features, int64_t row_begin, int64_t row_end,
                            int64_t ggml_type);
 
-// moe.cpp: checks one layer's experts (shapes in moe.cpp's header comment); fails loudly.
-void check_moe_experts(const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down, int64_t down_type,
-                       int64_t hidden_size, int64_t intermediate_size, int64_t activation);
+// moe.cpp: one layer's experts: weights (moe.cpp's header comment), optional biases, activation.
+struct ExpertWeights {
+  at::Tensor gate_up;
+  int64_t gate_up_type;
+  at::Tensor down;
+  int64_t down_type;
+  std::optional<at::Tensor> gate_up_bias;  // float32 [E, 2 * I]
+  std::optional<at::Tensor> down_bias;     // float32 [E, H]
+  int64_t activation;
+  float alpha;  // kSwigluOai's
+  float limit;
+};
+
+// moe.cpp: checks one layer's experts against the hidden size; fails loudly.
+void check_moe_experts(const ExpertWeights& experts, int64_t hidden_size);
 
 // moe.cpp: out [num_tokens, H] (written) = x through each token's top_k experts, tensors checked
 // by the caller (check_moe_experts; ids within [0, E)).
 void fused_experts_f32(const at::Tensor& x, const int64_t* topk_ids, const float* topk_weights, int64_t top_k,
-                       const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down, int64_t down_type,
-                       int64_t activation, at::Tensor& out);
+                       const ExpertWeights& experts, at::Tensor& out);
 
 // quant_matmul.cpp: bytes and weights of one stored block of a supported ggml type (32
 // weights, 256 for the k-quants); both fail loudly on any other type.
@@ -147,7 +165,9 @@ inline float exp_nonpositive(float x) {
 }
 
 // The MLP activations the kernels apply to a gate and an up row (decoder_stack.cpp, moe.cpp).
-enum Activation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
+// kSwigluOai: gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+// g = min(gate, limit).
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kSwigluOai = 3 };
 
 // silu(gate) * up, with silu(g) = g / (1 + exp(-g)) written for an exp of non-positive
 // arguments (it vectorizes; std::exp does not).
@@ -173,10 +193,23 @@ inline void gelu_mul(const float* __restrict__ gate, const float* __restrict__ u
   }
 }
 
-// out = act(gate) * up over n elements, act an Activation.
-inline void activate_mul(int64_t activation, const float* gate, const float* up, int64_t n, float* out) {
+// gpt-oss's clamped SwiGLU (kSwigluOai) of a gate and an up row.
+inline void swiglu_oai(const float* __restrict__ gate, const float* __restrict__ up, int64_t n, float alpha,
+                       float limit, float* __restrict__ out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float g = std::min(gate[j], limit);
+    const float u = std::clamp(up[j], -limit, limit);
+    out[j] = (u + 1.f) * (g / (1.f + std::exp(-alpha * g)));
+  }
+}
+
+// out = act(gate) * up over n elements, act an Activation (alpha and limit: kSwigluOai's).
+inline void activate_mul(int64_t activation, const float* gate, const float* up, int64_t n, float* out,
+                         float alpha = 0.f, float limit = 0.f) {
   if (activation == kSilu) {
     silu_mul(gate, up, n, out);
+  } else if (activation == kSwigluOai) {
+    swiglu_oai(gate, up, n, alpha, limit, out);
   } else {
     gelu_mul(gate, up, n, activation == kGeluTanh, out);
   }

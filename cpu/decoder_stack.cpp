@@ -126,14 +126,12 @@ using pagedrs_cpu::kSilu;
 // A mixture-of-experts MLP (moe.cpp): the router, each token's top-k experts, and an optional
 // shared expert scaled by a sigmoid gate (Qwen2-MoE).
 struct Experts {
-  at::Tensor router;    // float32 [E, H]
+  at::Tensor router;                     // float32 [E, H]
+  std::optional<at::Tensor> router_bias; // float32 [E] (gpt-oss)
   int64_t top_k;
-  bool renormalize;     // the top-k probabilities divided by their sum
-  at::Tensor gate_up;   // [E, 2 * I_e, H] float32 or packed (moe.cpp's layouts)
-  int64_t gate_up_type;
-  at::Tensor down;      // [E, H, I_e]
-  int64_t down_type;
-  int64_t intermediate_size;             // I_e, one expert's width
+  bool renormalize;         // the top-k probabilities divided by their sum
+  bool softmax_after_topk;  // the softmax over the top-k logits only (gpt-oss)
+  pagedrs_cpu::ExpertWeights weights;    // moe.cpp's layouts
   std::optional<Linear> shared_gate_up;  // [2 * I_s, H], the shared expert's
   std::optional<Linear> shared_down;     // [H, I_s]
   std::optional<at::Tensor> shared_gate; // float32 [H]: the shared expert's output times sigmoid(x . gate)
@@ -142,8 +140,10 @@ struct Experts {
 
 // Each row's top_k experts by router probability (softmax of its logits [num_tokens, E], in
 // float32) into ids and weights [num_tokens, top_k], highest first (the first index on ties,
-// as torch.topk on these values), divided by their sum when renormalize.
-void route(const at::Tensor& logits, int64_t top_k, bool renormalize, int64_t* ids, float* weights) {
+// as torch.topk on these values), divided by their sum when renormalize; with
+// softmax_after_topk (gpt-oss), the top_k logits are chosen first and their softmax is the weights.
+void route(const at::Tensor& logits, int64_t top_k, bool renormalize, bool softmax_after_topk, int64_t* ids,
+           float* weights) {
   const int64_t num_experts = logits.size(1);
   const float* rows = logits.data_ptr<float>();
   at::parallel_for(0, logits.size(0), kGrain, [&](int64_t begin, int64_t end) {
@@ -151,18 +151,22 @@ void route(const at::Tensor& logits, int64_t top_k, bool renormalize, int64_t* i
     for (int64_t t = begin; t < end; ++t) {
       const float* row = rows + t * num_experts;
       const float top = *std::max_element(row, row + num_experts);
-      float sum = 0.f;
-      for (int64_t e = 0; e < num_experts; ++e) sum += probs[e] = std::exp(row[e] - top);
-      for (int64_t e = 0; e < num_experts; ++e) probs[e] /= sum;
+      if (softmax_after_topk) {
+        std::copy(row, row + num_experts, probs.begin());
+      } else {
+        float sum = 0.f;
+        for (int64_t e = 0; e < num_experts; ++e) sum += probs[e] = std::exp(row[e] - top);
+        for (int64_t e = 0; e < num_experts; ++e) probs[e] /= sum;
+      }
       float chosen = 0.f;
       for (int64_t k = 0; k < top_k; ++k) {
         const int64_t best = std::max_element(probs.begin(), probs.end()) - probs.begin();
         ids[t * top_k + k] = best;
-        weights[t * top_k + k] = probs[best];
-        chosen += probs[best];
-        probs[best] = -1.f;  // below every probability: never chosen again
+        weights[t * top_k + k] = softmax_after_topk ? std::exp(probs[best] - top) : probs[best];
+        chosen += weights[t * top_k + k];
+        probs[best] = -std::numeric_limits<float>::infinity();  // never chosen again
       }
-      if (renormalize) {
+      if (renormalize || softmax_after_topk) {
         for (int64_t k = 0; k < top_k; ++k) weights[t * top_k + k] /= chosen;
       }
     }
@@ -189,6 +193,7 @@ struct Layer {
   double softcap;             // scores become softcap * tanh(score / softcap); 0: none
   int64_t rope;               // which of forward's cos/sin pairs rotates q and k
   int64_t view;               // which of forward's attention views it reads
+  std::optional<at::Tensor> sinks;  // [num_heads] float32: gpt-oss's attention sinks, or absent
 };
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)) over n elements, as Hugging Face's RMSNorm in
@@ -264,7 +269,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                  std::optional<at::Tensor> down,
                  int64_t down_type, std::optional<at::Tensor> down_bias, int64_t activation,
                  double residual_multiplier, double scale, int64_t sliding_window, double softcap, int64_t rope,
-                 int64_t view) override {
+                 int64_t view, std::optional<at::Tensor> sinks) override {
     const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
     const int64_t qkv_size = q_size + 2 * kv_size;
     if (input_norm) check_float_vector(*input_norm, hidden_size_, "input_norm");
@@ -277,10 +282,13 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       check_float_vector(*q_norm, whole ? q_size : head_size_, "q_norm");
       check_float_vector(*k_norm, whole ? kv_size : head_size_, "k_norm");
     }
-    TORCH_CHECK(activation == kSilu || activation == kGeluTanh || activation == kGelu,
-                "pagedrs_cpu: activation must be 0 (silu), 1 (gelu tanh) or 2 (gelu), got ", activation);
+    TORCH_CHECK(activation == kSilu || activation == kGeluTanh || activation == kGelu ||
+                    (activation == pagedrs_cpu::kSwigluOai && !gate_up),
+                "pagedrs_cpu: activation must be 0 (silu), 1 (gelu tanh), 2 (gelu), or 3 (gpt-oss's swiglu, experts "
+                "only), got ", activation);
     TORCH_CHECK(sliding_window >= 0 && softcap >= 0 && rope >= 0 && view >= 0,
                 "pagedrs_cpu: sliding_window, softcap, rope and view must be >= 0");
+    if (sinks) check_float_vector(*sinks, num_heads_, "sinks");
     layers_.push_back(Layer{
         input_norm,
         attn_out_norm,
@@ -303,13 +311,16 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         softcap,
         rope,
         view,
+        sinks,
     });
   }
 
   // Makes the last layer's MLP a mixture of experts (see Experts; shapes in moe.cpp's header).
-  void set_experts(at::Tensor router, int64_t top_k, bool renormalize, at::Tensor gate_up, int64_t gate_up_type,
-                   at::Tensor down, int64_t down_type, std::optional<at::Tensor> shared_gate_up,
-                   int64_t shared_gate_up_type, std::optional<at::Tensor> shared_down, int64_t shared_down_type,
+  void set_experts(at::Tensor router, std::optional<at::Tensor> router_bias, int64_t top_k, bool renormalize,
+                   bool softmax_after_topk, at::Tensor gate_up, int64_t gate_up_type, at::Tensor down,
+                   int64_t down_type, std::optional<at::Tensor> gate_up_bias, std::optional<at::Tensor> down_bias,
+                   double alpha, double limit, std::optional<at::Tensor> shared_gate_up, int64_t shared_gate_up_type,
+                   std::optional<at::Tensor> shared_down, int64_t shared_down_type,
                    std::optional<at::Tensor> shared_gate, at::Tensor expert_tokens) override {
     TORCH_CHECK(!layers_.empty(), "pagedrs_cpu: set_experts follows the add_layer of its layer");
     Layer& layer = layers_.back();
@@ -319,19 +330,21 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                 "pagedrs_cpu: router must be contiguous float32 [num_experts, ", hidden_size_, "]");
     const int64_t num_experts = router.size(0);
     TORCH_CHECK(0 < top_k && top_k <= num_experts, "pagedrs_cpu: top_k must be in 1..", num_experts, ", got ", top_k);
-    TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(0) == num_experts && gate_up.size(1) % 2 == 0,
+    if (router_bias) check_float_vector(*router_bias, num_experts, "router_bias");
+    TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(0) == num_experts,
                 "pagedrs_cpu: gate_up must be [", num_experts, ", 2 * intermediate_size, ...]");
-    const int64_t intermediate = gate_up.size(1) / 2;
-    pagedrs_cpu::check_moe_experts(gate_up, gate_up_type, down, down_type, hidden_size_, intermediate,
-                                   layer.activation);
+    const pagedrs_cpu::ExpertWeights weights{gate_up,   gate_up_type,     down,
+                                             down_type, gate_up_bias,     down_bias,
+                                             layer.activation, static_cast<float>(alpha), static_cast<float>(limit)};
+    pagedrs_cpu::check_moe_experts(weights, hidden_size_);
     TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() &&
                     shared_gate_up.has_value() == shared_gate.has_value(),
                 "pagedrs_cpu: a shared expert needs gate_up, down and its gate");
     TORCH_CHECK(expert_tokens.device().is_cpu() && expert_tokens.scalar_type() == at::kLong &&
                     expert_tokens.is_contiguous() && expert_tokens.dim() == 1 && expert_tokens.size(0) == num_experts,
                 "pagedrs_cpu: expert_tokens must be contiguous int64 [", num_experts, "]");
-    Experts experts{router,       top_k,        renormalize,  gate_up,      gate_up_type, down,
-                    down_type,    intermediate, std::nullopt, std::nullopt, std::nullopt, expert_tokens};
+    Experts experts{router, router_bias,  top_k,        renormalize,  softmax_after_topk,
+                    weights, std::nullopt, std::nullopt, std::nullopt, expert_tokens};
     if (shared_gate_up) {
       const int64_t shared = shared_gate_up->size(0) / 2;
       experts.shared_gate_up = make_linear("shared_gate_up", *shared_gate_up, shared_gate_up_type, std::nullopt,
@@ -453,7 +466,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       });
       const at::Tensor& mlp_input = pre_mlp_norm != nullptr ? normed : hidden;
       if (layer.experts) {
-        mixture(*layer.experts, layer.activation, mlp_input, projected);
+        mixture(*layer.experts, mlp_input, projected);
       } else {
         layer.gate_up->apply(mlp_input, gate_up);
         for_rows(num_tokens, [&](int64_t t) {
@@ -474,16 +487,17 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
  private:
   // out [num_tokens, H] = the mixture's output for x [num_tokens, H]: the router, the routed
   // experts (moe.cpp), plus the gated shared expert.
-  void mixture(const Experts& experts, int64_t activation, const at::Tensor& x, at::Tensor& out) const {
+  void mixture(const Experts& experts, const at::Tensor& x, at::Tensor& out) const {
+    const int64_t activation = experts.weights.activation;
     const int64_t num_tokens = x.size(0), H = hidden_size_, K = experts.top_k;
-    const at::Tensor logits = at::mm(x, experts.router.t());
+    const at::Tensor logits =
+        experts.router_bias ? at::addmm(*experts.router_bias, x, experts.router.t()) : at::mm(x, experts.router.t());
     std::vector<int64_t> ids(num_tokens * K);
     std::vector<float> weights(num_tokens * K);
-    route(logits, K, experts.renormalize, ids.data(), weights.data());
+    route(logits, K, experts.renormalize, experts.softmax_after_topk, ids.data(), weights.data());
     int64_t* counts = experts.expert_tokens.data_ptr<int64_t>();
     for (const int64_t id : ids) ++counts[id];
-    pagedrs_cpu::fused_experts_f32(x, ids.data(), weights.data(), K, experts.gate_up, experts.gate_up_type,
-                                   experts.down, experts.down_type, activation, out);
+    pagedrs_cpu::fused_experts_f32(x, ids.data(), weights.data(), K, experts.weights, out);
     if (!experts.shared_gate_up) return;
     const int64_t S = experts.shared_down->in_features;
     at::Tensor gate_up = at::empty({num_tokens, 2 * S}, x.options());
@@ -598,11 +612,11 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         at::Tensor rows_query = query.index_select(0, *kernel_rows);
         at::Tensor rows_out = at::empty_like(rows_query);
         pagedrs_cpu::paged_attention(rows_out, rows_query, key_cache, value_cache, *block_tables, *cu_seqlens_q,
-                                     *context_lens, layer.scale, layer.sliding_window, layer.softcap);
+                                     *context_lens, layer.scale, layer.sliding_window, layer.softcap, layer.sinks);
         attended.index_copy_(0, *kernel_rows, rows_out);
       } else {
         pagedrs_cpu::paged_attention(attended, query, key_cache, value_cache, *block_tables, *cu_seqlens_q,
-                                     *context_lens, layer.scale, layer.sliding_window, layer.softcap);
+                                     *context_lens, layer.scale, layer.sliding_window, layer.softcap, layer.sinks);
       }
     }
     const int64_t group = num_heads_ / num_kv_heads_;
@@ -624,14 +638,19 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                                     .transpose(0, 1)
                                     .unsqueeze(1);
       at::Tensor out;
-      if (layer.softcap > 0) {  // SDPA has no softcap: the scores, capped, masked, softmaxed
+      if (layer.softcap > 0 || layer.sinks) {  // SDPA has neither: scores capped, masked, softmaxed
         at::Tensor visible = mask.has_value() ? *mask
                                               : at::ones({end - start, num_keys}, query.options().dtype(at::kBool))
                                                     .tril(context_len - (end - start));
-        at::Tensor scores = at::matmul(q, keys.transpose(-1, -2)) * layer.scale;
-        scores = at::tanh(scores / layer.softcap) * layer.softcap;
+        at::Tensor scores = at::matmul(q, keys.transpose(-1, -2)) * layer.scale;  // [KVH, group, L, C]
+        if (layer.softcap > 0) scores = at::tanh(scores / layer.softcap) * layer.softcap;
         scores.masked_fill_(visible.logical_not(), -std::numeric_limits<float>::infinity());
-        out = at::matmul(at::softmax(scores, -1), values);
+        if (layer.sinks) {  // one more logit per head, whose probability goes to no value
+          const at::Tensor sink = layer.sinks->view({num_kv_heads_, group, 1, 1}).expand({-1, -1, end - start, 1});
+          out = at::matmul(at::softmax(at::cat({scores, sink}, -1), -1).narrow(-1, 0, num_keys), values);
+        } else {
+          out = at::matmul(at::softmax(scores, -1), values);
+        }
       } else {
         out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, !mask.has_value(), layer.scale);
       }

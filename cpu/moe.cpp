@@ -27,6 +27,7 @@
 //   gate_up             [E, 2 * I, H] float32 (gate rows, then up rows), or packed uint8
 //                       [E, 2 * I, H / block_weights * block_bytes] of a quant_matmul.cpp type
 //   down                [E, H, I] float32, or packed uint8 [E, H, I / block_weights * block_bytes]
+//   gate_up_bias        optional float32 [E, 2 * I], down_bias optional float32 [E, H] (gpt-oss)
 //   out                 [T, H] float32: sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]),
 //                       added in slot order k = 0, 1, ... (deterministic whatever the threads)
 //
@@ -38,6 +39,8 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -102,6 +105,24 @@ void grouped_matmul(const Groups& groups, const at::Tensor& x, const at::Tensor&
   });
 }
 
+// rows of each expert (grouped) += its bias row, where the experts have biases (gpt-oss).
+void add_expert_bias(const Groups& groups, const std::optional<at::Tensor>& bias, at::Tensor& rows) {
+  if (!bias) return;
+  const int64_t width = rows.size(1), num_experts = static_cast<int64_t>(groups.offsets.size()) - 1;
+  const float* biases = bias->data_ptr<float>();
+  float* data = rows.data_ptr<float>();
+  at::parallel_for(0, num_experts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const float* b = biases + e * width;
+      for (int64_t row = groups.offsets[e]; row < groups.offsets[e + 1]; ++row) {
+        float* r = data + row * width;
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j) r[j] += b[j];
+      }
+    }
+  });
+}
+
 void check_experts(const at::Tensor& weight, int64_t ggml_type, int64_t num_experts, int64_t out_features,
                    int64_t in_features, const char* name) {
   TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.dim() == 3, "pagedrs_cpu: ", name,
@@ -125,20 +146,31 @@ void check_experts(const at::Tensor& weight, int64_t ggml_type, int64_t num_expe
 
 namespace pagedrs_cpu {
 
-void check_moe_experts(const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down, int64_t down_type,
-                       int64_t hidden_size, int64_t intermediate_size, int64_t activation) {
-  TORCH_CHECK(activation == kSilu || activation == kGeluTanh || activation == kGelu,
-              "pagedrs_cpu: activation must be 0 (silu), 1 (gelu tanh) or 2 (gelu), got ", activation);
-  TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(0) > 0 && intermediate_size > 0 && hidden_size > 0,
+void check_moe_experts(const ExpertWeights& experts, int64_t hidden_size) {
+  const int64_t activation = experts.activation;
+  TORCH_CHECK(activation == kSilu || activation == kGeluTanh || activation == kGelu || activation == kSwigluOai,
+              "pagedrs_cpu: activation must be 0 (silu), 1 (gelu tanh), 2 (gelu) or 3 (gpt-oss swiglu), got ",
+              activation);
+  const at::Tensor& gate_up = experts.gate_up;
+  TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(0) > 0 && gate_up.size(1) > 0 && gate_up.size(1) % 2 == 0 &&
+                  hidden_size > 0,
               "pagedrs_cpu: experts need positive sizes and gate_up [E, 2 * I, ...]");
-  const int64_t num_experts = gate_up.size(0);
-  check_experts(gate_up, gate_up_type, num_experts, 2 * intermediate_size, hidden_size, "gate_up");
-  check_experts(down, down_type, num_experts, hidden_size, intermediate_size, "down");
+  const int64_t num_experts = gate_up.size(0), intermediate_size = gate_up.size(1) / 2;
+  check_experts(gate_up, experts.gate_up_type, num_experts, 2 * intermediate_size, hidden_size, "gate_up");
+  check_experts(experts.down, experts.down_type, num_experts, hidden_size, intermediate_size, "down");
+  const std::pair<const std::optional<at::Tensor>*, int64_t> biases[] = {{&experts.gate_up_bias, 2 * intermediate_size},
+                                                                          {&experts.down_bias, hidden_size}};
+  for (const auto& [bias, width] : biases) {
+    TORCH_CHECK(!bias->has_value() || ((*bias)->device().is_cpu() && (*bias)->scalar_type() == at::kFloat &&
+                                       (*bias)->is_contiguous() && (*bias)->dim() == 2 &&
+                                       (*bias)->size(0) == num_experts && (*bias)->size(1) == width),
+                "pagedrs_cpu: an experts' bias must be contiguous float32 [", num_experts, ", ", width, "]");
+  }
 }
 
 void fused_experts_f32(const at::Tensor& x, const int64_t* topk_ids, const float* topk_weights, int64_t top_k,
-                       const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down, int64_t down_type,
-                       int64_t activation, at::Tensor& out) {
+                       const ExpertWeights& experts, at::Tensor& out) {
+  const at::Tensor &gate_up = experts.gate_up, &down = experts.down;
   const int64_t num_tokens = x.size(0), hidden_size = x.size(1), num_slots = num_tokens * top_k;
   const int64_t num_experts = gate_up.size(0), intermediate_size = gate_up.size(1) / 2;
   if (num_tokens == 0) return;
@@ -155,19 +187,21 @@ void fused_experts_f32(const at::Tensor& x, const int64_t* topk_ids, const float
     }
   });
   at::Tensor gate_up_out = at::empty({num_slots, 2 * intermediate_size}, options);
-  grouped_matmul(groups, grouped, gate_up, gate_up_type, hidden_size, 2 * intermediate_size, gate_up_out);
+  grouped_matmul(groups, grouped, gate_up, experts.gate_up_type, hidden_size, 2 * intermediate_size, gate_up_out);
+  add_expert_bias(groups, experts.gate_up_bias, gate_up_out);
   at::Tensor activated = at::empty({num_slots, intermediate_size}, options);
   const float* gate_up_rows = gate_up_out.data_ptr<float>();
   float* activated_rows = activated.data_ptr<float>();
   at::parallel_for(0, num_slots, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float* gate = gate_up_rows + row * 2 * intermediate_size;
-      activate_mul(activation, gate, gate + intermediate_size, intermediate_size,
-                   activated_rows + row * intermediate_size);
+      activate_mul(experts.activation, gate, gate + intermediate_size, intermediate_size,
+                   activated_rows + row * intermediate_size, experts.alpha, experts.limit);
     }
   });
   // Each slot's expert output, reused for the grouped input (same shape, no longer needed).
-  grouped_matmul(groups, activated, down, down_type, intermediate_size, hidden_size, grouped);
+  grouped_matmul(groups, activated, down, experts.down_type, intermediate_size, hidden_size, grouped);
+  add_expert_bias(groups, experts.down_bias, grouped);
   std::vector<int64_t> row_of(num_slots);
   for (int64_t row = 0; row < num_slots; ++row) row_of[groups.slot_of[row]] = row;
   float* out_rows = out.data_ptr<float>();
@@ -188,11 +222,16 @@ void fused_experts_f32(const at::Tensor& x, const int64_t* topk_ids, const float
 // The registered op (see the header for layouts): checks every tensor, then fused_experts_f32.
 at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                          const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down, int64_t down_type,
-                         int64_t intermediate_size, int64_t activation) {
+                         int64_t intermediate_size, int64_t activation, const std::optional<at::Tensor>& gate_up_bias,
+                         const std::optional<at::Tensor>& down_bias, double alpha, double limit) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2,
               "pagedrs_cpu: x must be contiguous float32 [num_tokens, hidden_size]");
   const int64_t num_tokens = x.size(0), hidden_size = x.size(1);
-  check_moe_experts(gate_up, gate_up_type, down, down_type, hidden_size, intermediate_size, activation);
+  const ExpertWeights experts{gate_up,      gate_up_type, down, down_type, gate_up_bias, down_bias, activation,
+                              static_cast<float>(alpha), static_cast<float>(limit)};
+  check_moe_experts(experts, hidden_size);
+  TORCH_CHECK(gate_up.size(1) == 2 * intermediate_size, "pagedrs_cpu: gate_up must have 2 * ", intermediate_size,
+              " rows per expert, got ", gate_up.size(1));
   TORCH_CHECK(topk_ids.device().is_cpu() && topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous() &&
                   topk_ids.dim() == 2 && topk_ids.size(0) == num_tokens && topk_ids.size(1) > 0,
               "pagedrs_cpu: topk_ids must be contiguous int64 [", num_tokens, ", top_k]");
@@ -206,8 +245,7 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& topk_ids, const 
                 num_experts, ")");
   }
   at::Tensor out = at::empty({num_tokens, hidden_size}, x.options());
-  fused_experts_f32(x, ids, topk_weights.data_ptr<float>(), top_k, gate_up, gate_up_type, down, down_type, activation,
-                    out);
+  fused_experts_f32(x, ids, topk_weights.data_ptr<float>(), top_k, experts, out);
   return out;
 }
 

@@ -22,7 +22,8 @@
 //
 // Rows of a sequence are the last tokens of its context: row i of a sequence with q rows and
 // context c is at position p = c - q + i and sees the keys at positions [0, p], or with
-// sliding_window > 0 only those > p - sliding_window (Mistral's rule).
+// sliding_window > 0 only those > p - sliding_window (Mistral's rule). With sinks (gpt-oss),
+// head h's softmax has one more logit, sinks[h], whose probability goes to no value.
 //
 // Work split: one item is (a tile of up to kRowTile consecutive rows of one sequence, one KV
 // head); a decode is a tile of one row. The item computes all group * rows query vectors
@@ -183,6 +184,8 @@ struct Args {
   int sliding_window;
   float scale;
   float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
+  const float* sinks;  // [num_heads] or null: a logit per head that joins every row's softmax
+                       // with no value (gpt-oss's attention sinks)
 };
 
 // Per-thread scratch, sized once per call. A "vector" is one (query row, query head) of an item.
@@ -344,8 +347,11 @@ void attend_item(const Args& args, const WorkItem& item, Scratch& scratch) {
   for (int v = 0; v < num_vectors; ++v) {
     const int row = item.first_row + v / group, head = item.kv_head * group + v % group;
     const float* acc = scratch.acc.data() + static_cast<int64_t>(v) * head_size;
-    // Every row sees at least its own key, so the sum is positive.
-    const float inv_sum = 1.f / scratch.sum_exp[v];
+    // Every row sees at least its own key, so the sum is positive. A sink adds its term to
+    // the denominator only (exp(sink - max) overflows to inf, rightly giving 0, for a sink far
+    // above every score).
+    const float sink = args.sinks != nullptr ? std::exp(args.sinks[head] - scratch.max_score[v]) : 0.f;
+    const float inv_sum = 1.f / (scratch.sum_exp[v] + sink);
     T* dst = out + row * args.out_row_stride + static_cast<int64_t>(head) * head_size;
 #pragma omp simd
     for (int d = 0; d < head_size; ++d) dst[d] = static_cast<T>(acc[d] * inv_sum);
@@ -409,7 +415,8 @@ namespace pagedrs_cpu {
 // runner's contract, rust/src/batch.rs).
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                     const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap) {
+                     const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap,
+                     const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(softcap >= 0, "pagedrs_cpu: softcap must be >= 0 (0: none), got ", softcap);
   check_cache(key_cache, "key_cache");
   check_cache(value_cache, "value_cache");
@@ -451,6 +458,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                   " is outside the cache's ", num_blocks, " blocks");
     }
   }
+  if (sinks) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == num_heads,
+                "pagedrs_cpu: sinks must be contiguous float32 [", num_heads, "]");
+  }
   if (query.size(0) == 0) return;
 
   Args args{};
@@ -471,6 +483,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   args.sliding_window = static_cast<int>(sliding_window);
   args.scale = static_cast<float>(scale);
   args.softcap = static_cast<float>(softcap);
+  args.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
   const auto items = work_items(args.cu_seqlens_q, static_cast<int>(num_seqs), args.num_kv_heads);
   switch (dtype) {
     case at::kFloat: run<float>(args, items); break;

@@ -10,7 +10,7 @@
 TORCH_LIBRARY(pagedrs_cpu, m) {
   // paged_attention.cpp
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor cu_seqlens_q, Tensor context_lens, float scale, int sliding_window, float softcap) -> ()");
+        "Tensor cu_seqlens_q, Tensor context_lens, float scale, int sliding_window, float softcap, Tensor? sinks=None) -> ()");
   // sampling.cpp
   m.def("logprob_stats(Tensor logits, Tensor token_ids, int num_top, Tensor(a!) logprobs, Tensor(b!) ranks, "
         "Tensor(c!) top_ids, Tensor(d!) top_logprobs) -> ()");
@@ -21,7 +21,8 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
   m.def("quant_matmul(Tensor x, Tensor weight, int ggml_type, int in_features) -> Tensor");
   // moe.cpp
   m.def("fused_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, int gate_up_type, "
-        "Tensor down, int down_type, int intermediate_size, int activation) -> Tensor");
+        "Tensor down, int down_type, int intermediate_size, int activation, Tensor? gate_up_bias=None, "
+        "Tensor? down_bias=None, float alpha=0., float limit=0.) -> Tensor");
   // decoder_stack.cpp: a class, its methods' schemas inferred from their C++ signatures
   m.class_<pagedrs_cpu::DecoderStack>("DecoderStack")
       .def(torch::init(&pagedrs_cpu::make_decoder_stack))

@@ -371,7 +371,17 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(tiny_checkpoint):
 @pytest.mark.slow  # tensor-parallel ranks
 @pytest.mark.parametrize(
     "family",
-    ["gemma2", "gemma3", "phi3-partial-sliding", "granite", "qwen2-sliding", "mixtral", "qwen2-moe", "qwen3-moe"],
+    [
+        "gemma2",
+        "gemma3",
+        "phi3-partial-sliding",
+        "granite",
+        "qwen2-sliding",
+        "mixtral",
+        "qwen2-moe",
+        "qwen3-moe",
+        "gpt-oss",
+    ],
 )
 def test_tp2_of_the_other_families_generates_what_tp1_does(family, tmp_path):
     """Per-layer windows, softcaps, Gemma's norms, Phi-3's fused checkpoint tensors (split

@@ -139,6 +139,26 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "olmoe": lambda: __import__("transformers").OlmoeConfig(
         **TINY, num_experts=7, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1
     ),
+    # gpt-oss: attention sinks, alternating sliding / full layers, YaRN (not truncated), biases on
+    # the router and the experts, top-k logits then softmax, a clamped SwiGLU whose limit clamps.
+    "gpt-oss": lambda: __import__("transformers").GptOssConfig(
+        **{**TINY, "head_dim": 16},
+        num_local_experts=5,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=0.2,
+        rope_parameters=_rope(
+            "yarn",
+            factor=4.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=ORIGINAL_MAX,
+        ),
+        pad_token_id=0,
+        eos_token_id=1,
+    ),
 }
 
 

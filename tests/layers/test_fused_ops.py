@@ -94,7 +94,7 @@ def test_model_with_fused_ops_matches_transformers(tiny_checkpoint, fused_on):
 def test_grouped_experts_match_the_loop_over_experts(num_tokens, num_experts, top_k, hidden, intermediate):
     """The Triton grouped matmuls of a mixture (odd expert counts, experts without tokens,
     sizes that are not whole tiles, top-k up to 8) against transformers' loop over experts."""
-    from pagedrs.layers.moe import experts_reference
+    from pagedrs.layers.moe import Activation, experts_reference
 
     generator = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, generator=generator)
@@ -104,6 +104,9 @@ def test_grouped_experts_match_the_loop_over_experts(num_tokens, num_experts, to
     ids = scores.topk(top_k, dim=-1).indices
     weights = torch.rand(num_tokens, top_k, generator=generator).softmax(-1)
     x, gate_up, down, ids, weights = (t.to(DEVICE) for t in (x, gate_up, down, ids, weights))
-    out = fused.grouped_experts(x, ids, weights, gate_up, down, F.silu)
-    expected = experts_reference(x, ids, weights, gate_up, down, F.silu)
-    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-4)
+    gpt_oss = Activation("swiglu_oai", 1.702, 0.5)
+    biases = (gate_up[:, :, 0].contiguous(), down[:, :, 0].contiguous())  # [E, 2I], [E, H]
+    for activation, bias in ((Activation("silu"), (None, None)), (gpt_oss, biases)):
+        out = fused.grouped_experts(x, ids, weights, gate_up, down, activation, *bias)
+        expected = experts_reference(x, ids, weights, gate_up, down, activation, *bias)
+        assert torch.allclose(out, expected, rtol=1e-4, atol=1e-4)

@@ -192,3 +192,33 @@ def test_expert_token_counts_cover_every_routed_token(tmp_path, backend):
     assert isinstance(family, CounterMetricFamily) and family.name == "pagedrs:moe_expert_tokens"
     samples = {(s.labels["layer"], s.labels["expert"]): s.value for s in family.samples}
     assert sum(samples.values()) == computed * 4 and ("1", "7") in samples
+
+
+def test_gpt_oss_sinks_and_clamp_are_what_makes_it_match(tmp_path):
+    """The families' table runs gpt-oss against transformers; here each of its specifics is
+    shown to matter: without the sinks, or without the clamp, the logprobs move off the oracle's."""
+    from pagedrs.layers.moe import Activation
+
+    model = save_family("gpt-oss", tmp_path)
+    prompt = PROMPTS[0]
+    tokens, logprobs, _ = hf_greedy_logprobs(model, prompt, 4)
+    llm = LLM(str(tmp_path))
+    assert llm.engine.runner.cpu_stack is not None
+    layers = llm.engine.model.layers
+
+    def worst_gap() -> float:
+        completion = generate(llm, [prompt])[0].outputs[0]
+        return max(abs(completion.logprobs[i][t].logprob - logprobs[i]) for i, t in enumerate(tokens))
+
+    assert worst_gap() < 1e-4
+    saved = [layer.self_attn.sinks.clone() for layer in layers]
+    for layer in layers:
+        layer.self_attn.sinks.fill_(-1e4)  # no sink: exp(-1e4) is 0
+    assert worst_gap() > 1e-3
+    for layer, sinks in zip(layers, saved):
+        layer.self_attn.sinks.copy_(sinks)
+    python_layers = LLM(str(tmp_path), attention_backend="torch")
+    for layer in python_layers.engine.model.layers:
+        layer.mlp.experts.activation = Activation("swiglu_oai", layer.mlp.experts.activation.alpha, 1e4)
+    completion = generate(python_layers, [prompt])[0].outputs[0]
+    assert max(abs(completion.logprobs[i][t].logprob - logprobs[i]) for i, t in enumerate(tokens)) > 1e-3

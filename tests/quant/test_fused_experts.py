@@ -7,22 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from pagedrs.kernels import cpu as cpu_kernels
-from pagedrs.layers.moe import ACTIVATION_IDS, experts_reference
+from pagedrs.layers.moe import ACTIVATION_IDS, Activation, experts_reference
 from tests.helpers.k_quants import K_QUANTS
 from tests.quant.test_quant_matmul import packed_weight
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels do not build here")
 
 F32 = 0
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
+SILU = Activation("silu")
+ACTIVATIONS = [SILU, Activation("gelu_pytorch_tanh"), Activation("gelu"), Activation("swiglu_oai", 1.702, 0.5)]
 
 
 def routed(num_tokens: int, num_experts: int, top_k: int, seed: int, skip: int | None = None):
@@ -44,9 +40,20 @@ def experts(qtype, num_experts: int, rows: int, cols: int, seed: int):
     return torch.stack([p for p, _ in pairs]), torch.stack([w for _, w in pairs])
 
 
-def run(x, ids, weights, gate_up, gate_up_type, down, down_type, intermediate, activation="silu"):
+def run(x, ids, weights, gate_up, gate_up_type, down, down_type, intermediate, activation=SILU, biases=(None, None)):
     return cpu_kernels.load().fused_experts(
-        x, ids, weights, gate_up, int(gate_up_type), down, int(down_type), intermediate, ACTIVATION_IDS[activation]
+        x,
+        ids,
+        weights,
+        gate_up,
+        int(gate_up_type),
+        down,
+        int(down_type),
+        intermediate,
+        ACTIVATION_IDS[activation.name],
+        *biases,
+        activation.alpha,
+        activation.limit,
     )
 
 
@@ -69,9 +76,7 @@ def test_equals_a_loop_over_experts(qtype, case):
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(3))
     ids, weights = routed(num_tokens, num_experts, top_k, seed=num_tokens, skip=num_experts // 2)
     out = run(x, ids, weights, gate_up, qtype, down, qtype, intermediate)
-    expected = experts_reference(
-        x.double(), ids, weights.double(), gate_up_values.double(), down_values.double(), F.silu
-    )
+    expected = experts_reference(x.double(), ids, weights.double(), gate_up_values.double(), down_values.double(), SILU)
     assert out.shape == (num_tokens, hidden) and out.dtype == torch.float32
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
@@ -86,21 +91,25 @@ def test_k_quant_experts_and_mixed_types(qtype):
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(4))
     ids, weights = routed(num_tokens, num_experts, top_k, seed=7)
     out = run(x, ids, weights, gate_up, qtype, down, GGMLQuantizationType.Q8_0, intermediate)
-    expected = experts_reference(
-        x.double(), ids, weights.double(), gate_up_values.double(), down_values.double(), F.silu
-    )
+    expected = experts_reference(x.double(), ids, weights.double(), gate_up_values.double(), down_values.double(), SILU)
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("activation", list(ACTIVATIONS))
-def test_each_activation(activation):
-    gate_up, _ = experts(F32, 3, 64, 64, seed=1)
-    down, _ = experts(F32, 3, 64, 32, seed=2)
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=lambda a: a.name)
+@pytest.mark.parametrize("qtype", [F32, GGMLQuantizationType.Q8_0], ids=lambda t: "F32" if t == F32 else t.name)
+def test_each_activation_with_and_without_biases(activation, qtype):
+    """Every activation (gpt-oss's clamped SwiGLU with a limit small enough to clamp), with and
+    without gpt-oss's per-expert biases."""
+    gate_up, gate_up_values = experts(qtype, 3, 64, 64, seed=1)
+    down, down_values = experts(qtype, 3, 64, 32, seed=2)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
     ids, weights = routed(4, 3, 2, seed=3)
-    out = run(x, ids, weights, gate_up, F32, down, F32, 32, activation)
-    expected = experts_reference(x, ids, weights, gate_up, down, ACTIVATIONS[activation])
-    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+    generator = torch.Generator().manual_seed(9)
+    biases = (torch.randn(3, 64, generator=generator), torch.randn(3, 64, generator=generator))
+    for bias in ((None, None), biases):
+        out = run(x, ids, weights, gate_up, qtype, down, qtype, 32, activation, bias)
+        expected = experts_reference(x, ids, weights, gate_up_values, down_values, activation, *bias)
+        assert torch.allclose(out, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_no_tokens_and_one_expert_for_every_token():
@@ -111,7 +120,7 @@ def test_no_tokens_and_one_expert_for_every_token():
     x = torch.randn(9, 32, generator=torch.Generator().manual_seed(1))
     ids = torch.full((9, 1), 2, dtype=torch.long)
     out = run(x, ids, torch.ones(9, 1), gate_up, F32, down, F32, 32)
-    assert torch.allclose(out, experts_reference(x, ids, torch.ones(9, 1), gate_up, down, F.silu), atol=1e-5)
+    assert torch.allclose(out, experts_reference(x, ids, torch.ones(9, 1), gate_up, down, SILU), atol=1e-5)
 
 
 def test_bad_inputs_are_refused():

@@ -46,6 +46,7 @@ def select_backend(
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
     softcap: bool = False,
+    sinks: bool = False,
 ) -> AttentionBackend:
     """The backend ``attention_backend=name`` runs for a model of this attention shape on
     ``device``: the one place the choice is made.
@@ -61,9 +62,16 @@ def select_backend(
 
     ``softcap``: the model softcaps attention scores (Gemma 2), which the CUDA kernels do
     not: on a GPU ``"auto"`` then plans Triton for both phases, and ``"cuda"`` is refused.
+    ``sinks``: the model's attention has sinks (gpt-oss), which only the CPU kernel and the
+    torch reference compute: on a GPU ``"auto"`` is the reference, ``"cuda"`` and ``"triton"``
+    are refused.
     """
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if sinks and name in ("cuda", "triton"):
+        raise ValueError(f"attention_backend {name!r} has no attention sinks (this model's); use 'auto' or 'torch'")
+    if sinks and name == "auto" and device.type == "cuda":
+        name = "torch"
     if softcap and name == "cuda":
         raise ValueError("attention_backend 'cuda' has no attention softcap (this model's); use 'triton' or 'auto'")
     if softcap and name == "auto" and device.type == "cuda":

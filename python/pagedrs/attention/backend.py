@@ -35,6 +35,7 @@ class AttentionMetadata(Protocol):
         value_cache: torch.Tensor,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

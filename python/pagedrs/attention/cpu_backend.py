@@ -130,16 +130,18 @@ class CpuAttentionMetadata:
         value_cache: torch.Tensor,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Writes this step's ``key``/``value`` (``[T, KVH, D]``) into the caches, then attends
         every query row (``[T, H, D]``) over its sequence's paged context. Returns ``[T, H, D]``.
-        ``softcap``: scores become ``softcap * tanh(score / softcap)`` (Gemma 2)."""
+        ``softcap``: scores become ``softcap * tanh(score / softcap)`` (Gemma 2); ``sinks``
+        (float32 ``[H]``): a logit per head in the softmax with no value (gpt-oss)."""
         write_kv(key, value, key_cache, value_cache, self.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype)
         if self.kernel is not None:
-            self._attend_kernel(self.kernel, query, key_cache, value_cache, scale, softcap or 0.0, out)
+            self._attend_kernel(self.kernel, query, key_cache, value_cache, scale, softcap or 0.0, sinks, out)
         for chunk in self.sdpa_chunks:
-            _attend_sdpa(chunk, query, key_cache, value_cache, scale, softcap, out)
+            _attend_sdpa(chunk, query, key_cache, value_cache, scale, softcap, sinks, out)
         return out
 
     def _attend_kernel(
@@ -150,6 +152,7 @@ class CpuAttentionMetadata:
         value_cache: torch.Tensor,
         scale: float,
         softcap: float,
+        sinks: torch.Tensor | None,
         out: torch.Tensor,
     ) -> None:
         q = query if group.rows is None else query.index_select(0, group.rows)
@@ -165,6 +168,7 @@ class CpuAttentionMetadata:
             scale,
             self.sliding_window,
             softcap,
+            None if sinks is None else sinks.float().contiguous(),
         )
         if group.rows is not None:
             out.index_copy_(0, group.rows, o)
@@ -222,14 +226,15 @@ def _attend_sdpa(
     value_cache: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None,
     out: torch.Tensor,
 ) -> None:
     """One chunk's rows over its own gathered context; grouped-query attention by viewing the
     query heads as ``[KVH, group]`` against keys broadcast over the group (no repeat). SDPA
-    has no softcap: a softcapped chunk goes through the reference's attention instead."""
+    has no softcap and no sinks: such a chunk goes through the reference's attention instead."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_rows, num_heads = chunk.end - chunk.start, query.shape[1]
-    if softcap:
+    if softcap or sinks is not None:
         keys = key_cache[chunk.blocks].flatten(0, 1)[: chunk.num_keys]
         values = value_cache[chunk.blocks].flatten(0, 1)[: chunk.num_keys]
         mask = chunk.mask
@@ -242,6 +247,7 @@ def _attend_sdpa(
             mask.unsqueeze(0),
             scale,
             softcap,
+            sinks,
         ).squeeze(0)
         return
     # [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].

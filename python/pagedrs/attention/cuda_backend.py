@@ -211,9 +211,13 @@ class CudaAttentionMetadata:
         value_cache: torch.Tensor,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Writes this step's keys/values, then attends every query row (``[T, H, D]``).
-        ``softcap`` (Gemma 2) runs on the Triton kernels only (`select_backend` plans them)."""
+        ``softcap`` (Gemma 2) runs on the Triton kernels only (`select_backend` plans them);
+        ``sinks`` (gpt-oss) on none of them (`select_backend` picks the reference)."""
+        if sinks is not None:
+            raise ValueError("the GPU attention kernels have no attention sinks: use attention_backend='torch'")
         if self.cuda_writes:
             cuda_kernels.load().reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping)
         else:

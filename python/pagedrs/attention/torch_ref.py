@@ -115,11 +115,13 @@ class AttentionMetadata:
         value_cache: torch.Tensor,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`paged_attention` with this step's layout (the interface every backend's
         metadata offers the model). ``softcap``: scores become ``softcap * tanh(score /
-        softcap)`` before the softmax (Gemma 2)."""
-        return paged_attention(query, key, value, key_cache, value_cache, self, scale, softcap)
+        softcap)`` before the softmax (Gemma 2); ``sinks`` (``[H]``): a logit per head that joins
+        the softmax with no value (gpt-oss)."""
+        return paged_attention(query, key, value, key_cache, value_cache, self, scale, softcap, sinks)
 
 
 def write_kv(
@@ -142,9 +144,11 @@ def attend_gathered(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention of ``[B, L, H, D]`` queries over ``[B, C, KVH, D]`` keys and
-    values with a ``[B, L, C]`` mask; softmax in float32. Returns ``[B, L, H, D]``."""
+    values with a ``[B, L, C]`` mask; softmax in float32, over one more logit per head where
+    ``sinks`` (``[H]``) are given (its probability goes to no value). Returns ``[B, L, H, D]``."""
     batch, length, num_heads, head_dim = query.shape
     num_kv_heads = keys.shape[2]
     group = num_heads // num_kv_heads
@@ -153,7 +157,11 @@ def attend_gathered(
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask[:, None, None, :, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(batch, -1, -1, length, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkglc,bckd->blkgd", probs, values.float())
     return out.reshape(batch, length, num_heads, head_dim).to(query.dtype)
 
@@ -167,6 +175,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes this step's ``key``/``value`` (``[T, KVH, D]``) into the caches, then attends
     every query (``[T, H, D]``) over its sequence's paged context. Returns ``[T, H, D]``."""
@@ -187,6 +196,7 @@ def paged_attention(
             meta.decode_mask.unsqueeze(1),
             scale,
             softcap,
+            sinks,
         ).squeeze(1)
     for chunk in meta.prefills:
         out[chunk.start : chunk.end] = attend_gathered(
@@ -196,5 +206,6 @@ def paged_attention(
             chunk.mask.unsqueeze(0),
             scale,
             softcap,
+            sinks,
         ).squeeze(0)
     return out

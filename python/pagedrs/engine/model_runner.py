@@ -94,6 +94,7 @@ class ModelRunner:
             block_size,
             dtype=dtype,
             softcap=model.softcap,
+            sinks=model.attention_sinks,
         )
         """Builds each step's attention metadata and copies blocks; on the GPU kernels it holds
         their `KernelPlan` (which of CUDA and Triton runs decode and prefill)."""

@@ -116,6 +116,8 @@ def grouped_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A mixture's routed experts (`pagedrs.layers.moe.experts_reference`'s result) as two
     grouped matmuls (Triton), one per projection over every active expert at once: rows grouped
@@ -140,13 +142,17 @@ def grouped_experts(
                 BLOCK_M=GROUP_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
             )  # fmt: skip
             intermediate = width // 2
-            activated = (activation(gate_up_out[:, :intermediate]) * gate_up_out[:, intermediate:]).contiguous()
+            if gate_up_bias is not None:  # each grouped row's expert's bias (padding rows: any)
+                gate_up_out += gate_up_bias[block_expert].repeat_interleave(GROUP_ROWS, dim=0)
+            activated = activation(gate_up_out[:, :intermediate], gate_up_out[:, intermediate:]).contiguous()
             own_rows = torch.where(slots >= 0, torch.arange(grouped, device=x.device), slots)
             blocks = (grouped // GROUP_ROWS, -(-hidden // block_n))
             fused_kernels.grouped_matmul[blocks](
                 activated, down.contiguous(), down_out, own_rows, block_expert, hidden, intermediate,
                 BLOCK_M=GROUP_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
             )  # fmt: skip
+    if down_bias is not None and grouped:
+        down_out += down_bias[block_expert].repeat_interleave(GROUP_ROWS, dim=0)
     per_slot = down_out[row_of_slot].view(num_tokens, top_k, hidden)
     out = torch.zeros_like(x)
     for k in range(top_k):  # slot order, as the CPU kernel adds them

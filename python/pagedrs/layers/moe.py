@@ -26,12 +26,31 @@ from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers import fused
 from pagedrs.layers.linear import TensorParallel, _all_reduce
 
-ACTIVATION_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu": 2}
-"""The CPU kernels' id of each gated activation (``cpu/cpu_kernels.h``'s ``Activation``)."""
+ACTIVATION_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu": 2, "swiglu_oai": 3}
+"""The CPU kernels' id of each gated activation (``cpu/cpu_kernels.h``'s ``Activation``);
+``swiglu_oai``: gpt-oss's clamped SwiGLU (`Activation`'s ``alpha`` and ``limit``)."""
 F32 = 0
 """ggml's type id of float32: dense experts, for the kernel."""
 MAX_TOP_K = 64
 """The most experts a token may be routed to (no released model comes near it)."""
+
+
+@dataclass(frozen=True)
+class Activation:
+    """An experts' gated activation: ``act(gate) * up``, or gpt-oss's clamped SwiGLU
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``."""
+
+    name: str
+    alpha: float = 0.0
+    limit: float = 0.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.name == "swiglu_oai":
+            gate = gate.clamp(max=self.limit)
+            return (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        if self.name == "silu":
+            return F.silu(gate) * up
+        return F.gelu(gate, approximate="none" if self.name == "gelu" else "tanh") * up
 
 
 @dataclass(frozen=True)
@@ -43,11 +62,17 @@ class Routing:
     renormalize: bool
     """The top-k probabilities divided by their sum (Mixtral always; Qwen-MoE and OLMoE by
     ``norm_topk_prob``)."""
+    softmax_after_topk: bool = False
+    """The top-k logits are chosen first and the weights are their softmax (gpt-oss)."""
 
 
 def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids int64 [T, K], weights float32 [T, K])`` from router logits ``[T, E]``: the softmax
-    (in float32, as transformers computes it) of the top-k experts, optionally renormalized."""
+    (in float32, as transformers computes it) of the top-k experts, optionally renormalized; or
+    the softmax of the top-k logits (gpt-oss)."""
+    if routing.softmax_after_topk:
+        top, ids = torch.topk(logits, routing.top_k, dim=-1)
+        return ids, torch.softmax(top.float(), dim=-1)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, routing.top_k, dim=-1)
     if routing.renormalize:
@@ -62,15 +87,19 @@ def experts_reference(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: Any,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each token through its experts, one expert at a time over the tokens routed to it
-    (transformers' eager loop): ``gate_up [E, 2I, H]``, ``down [E, H, I]`` dense."""
+    (transformers' eager loop): ``gate_up [E, 2I, H]``, ``down [E, H, I]`` dense, optional
+    biases ``[E, 2I]`` and ``[E, H]``; ``activation(gate, up)`` (`Activation`)."""
     out = torch.zeros_like(x)
     intermediate = down.shape[2]
     for expert in torch.unique(ids).tolist():
         tokens, slots = torch.where(ids == expert)
-        gate, up = F.linear(x[tokens], gate_up[expert]).split(intermediate, dim=-1)
-        y = F.linear(activation(gate) * up, down[expert])
+        bias = None if gate_up_bias is None else gate_up_bias[expert]
+        gate, up = F.linear(x[tokens], gate_up[expert], bias).split(intermediate, dim=-1)
+        y = F.linear(activation(gate, up), down[expert], None if down_bias is None else down_bias[expert])
         out.index_add_(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
     return out
 
@@ -89,19 +118,22 @@ class FusedExperts(nn.Module):
         num_experts: int,
         hidden_size: int,
         intermediate_size: int,
-        activation: str,
+        activation: Activation,
         tp: TensorParallel,
         dtype: torch.dtype,
+        bias: bool = False,
     ):
+        """``bias``: each expert's gate/up and down projections have biases (gpt-oss)."""
         super().__init__()
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = tp.split(intermediate_size, "the experts' intermediate size")
         self.tp = tp
         self.activation = activation
-        self._act = {"silu": F.silu, "gelu": F.gelu}.get(activation) or (lambda x: F.gelu(x, approximate="tanh"))
         size = self.intermediate_size
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, size, dtype=dtype), requires_grad=False)
+        self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * size, dtype=dtype), False) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=dtype), False) if bias else None
         self._loaded: set[tuple[int, str]] = set()
 
     def unloaded(self) -> list[str]:
@@ -110,6 +142,7 @@ class FusedExperts(nn.Module):
             f"{expert}.{part}"
             for expert in range(self.num_experts)
             for part in ("gate", "up", "down")
+            + (("gate_bias", "up_bias", "down_bias") if self.down_bias is not None else ())
             if (expert, part) not in self._loaded
         ]
 
@@ -133,6 +166,25 @@ class FusedExperts(nn.Module):
         self.down[expert].copy_(self._read(weight, slice(None), self.shard_rows()))
         self._loaded.add((expert, "down"))
 
+    def load_gate_up_bias(self, expert: int, part: int, bias: torch.Tensor) -> None:
+        """Expert ``expert``'s gate (``part`` 0) or up (1) bias, ``[I]`` in full."""
+        if self.gate_up_bias is None:
+            raise ValueError("checkpoint has experts' biases for experts built without them")
+        size = self.intermediate_size
+        self.gate_up_bias[expert, part * size : (part + 1) * size].copy_(bias[self.shard_rows()])
+        self._loaded.add((expert, ("gate_bias", "up_bias")[part]))
+
+    def load_down_bias(self, expert: int, bias: torch.Tensor) -> None:
+        """Expert ``expert``'s down bias, ``[H]`` (not sharded: rank 0 adds it)."""
+        if self.down_bias is None:
+            raise ValueError("checkpoint has experts' biases for experts built without them")
+        self.down_bias[expert].copy_(bias)
+        self._loaded.add((expert, "down_bias"))
+
+    def _down_bias(self) -> torch.Tensor | None:
+        """The down bias this rank adds: the partial sums of every rank add up to one bias."""
+        return self.down_bias if self.tp.rank == 0 else None
+
     def _read(self, weight: WeightHandle, rows: slice, cols: slice) -> torch.Tensor:
         """``weight[rows, cols]`` as this layer stores it."""
         return weight[rows, cols]
@@ -151,11 +203,16 @@ class FusedExperts(nn.Module):
                 self.down,
                 self.down_type,
                 self.intermediate_size,
-                ACTIVATION_IDS[self.activation],
+                ACTIVATION_IDS[self.activation.name],
+                self.gate_up_bias,
+                self._down_bias(),
+                self.activation.alpha,
+                self.activation.limit,
             )
+        biases = self.gate_up_bias, self._down_bias()
         if fused.enabled(x):
-            return fused.grouped_experts(x, ids, weights, self.gate_up, self.down, self._act)
-        return experts_reference(x, ids, weights, self.gate_up, self.down, self._act)
+            return fused.grouped_experts(x, ids, weights, self.gate_up, self.down, self.activation, *biases)
+        return experts_reference(x, ids, weights, self.gate_up, self.down, self.activation, *biases)
 
 
 class SparseMoe(nn.Module):
@@ -168,22 +225,25 @@ class SparseMoe(nn.Module):
         routing: Routing,
         hidden_size: int,
         intermediate_size: int,
-        activation: str,
+        activation: Activation,
         tp: TensorParallel,
         dtype: torch.dtype,
         shared_expert: nn.Module | None = None,
+        bias: bool = False,
     ):
+        """``bias``: the router and every expert's projections have biases (gpt-oss)."""
         super().__init__()
         if not 0 < routing.top_k <= min(routing.num_experts, MAX_TOP_K):
             raise ValueError(
                 f"num_experts_per_tok must be in 1..{min(routing.num_experts, MAX_TOP_K)}, got {routing.top_k}"
             )
-        if activation not in ACTIVATION_IDS:
-            raise ValueError(f"experts' activation {activation!r} is not supported ({', '.join(ACTIVATION_IDS)})")
+        if activation.name not in ACTIVATION_IDS:
+            raise ValueError(f"experts' activation {activation.name!r} is not supported ({', '.join(ACTIVATION_IDS)})")
         self.routing = routing
         self.tp = tp
         self.gate = nn.Parameter(torch.empty(routing.num_experts, hidden_size, dtype=dtype), requires_grad=False)
-        self.experts = FusedExperts(routing.num_experts, hidden_size, intermediate_size, activation, tp, dtype)
+        self.gate_bias = nn.Parameter(torch.zeros(routing.num_experts, dtype=dtype), False) if bias else None
+        self.experts = FusedExperts(routing.num_experts, hidden_size, intermediate_size, activation, tp, dtype, bias)
         self.shared_expert = shared_expert
         self.shared_expert_gate = (
             nn.Parameter(torch.empty(1, hidden_size, dtype=dtype), requires_grad=False) if shared_expert else None
@@ -194,7 +254,7 @@ class SparseMoe(nn.Module):
         ``pagedrs:moe_expert_tokens`` reports (the CPU decoder stack counts into it too)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(F.linear(x, self.gate), self.routing)
+        ids, weights = route(F.linear(x, self.gate, self.gate_bias), self.routing)
         self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.routing.num_experts)
         out = _all_reduce(self.experts(x, ids, weights), self.tp)
         if self.shared_expert is not None and self.shared_expert_gate is not None:

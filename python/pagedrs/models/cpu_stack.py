@@ -25,7 +25,7 @@ from pagedrs.attention import AttentionBackend, StepViews
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedrs.layers.moe import SparseMoe
+from pagedrs.layers.moe import ACTIVATION_IDS, SparseMoe
 from pagedrs.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -81,10 +81,6 @@ def why_unsupported(model: DecoderForCausalLM, device: torch.device, attention_b
     return None
 
 
-_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu": 2}
-"""The stack's id of each MLP activation (``cpu/decoder_stack.cpp``'s ``Activation``)."""
-
-
 class CpuDecoderStack:
     """Runs every decoder layer of ``model`` for a step, in place on the hidden states."""
 
@@ -125,13 +121,14 @@ class CpuDecoderStack:
                 for linear in (mlp.gate_up_proj, mlp.down_proj):
                     args += [linear.weight, _linear_type(linear), linear.bias]
             args += [
-                _ACTIVATIONS[mlp.experts.activation if isinstance(mlp, SparseMoe) else mlp.activation],
+                ACTIVATION_IDS[mlp.experts.activation.name if isinstance(mlp, SparseMoe) else mlp.activation],
                 layer.residual_multiplier,
                 spec.scale,
                 spec.window or 0,
                 spec.softcap or 0.0,
                 rope_keys.index(spec.rope),
                 view,
+                attn.sinks,
             ]
             self._stack.add_layer(*args)
             if isinstance(mlp, SparseMoe):
@@ -142,12 +139,18 @@ class CpuDecoderStack:
         shared: Any = moe.shared_expert  # an MLP
         self._stack.set_experts(
             moe.gate,
+            moe.gate_bias,
             moe.routing.top_k,
             moe.routing.renormalize,
+            moe.routing.softmax_after_topk,
             experts.gate_up,
             experts.gate_up_type,
             experts.down,
             experts.down_type,
+            experts.gate_up_bias,
+            experts.down_bias,
+            experts.activation.alpha,
+            experts.activation.limit,
             None if shared is None else shared.gate_up_proj.weight,
             F32 if shared is None else _linear_type(shared.gate_up_proj),
             None if shared is None else shared.down_proj.weight,

@@ -24,7 +24,7 @@ from pagedrs.attention import AttentionMetadata, StepViews
 from pagedrs.checkpoint import ROPE_FACTORS, RowSlice, WeightHandle, expert_of
 from pagedrs.layers import fused
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabEmbedding
-from pagedrs.layers.moe import Routing, SparseMoe
+from pagedrs.layers.moe import Activation, Routing, SparseMoe
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, get_rope, per_layer_type
 from pagedrs.models.registry import Family, MixtureOfExperts, family_of
@@ -128,6 +128,9 @@ class Attention(nn.Module):
         k_norm_size = kv_size if self.full_qk_norm else self.head_dim
         self.q_norm = _norm(config, family, q_norm_size, dtype) if family.qk_norm else None
         self.k_norm = _norm(config, family, k_norm_size, dtype) if family.qk_norm else None
+        # gpt-oss: a logit per query head in its softmax; each rank holds its heads'.
+        self.heads = slice(tp.rank * self.num_heads, (tp.rank + 1) * self.num_heads)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), False) if family.attention_sinks else None
 
     @property
     def scale(self) -> float:
@@ -146,7 +149,9 @@ class Attention(nn.Module):
         if norms is not None and not self.full_qk_norm:
             q, k = norms[0](q), norms[1](k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.spec.scale, softcap=self.spec.softcap)
+        out = meta.attend(
+            q, k, v, kv_cache[0], kv_cache[1], self.spec.scale, softcap=self.spec.softcap, sinks=self.sinks
+        )
         return self.o_proj(out.reshape(-1, q_size))
 
 
@@ -196,12 +201,16 @@ def sparse_moe(config: Any, family: Family, tp: TensorParallel, dtype: torch.dty
     if getattr(config, "clip_qkv", None) is not None:
         raise ValueError("clip_qkv is not supported")
     renormalize = moe.always_renormalize or bool(getattr(config, "norm_topk_prob", False))
-    routing = Routing(int(getattr(config, moe.num_experts_key)), int(config.num_experts_per_tok), renormalize)
+    num_experts, top_k = int(getattr(config, moe.num_experts_key)), int(config.num_experts_per_tok)
+    routing = Routing(num_experts, top_k, renormalize, softmax_after_topk=moe.gpt_oss)
     shared = None
     if moe.shared_expert and int(getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0:
         shared = MLP(config, family, tp, dtype, intermediate=int(config.shared_expert_intermediate_size))
     width = int(getattr(config, moe.width_key))
-    return SparseMoe(routing, config.hidden_size, width, _activation(config, family), tp, dtype, shared)
+    activation = Activation(_activation(config, family))
+    if moe.gpt_oss:
+        activation = Activation("swiglu_oai", float(config.swiglu_alpha), float(config.swiglu_limit))
+    return SparseMoe(routing, config.hidden_size, width, activation, tp, dtype, shared, bias=moe.gpt_oss)
 
 
 class DecoderLayer(nn.Module):
@@ -299,6 +308,7 @@ class DecoderForCausalLM(nn.Module):
         self.layer_windows: tuple[int | None, ...] = tuple(spec.window for spec in specs)
         """Each layer's window (``None``: full attention): what `KVLayout.plan` groups by."""
         self.softcap = any(spec.softcap for spec in specs)
+        self.attention_sinks = family.attention_sinks
         self.embedding_scale = 1.0
         if family.embedding_scale == "sqrt_hidden":
             self.embedding_scale = math.sqrt(config.hidden_size)
@@ -464,6 +474,9 @@ class DecoderForCausalLM(nn.Module):
             projection = attn.o_proj if rest == "self_attn.o_proj" else cast(MLP, mlp).down_proj
             (projection.load if kind == "weight" else projection.load_bias)(tensor)
             return [f"{prefix}{rest}.{kind}"]
+        if rest == "self_attn" and kind == "sinks" and attn.sinks is not None:
+            attn.sinks.copy_(tensor[attn.heads])
+            return [f"{prefix}self_attn.sinks"]
         norm = layer.norms().get(rest)
         if norm is not None and kind == "weight":
             norm.load(tensor)
@@ -486,6 +499,8 @@ def _load_moe(moe: SparseMoe, rest: str, kind: str, tensor: WeightHandle) -> lis
     parts = rest.split(".")
     parts[0] = "mlp"  # Mixtral's block_sparse_moe
     experts = moe.experts
+    if moe.gate_bias is not None:  # gpt-oss
+        return _load_gpt_oss(moe, parts, kind, tensor)
     if len(parts) == 4 and parts[1] == "experts" and kind == "weight":  # one expert's projection
         expert, projection = int(parts[2]), _MIXTRAL_EXPERT_NAMES.get(parts[3], parts[3])
         if projection in ("gate_proj", "up_proj"):
@@ -528,3 +543,33 @@ def _load_moe(moe: SparseMoe, rest: str, kind: str, tensor: WeightHandle) -> lis
             shared.down_proj.load(tensor)
             return ["mlp.shared_expert.down_proj.weight"]
     raise ValueError(f"unexpected checkpoint tensor {rest}.{kind} of a mixture-of-experts layer")
+
+
+def _load_gpt_oss(moe: SparseMoe, parts: list[str], kind: str, tensor: WeightHandle) -> list[str]:
+    """gpt-oss's mixture tensors: the router (``mlp.router.weight`` / ``.bias``) and the stacked
+    experts, stored transposed with gate and up interleaved: ``gate_up_proj [E, H, 2I]`` (gate
+    in the even columns, up in the odd), ``gate_up_proj_bias [E, 2I]`` likewise, ``down_proj
+    [E, I, H]``, ``down_proj_bias [E, H]``."""
+    experts = moe.experts
+    if parts == ["mlp", "router"] and kind in ("weight", "bias"):
+        (moe.gate if kind == "weight" else cast(torch.Tensor, moe.gate_bias)).copy_(tensor[:])
+        return ["mlp.gate" if kind == "weight" else "mlp.gate_bias"]
+    stacked = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
+    if parts != ["mlp", "experts"] or kind not in stacked:
+        raise ValueError(f"unexpected checkpoint tensor {'.'.join(parts)}.{kind} of a gpt-oss mixture")
+    if tensor.shape[0] != experts.num_experts:
+        raise ValueError(f"{kind} must stack {experts.num_experts} experts, got shape {tuple(tensor.shape)}")
+    for expert in range(experts.num_experts):
+        value = tensor[expert : expert + 1][0]
+        if kind == "gate_up_proj":  # [H, 2I] -> gate, up [I, H]
+            experts.load_gate_up(expert, 0, value[:, 0::2].t())
+            experts.load_gate_up(expert, 1, value[:, 1::2].t())
+        elif kind == "gate_up_proj_bias":
+            experts.load_gate_up_bias(expert, 0, value[0::2])
+            experts.load_gate_up_bias(expert, 1, value[1::2])
+        elif kind == "down_proj":  # [I, H] -> [H, I]
+            experts.load_down(expert, value.t())
+        else:
+            experts.load_down_bias(expert, value)
+    names = {"gate_up_proj": "gate_up", "gate_up_proj_bias": "gate_up_bias", "down_proj": "down"}
+    return [f"mlp.experts.{names.get(kind, 'down_bias')}"]

@@ -35,6 +35,10 @@ class MixtureOfExperts:
     sparse_step: bool = False
     """Only layers ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers`` are
     mixtures; the others dense MLPs of ``intermediate_size`` (Qwen2-MoE, Qwen3-MoE)."""
+    gpt_oss: bool = False
+    """gpt-oss's mixture: biases on the router (``mlp.router``) and on every expert, the softmax
+    over the top-k logits, the clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``), and experts
+    stored transposed with gate and up interleaved (``gate_up_proj [E, H, 2I]``)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,10 @@ class Family:
     activation_key: str = "hidden_act"
     """The config key naming the MLP's activation (Gemma 2/3: ``hidden_activation``)."""
     moe: MixtureOfExperts | None = None
-    """The MLPs are mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE), configured so."""
+    """The MLPs are mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss), configured so."""
+    attention_sinks: bool = False
+    """Each attention head has a learned logit (``self_attn.sinks``) in its softmax, with no
+    value (gpt-oss)."""
 
 
 LLAMA = Family()
@@ -124,6 +131,14 @@ _ROWS: dict[str, tuple[str, Family]] = {
     ),
     "Qwen3MoeForCausalLM": ("decoder", Family(qk_norm="head", moe=MixtureOfExperts(sparse_step=True))),
     "OlmoeForCausalLM": ("decoder", Family(qk_norm="full", moe=MixtureOfExperts(width_key="intermediate_size"))),
+    "GptOssForCausalLM": (
+        "decoder",
+        Family(
+            norm="float32",
+            attention_sinks=True,
+            moe=MixtureOfExperts(num_experts_key="num_local_experts", width_key="intermediate_size", gpt_oss=True),
+        ),
+    ),
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -140,6 +155,7 @@ _MODEL_TYPES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ROWS)

@@ -163,7 +163,8 @@ class QuantFusedExperts(FusedExperts):
         nn.Module.__init__(self)
         self.num_experts, self.hidden_size = dense.num_experts, dense.hidden_size
         self.intermediate_size, self.tp = dense.intermediate_size, dense.tp
-        self.activation, self._act, self._loaded = dense.activation, dense._act, set()
+        self.activation, self._loaded = dense.activation, set()
+        self.gate_up_bias, self.down_bias = dense.gate_up_bias, dense.down_bias
         self.gate_up_type, self.down_type = int(gate_up_type), int(down_type)
         gate_up_bytes = ggml_blocks.row_bytes(gate_up_type, self.hidden_size)
         down_bytes = ggml_blocks.row_bytes(down_type, self.intermediate_size)
