@@ -222,3 +222,47 @@ def test_gpt_oss_sinks_and_clamp_are_what_makes_it_match(tmp_path):
         layer.mlp.experts.activation = Activation("swiglu_oai", layer.mlp.experts.activation.alpha, 1e4)
     completion = generate(python_layers, [prompt])[0].outputs[0]
     assert max(abs(completion.logprobs[i][t].logprob - logprobs[i]) for i, t in enumerate(tokens)) > 1e-3
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantized_at_load(tmp_path):
+    """A gpt-oss checkpoint as released (``quant_method: mxfp4``: each expert tensor as
+    ``_blocks`` and ``_scales``) loads dequantized and matches transformers running the weights
+    transformers' own MXFP4 conversion gives."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pagedrs.quant.mxfp4 import dequantize
+
+    model = save_family("gpt-oss", tmp_path)
+    generator = torch.Generator().manual_seed(7)
+    weights = load_file(tmp_path / "model.safetensors")
+    with torch.no_grad():
+        for layer in range(model.config.num_hidden_layers):
+            experts = model.model.layers[layer].mlp.experts
+            for name in ("gate_up_proj", "down_proj"):
+                param = getattr(experts, name)  # [E, C, R]: stored as blocks of R rows of C
+                num_experts, cols, rows = param.shape
+                blocks = torch.randint(
+                    0, 256, (num_experts, rows, cols // 32, 16), dtype=torch.uint8, generator=generator
+                )
+                scales = torch.randint(
+                    118, 124, (num_experts, rows, cols // 32), dtype=torch.uint8, generator=generator
+                )
+                values = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+                assert torch.equal(values, dequantize(blocks, scales))
+                param.copy_(values)
+                key = f"model.layers.{layer}.mlp.experts.{name}"
+                del weights[key]
+                weights[f"{key}_blocks"], weights[f"{key}_scales"] = blocks, scales
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    oracle = {tuple(prompt): hf_greedy_logprobs(model, prompt, NEW_TOKENS) for prompt in PROMPTS}
+    llm = LLM(str(tmp_path))
+    for prompt, output in zip(PROMPTS, generate(llm, PROMPTS)):
+        assert_matches("gpt-oss mxfp4", oracle, prompt, output.outputs[0])
+    del weights["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="down_proj_scales"):
+        LLM(str(tmp_path))

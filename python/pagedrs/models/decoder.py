@@ -28,6 +28,7 @@ from pagedrs.layers.moe import Activation, Routing, SparseMoe
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, get_rope, per_layer_type
 from pagedrs.models.registry import Family, MixtureOfExperts, family_of
+from pagedrs.quant.mxfp4 import Mxfp4Joiner
 
 if TYPE_CHECKING:
     from pagedrs.attention.cpu_backend import CpuAttentionMetadata
@@ -386,6 +387,8 @@ class DecoderForCausalLM(nn.Module):
         this rank's shard, reading only that shard. Fails on a missing or unexpected tensor."""
         loaded: set[str] = set()
         expected = {name for name, _ in self.named_parameters()}
+        if self.family.moe is not None and self.family.moe.gpt_oss:
+            weights = Mxfp4Joiner()(weights)  # gpt-oss's MXFP4 experts, dequantized
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue

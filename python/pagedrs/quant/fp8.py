@@ -82,6 +82,8 @@ def checkpoint_scheme(directory: str) -> Fp8Scheme | None:
         "pagedrs loads float checkpoints, GGUF files and FP8 checkpoints (quant_method 'fp8', or "
         "'compressed-tensors' in format 'float-quantized' with 8-bit float weights per channel or tensor)"
     )
+    if method == "mxfp4":  # gpt-oss: MXFP4 experts, dequantized by the model's loader (`pagedrs.quant.mxfp4`)
+        return None
     if method == "fp8":
         block = qconfig.get("weight_block_size")
         return Fp8Scheme("fp8", (int(block[0]), int(block[1])) if block else None)

@@ -272,6 +272,9 @@ def predicted_weight_bytes(source: ModelSource, quantization: str, dtype: torch.
                 tensor = file.get_slice(name)
                 shape = tensor.get_shape()
                 numel = int(np.prod(shape))
+                if name.endswith(("_blocks", "_scales")) and tensor.get_dtype() == "U8":  # MXFP4 experts
+                    total += 2 * numel * element if name.endswith("_blocks") else 0  # two weights a byte
+                    continue
                 if (
                     fp8_layers
                     and _is_linear_weight(name)
