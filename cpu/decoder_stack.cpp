@@ -1,5 +1,6 @@
-// The decoder stack of the dense families (Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, Granite,
-// OLMo 2) run on the CPU in one call per step. The Python layers (python/pagedrs/models/decoder.py)
+// The decoder stack of every registered family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, Granite,
+// OLMo 2, and the mixtures of experts: Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss) run on the CPU in one
+// call per step. The Python layers (python/pagedrs/models/decoder.py)
 // issue ~140 small aten ops per layer (norms, rotary, splits, views, the KV write, residual adds);
 // at one token per step each costs more to dispatch than to compute, and in a single-stream
 // decode of a small model they took as long as the matmuls. Here each layer is a few loops over
@@ -34,9 +35,13 @@
 //   down                 [H, I]
 //   each linear is float32 (ggml type 0, `F32`) or packed blocks of a type quant_matmul.cpp
 //   multiplies (uint8 [out, in / block_weights * block_bytes]); each bias, if any, is [out] float32.
-// and how it computes: the MLP's activation (SiLU, GELU-tanh, GELU), the residual multiplier
-// (Granite), the attention scale, window and softcap, which rotary factors and which attention
-// view it reads.
+//   or, in place of gate_up and down, a mixture of experts (set_experts): the router [E, H] (and
+//   gpt-oss's bias [E]), the experts as moe.cpp takes them (stacked, float32 or packed, optional
+//   biases), and Qwen2-MoE's shared expert (two linears and the [H] gate of its sigmoid)
+//   sinks                [num_heads] float32, gpt-oss's attention sinks, or absent
+// and how it computes: the MLP's activation (SiLU, GELU-tanh, GELU; gpt-oss's clamped SwiGLU for
+// experts), the residual multiplier (Granite), the attention scale, window and softcap, which
+// rotary factors and which attention view it reads.
 //
 // Per step (see DecoderStack::forward):
 //   hidden              [num_tokens, H] float32: the embeddings in, the last layer's output

@@ -9,7 +9,8 @@ model's own parameters, which it holds by reference.
 
 It runs where everything it needs holds: float32 activations and caches, one rank (no
 all-reduce between the halves of a layer), the CPU attention backend, and every linear dense
-float32 or packed in a format the CPU matmul kernel takes (not FP8). `why_unsupported` says
+float32 or packed in a format the CPU matmul kernel takes (not FP8). Mixture-of-experts layers
+run in it too: the router, the fused experts (``cpu/moe.cpp``) and a shared expert in C++. `why_unsupported` says
 which part does not; the model then runs its Python layers, which stay the reference for
 every other case.
 """
