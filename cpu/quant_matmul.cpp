@@ -30,6 +30,11 @@
 // changes results): each block is dequantized in registers and multiplied in float32, so the
 // result equals "dequantize, then float matmul" up to the order of the additions.
 //
+// Instruction sets: with AVX-512 every format dequantizes into two 16-lane registers; with AVX2 +
+// FMA (no AVX-512) the 32-weight formats (Q8_0, Q4_0, Q4_1) dequantize into four 8-lane
+// registers and the k-quants into a buffer (scalar); elsewhere every format goes through the
+// buffer. The build targets the machine (-march=native), so only one of them is compiled.
+//
 // Work split: threads (torch's pool, at::parallel_for) take ranges of output features, so a
 // single-token decode is spread over every core and streams each weight byte once. Inside a
 // range, kRowChunk weight rows (a few KB of packed blocks, they stay in L2) meet the tokens
@@ -46,13 +51,19 @@
 #include <cstring>
 
 // The intrinsics used below: _cvtsh_ss (F16C) and the AVX-512 ones.
-#if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__))
+#if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PAGEDRS_QUANT_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// Without AVX-512: the 32-weight formats (Q8_0, Q4_0, Q4_1) dequantize in four 8-lane registers;
+// the k-quants keep the scalar dequantize into a buffer.
+#define PAGEDRS_QUANT_AVX2 1
+#include <immintrin.h>
 #endif
+#include <type_traits>
 
 namespace {
 
@@ -98,7 +109,30 @@ struct Q8_0 {
     hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_hi)), d);
   }
 #endif
+#ifdef PAGEDRS_QUANT_AVX2
+  static void dequant_avx2(const uint8_t* block, __m256 (&w)[4]) {
+    const __m256 d = _mm256_set1_ps(fp16_to_float(block));
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * i));
+      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    }
+  }
+#endif
 };
+
+#ifdef PAGEDRS_QUANT_AVX2
+// The 32 nibbles of a Q4 block as four 8-lane int32 registers: weights 0..7, 8..15 (the low
+// halves of bytes 0..15), 16..23, 24..31 (their high halves).
+inline void unpack_nibbles_avx2(const uint8_t* qs, __m256i (&q)[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  q[0] = _mm256_cvtepu8_epi32(lo);
+  q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+  q[2] = _mm256_cvtepu8_epi32(hi);
+  q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+#endif
 
 #ifdef PAGEDRS_QUANT_AVX512
 // The 32 nibbles of a Q4 block as int32 lanes: low halves (weights 0..15), high halves (16..31).
@@ -131,6 +165,15 @@ struct Q4_0 {
     hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q_hi, eight)));
   }
 #endif
+#ifdef PAGEDRS_QUANT_AVX2
+  static void dequant_avx2(const uint8_t* block, __m256 (&w)[4]) {
+    const __m256 d = _mm256_set1_ps(fp16_to_float(block));
+    const __m256i eight = _mm256_set1_epi32(8);
+    __m256i q[4];
+    unpack_nibbles_avx2(block + 2, q);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], eight)));
+  }
+#endif
 };
 
 struct Q4_1 {
@@ -152,6 +195,16 @@ struct Q4_1 {
     unpack_nibbles(block + 4, q_lo, q_hi);
     lo = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q_lo)), m);
     hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q_hi)), m);
+  }
+#endif
+#ifdef PAGEDRS_QUANT_AVX2
+  static void dequant_avx2(const uint8_t* block, __m256 (&w)[4]) {
+    const __m256 d = _mm256_set1_ps(fp16_to_float(block));
+    const __m256 m = _mm256_set1_ps(fp16_to_float(block + 2));
+    __m256i q[4];
+    unpack_nibbles_avx2(block + 4, q);
+    // d * q + m, rounded twice as gguf's dequantize rounds it (not one fused multiply-add)
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[i])), m);
   }
 #endif
 };
@@ -245,6 +298,14 @@ struct Q6_K {
 #endif
 };
 
+#ifdef PAGEDRS_QUANT_AVX2
+// Whether a format dequantizes a block into four 8-lane registers (Format::dequant_avx2).
+template <class Format, class = void>
+struct HasAvx2Dequant : std::false_type {};
+template <class Format>
+struct HasAvx2Dequant<Format, std::void_t<decltype(&Format::dequant_avx2)>> : std::true_type {};
+#endif
+
 // out[t * out_stride] = sum_k x[t, k] * w[k] for the kTokens tokens of x (rows x_stride apart)
 // and one packed weight row of num_blocks blocks.
 template <class Format, int kTokens>
@@ -268,6 +329,33 @@ inline void dot_row(const float* __restrict__ x, int64_t x_stride, const uint8_t
   }
   for (int t = 0; t < kTokens; ++t) out[t * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[t], acc_hi[t]));
 #else
+#ifdef PAGEDRS_QUANT_AVX2
+  if constexpr (HasAvx2Dequant<Format>::value) {
+    // Up to 4 tokens: two accumulators each (two independent FMA chains even for one token);
+    // more: one each (16 registers hold 8 accumulators and the 4 weight registers).
+    constexpr int kAcc = kTokens <= 4 ? 2 : 1;
+    __m256 acc[kTokens][kAcc];
+    for (int t = 0; t < kTokens; ++t)
+      for (int a = 0; a < kAcc; ++a) acc[t][a] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      __m256 w[4];
+      Format::dequant_avx2(row + b * Format::kBytes, w);
+      const float* xb = x + b * Format::kWeights;
+      for (int t = 0; t < kTokens; ++t) {
+        for (int i = 0; i < 4; ++i) {
+          acc[t][i % kAcc] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + t * x_stride + 8 * i), w[i], acc[t][i % kAcc]);
+        }
+      }
+    }
+    for (int t = 0; t < kTokens; ++t) {
+      __m256 sum = kAcc == 2 ? _mm256_add_ps(acc[t][0], acc[t][kAcc - 1]) : acc[t][0];
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+      const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      out[t * out_stride] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+    }
+    return;
+  }
+#endif
   float acc[kTokens][kBlockSize] = {};
   float w[kBlockSize];
   for (int64_t b = 0; b < num_blocks; ++b) {
