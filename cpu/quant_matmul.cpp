@@ -30,10 +30,9 @@
 // changes results): each block is dequantized in registers and multiplied in float32, so the
 // result equals "dequantize, then float matmul" up to the order of the additions.
 //
-// Instruction sets: with AVX-512 every format dequantizes into two 16-lane registers; with AVX2 +
-// FMA (no AVX-512) the 32-weight formats (Q8_0, Q4_0, Q4_1) dequantize into four 8-lane
-// registers and the k-quants into a buffer (scalar); elsewhere every format goes through the
-// buffer. The build targets the machine (-march=native), so only one of them is compiled.
+// Instruction sets: with AVX-512 each 32 weights dequantize into two 16-lane registers; with
+// AVX2 + FMA (no AVX-512) into four 8-lane ones; elsewhere into a buffer (scalar code). The build
+// targets the machine (-march=native), so only one of them is compiled.
 //
 // Work split: threads (torch's pool, at::parallel_for) take ranges of output features, so a
 // single-token decode is spread over every core and streams each weight byte once. Inside a
@@ -58,8 +57,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PAGEDRS_QUANT_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
-// Without AVX-512: the 32-weight formats (Q8_0, Q4_0, Q4_1) dequantize in four 8-lane registers;
-// the k-quants keep the scalar dequantize into a buffer.
+// Without AVX-512: every format dequantizes 32 weights at a time into four 8-lane registers.
 #define PAGEDRS_QUANT_AVX2 1
 #include <immintrin.h>
 #endif
@@ -110,7 +108,7 @@ struct Q8_0 {
   }
 #endif
 #ifdef PAGEDRS_QUANT_AVX2
-  static void dequant_avx2(const uint8_t* block, __m256 (&w)[4]) {
+  static void dequant_avx2(const uint8_t* block, int /*sub*/, __m256 (&w)[4]) {
     const __m256 d = _mm256_set1_ps(fp16_to_float(block));
     for (int i = 0; i < 4; ++i) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * i));
@@ -121,6 +119,12 @@ struct Q8_0 {
 };
 
 #ifdef PAGEDRS_QUANT_AVX2
+// 16 byte values (0..255) as two 8-lane float registers: bytes 0..7, then 8..15.
+inline void bytes_to_float_avx2(__m128i bytes, __m256 (&q)[2]) {
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+}
+
 // The 32 nibbles of a Q4 block as four 8-lane int32 registers: weights 0..7, 8..15 (the low
 // halves of bytes 0..15), 16..23, 24..31 (their high halves).
 inline void unpack_nibbles_avx2(const uint8_t* qs, __m256i (&q)[4]) {
@@ -166,7 +170,7 @@ struct Q4_0 {
   }
 #endif
 #ifdef PAGEDRS_QUANT_AVX2
-  static void dequant_avx2(const uint8_t* block, __m256 (&w)[4]) {
+  static void dequant_avx2(const uint8_t* block, int /*sub*/, __m256 (&w)[4]) {
     const __m256 d = _mm256_set1_ps(fp16_to_float(block));
     const __m256i eight = _mm256_set1_epi32(8);
     __m256i q[4];
@@ -198,7 +202,7 @@ struct Q4_1 {
   }
 #endif
 #ifdef PAGEDRS_QUANT_AVX2
-  static void dequant_avx2(const uint8_t* block, __m256 (&w)[4]) {
+  static void dequant_avx2(const uint8_t* block, int /*sub*/, __m256 (&w)[4]) {
     const __m256 d = _mm256_set1_ps(fp16_to_float(block));
     const __m256 m = _mm256_set1_ps(fp16_to_float(block + 2));
     __m256i q[4];
@@ -256,6 +260,22 @@ struct Q4_K {
     hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(nibbles_of(qs + 16, shift)), neg_m);
   }
 #endif
+#ifdef PAGEDRS_QUANT_AVX2
+  static void dequant_avx2(const uint8_t* block, int sub, __m256 (&w)[4]) {
+    float scale, min;
+    scale_min(block, sub, scale, min);
+    const __m256 d = _mm256_set1_ps(scale), neg_m = _mm256_set1_ps(-min);
+    const uint8_t* qs = block + 16 + 32 * (sub / 2);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (sub % 2));
+    for (int h = 0; h < 2; ++h) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * h));
+      __m256 q[2];
+      bytes_to_float_avx2(_mm_and_si128(_mm_srl_epi16(bytes, shift), _mm_set1_epi8(0x0F)), q);
+      w[2 * h] = _mm256_fmadd_ps(d, q[0], neg_m);
+      w[2 * h + 1] = _mm256_fmadd_ps(d, q[1], neg_m);
+    }
+  }
+#endif
 };
 
 // Q6_K: a 256-weight superblock in two halves of 128; weight 32k + l of half n (k < 4, l < 32)
@@ -294,6 +314,23 @@ struct Q6_K {
   static void dequant(const uint8_t* block, int sub, __m512& lo, __m512& hi) {
     lo = half_of(block, sub, 0);
     hi = half_of(block, sub, 1);
+  }
+#endif
+#ifdef PAGEDRS_QUANT_AVX2
+  static void dequant_avx2(const uint8_t* block, int sub, __m256 (&w)[4]) {
+    const int n = sub / 4, k = sub % 4;
+    for (int h = 0; h < 2; ++h) {
+      const __m128i low_bytes =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 * n + 32 * (k % 2) + 16 * h));
+      const __m128i high_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 128 + 32 * n + 16 * h));
+      const __m128i low = _mm_and_si128(_mm_srl_epi16(low_bytes, _mm_cvtsi32_si128(4 * (k / 2))), _mm_set1_epi8(0x0F));
+      const __m128i high = _mm_and_si128(_mm_srl_epi16(high_bytes, _mm_cvtsi32_si128(2 * k)), _mm_set1_epi8(0x03));
+      __m256 q[2];
+      bytes_to_float_avx2(_mm_or_si128(low, _mm_slli_epi16(high, 4)), q);  // high <= 3: no bit crosses a byte
+      const __m256 d = _mm256_set1_ps(scale(block, sub, h)), thirty_two = _mm256_set1_ps(32.f);
+      w[2 * h] = _mm256_mul_ps(d, _mm256_sub_ps(q[0], thirty_two));  // q - 32 is exact in float
+      w[2 * h + 1] = _mm256_mul_ps(d, _mm256_sub_ps(q[1], thirty_two));
+    }
   }
 #endif
 };
@@ -338,12 +375,14 @@ inline void dot_row(const float* __restrict__ x, int64_t x_stride, const uint8_t
     for (int t = 0; t < kTokens; ++t)
       for (int a = 0; a < kAcc; ++a) acc[t][a] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; ++b) {
-      __m256 w[4];
-      Format::dequant_avx2(row + b * Format::kBytes, w);
-      const float* xb = x + b * Format::kWeights;
-      for (int t = 0; t < kTokens; ++t) {
-        for (int i = 0; i < 4; ++i) {
-          acc[t][i % kAcc] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + t * x_stride + 8 * i), w[i], acc[t][i % kAcc]);
+      for (int sub = 0; sub < Format::kWeights / kBlockSize; ++sub) {
+        __m256 w[4];
+        Format::dequant_avx2(row + b * Format::kBytes, sub, w);
+        const float* xb = x + b * Format::kWeights + sub * kBlockSize;
+        for (int t = 0; t < kTokens; ++t) {
+          for (int i = 0; i < 4; ++i) {
+            acc[t][i % kAcc] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + t * x_stride + 8 * i), w[i], acc[t][i % kAcc]);
+          }
         }
       }
     }
