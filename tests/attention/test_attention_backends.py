@@ -43,6 +43,17 @@ def test_select_backend(monkeypatch):
         select_backend("triton", gpu, head_dim=64, num_heads=8, num_kv_heads=8, block_size=24)
 
 
+def test_attention_sinks_plan_the_backends_that_compute_them():
+    """gpt-oss's sinks: the GPU kernels have none (refused when asked for, the reference under
+    auto on a GPU); the CPU kernel has them."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    for name in ("cuda", "triton"):
+        with pytest.raises(ValueError, match="has no attention sinks"):
+            select_backend(name, gpu, sinks=True)
+    assert select_backend("auto", gpu, sinks=True).name == "torch"
+    assert select_backend("auto", cpu, sinks=True).name == ("cpu" if cpu_kernels.available() else "torch")
+
+
 def test_auto_falls_back_to_the_reference_when_the_cpu_kernel_cannot_build(monkeypatch, caplog):
     def no_compiler():
         raise RuntimeError("c++: command not found")

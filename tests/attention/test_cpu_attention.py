@@ -30,7 +30,7 @@ def prefill_route(request, monkeypatch):
     return request.param
 
 
-def attend_both(seqs, *, sliding_window=None, softcap=None, **shape):
+def attend_both(seqs, *, sliding_window=None, softcap=None, sinks=None, **shape):
     """The step through the reference and through the kernel, each on its own copy of the
     caches: (reference out, kernel out, reference caches, kernel caches)."""
     arrays, (query, key, value), caches = make_step(seqs, **shape)
@@ -39,7 +39,7 @@ def attend_both(seqs, *, sliding_window=None, softcap=None, **shape):
     for metadata in (AttentionMetadata, CpuAttentionMetadata):
         key_cache, value_cache = (c.clone() for c in caches)
         meta = metadata.build(**arrays, sliding_window=sliding_window, device=torch.device("cpu"))
-        out = meta.attend(query, key, value, key_cache, value_cache, scale, softcap=softcap)
+        out = meta.attend(query, key, value, key_cache, value_cache, scale, softcap=softcap, sinks=sinks)
         results.append((out, key_cache, value_cache))
     (expected, *expected_caches), (actual, *actual_caches) = results
     return expected, actual, expected_caches, actual_caches
@@ -182,3 +182,19 @@ def test_auto_picks_the_kernel_and_the_engine_generates_what_the_reference_does(
         assert llm.engine.runner.attention_backend.name == backend
         outputs[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["cpu"] == outputs["torch"]
+
+
+SHAPE = dict(block_size=16, num_heads=9, num_kv_heads=3, head_dim=64)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_attention_sinks_match_the_reference(sliding_window, prefill_route):
+    """gpt-oss's sinks (a logit per head in the softmax, with no value), large and small, in the
+    kernel and in the chunks that would go to SDPA, against the reference."""
+    sinks = torch.tensor([-3.0, 0.0, 1.5, 6.0, -0.5, 2.0, 0.3, -8.0, 4.0])
+    expected, actual, _, _ = attend_both(
+        MIXED, sliding_window=sliding_window, sinks=sinks, dtype=torch.float32, **SHAPE
+    )
+    assert_close(actual, expected, torch.float32)
+    without, _, _, _ = attend_both(MIXED, sliding_window=sliding_window, dtype=torch.float32, **SHAPE)
+    assert (expected - without).abs().max() > 1e-2  # the sinks change the result
