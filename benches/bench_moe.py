@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 
 import numpy as np
@@ -185,33 +184,6 @@ def pagedrs_rows(paths: dict[str, str], repeats: int, threads: int) -> list[dict
     return rows
 
 
-LLAMA_CPP = textwrap.dedent(
-    """
-    import json, statistics, sys, time
-    from llama_cpp import Llama
-
-    path, repeats, threads, new_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    prompt = json.loads(sys.argv[5])
-    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
-    no_eos = {llm.token_eos(): float("-inf")}
-    rows = []
-    for temperature in (0.0, 1.0):
-        llm(prompt, max_tokens=4, temperature=temperature)  # warm-up
-        times = []
-        for i in range(repeats):
-            llm.reset()
-            start = time.perf_counter()
-            out = llm(prompt, max_tokens=new_tokens, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0,
-                      logit_bias=no_eos, seed=i)
-            times.append(time.perf_counter() - start)
-            assert out["usage"]["completion_tokens"] == new_tokens, out["usage"]
-        rows.append({"engine": "llama.cpp", "model": "moe", "case": "64 tokens after 32, prefill included",
-                     "temperature": temperature, "tok_s": new_tokens / statistics.median(times), "runs": times})
-    print(json.dumps(rows))
-    """
-)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
@@ -227,12 +199,16 @@ def main() -> None:
             write_model(path, args.layers, moe=kind == "moe")
     rows = pagedrs_rows(paths, args.repeats, args.threads)
     if args.llama_python:
+        from bench_vs_llama_cpp import LLAMA_CPP  # the same llama.cpp runner, on token ids
+
         command = [args.llama_python, "-c", LLAMA_CPP, paths["moe"], str(args.repeats), str(args.threads)]
         result = subprocess.run([*command, str(NEW_TOKENS), json.dumps(PROMPT)], capture_output=True, text=True)
         if result.returncode != 0:
             print(result.stderr, file=sys.stderr)
         else:
-            rows += json.loads(result.stdout.strip().splitlines()[-1])
+            for row in json.loads(result.stdout.strip().splitlines()[-1]):
+                row.update(engine="llama.cpp", model="moe", case="64 tokens after 32, prefill included")
+                rows.append(row)
     for row in rows:
         print(json.dumps(row))
 

@@ -28,7 +28,7 @@ LLAMA_CPP = textwrap.dedent(
     import json, statistics, sys, time
     from llama_cpp import Llama
 
-    path, prompt = sys.argv[1], sys.argv[5]
+    path, prompt = sys.argv[1], json.loads(sys.argv[5])  # text, or token ids
     repeats, threads, num_tokens = (int(arg) for arg in sys.argv[2:5])
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
     no_eos = {llm.token_eos(): float("-inf")}
@@ -118,7 +118,7 @@ def main() -> None:
             str(args.repeats),
             str(args.threads),
             str(NUM_TOKENS),
-            PROMPT,
+            json.dumps(PROMPT),
         ],
         check=True,
         capture_output=True,

@@ -450,15 +450,6 @@ void matmul_rows(const float* x, int64_t x_stride, const uint8_t* weight, float*
   }
 }
 
-template <class Format>
-void matmul(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
-            int64_t out_features) {
-  // A range of at least 16 rows per thread: smaller ones cost more in scheduling than they save.
-  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    matmul_rows<Format>(x, in_features, weight, out, out_features, num_tokens, in_features, begin, end);
-  });
-}
-
 }  // namespace
 
 namespace pagedrs_cpu {
@@ -483,19 +474,6 @@ int64_t quant_block_weights(int64_t ggml_type) {
   return ggml_type == kQ4_K || ggml_type == kQ6_K ? 256 : kBlockSize;
 }
 
-void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
-                      int64_t out_features, int64_t ggml_type) {
-  if (num_tokens == 0 || out_features == 0) return;
-  switch (ggml_type) {
-    case kQ8_0: matmul<Q8_0>(x, weight, out, num_tokens, in_features, out_features); break;
-    case kQ4_0: matmul<Q4_0>(x, weight, out, num_tokens, in_features, out_features); break;
-    case kQ4_1: matmul<Q4_1>(x, weight, out, num_tokens, in_features, out_features); break;
-    case kQ4_K: matmul<Q4_K>(x, weight, out, num_tokens, in_features, out_features); break;
-    case kQ6_K: matmul<Q6_K>(x, weight, out, num_tokens, in_features, out_features); break;
-    default: quant_block_bytes(ggml_type);  // fails with the list of supported types
-  }
-}
-
 void quant_matmul_rows_f32(const float* x, int64_t x_stride, const uint8_t* weight, float* out, int64_t out_stride,
                            int64_t num_tokens, int64_t in_features, int64_t row_begin, int64_t row_end,
                            int64_t ggml_type) {
@@ -509,6 +487,15 @@ void quant_matmul_rows_f32(const float* x, int64_t x_stride, const uint8_t* weig
     case kQ6_K: args(matmul_rows<Q6_K>); break;
     default: quant_block_bytes(ggml_type);  // fails with the list of supported types
   }
+}
+
+void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
+                      int64_t out_features, int64_t ggml_type) {
+  quant_block_bytes(ggml_type);  // fails on an unsupported type, before any thread starts
+  // A range of at least 16 rows per thread: smaller ones cost more in scheduling than they save.
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    quant_matmul_rows_f32(x, in_features, weight, out, out_features, num_tokens, in_features, begin, end, ggml_type);
+  });
 }
 
 // y = x @ dequant(weight)^T (see the header for layouts).

@@ -92,7 +92,7 @@ def gguf_name(name: str, architecture: str = "llama") -> str:
 
 
 def _tensors(model, architecture: str):
-    """``(Hugging Face name, float32 array, GGUF name)`` of every tensor the file holds: a
+    """``(float32 array, GGUF name)`` of every tensor the file holds: a
     mixture's stacked ``gate_up_proj`` split into its gate and up halves."""
     config = model.config
     for name, tensor in model.state_dict().items():
@@ -103,12 +103,12 @@ def _tensors(model, architecture: str):
             layer = name.split(".")[2]
             if name.endswith("gate_up_proj"):
                 half = array.shape[1] // 2
-                yield name, np.ascontiguousarray(array[:, :half]), f"blk.{layer}.{_EXPERTS['gate']}.weight"
-                yield name, np.ascontiguousarray(array[:, half:]), f"blk.{layer}.{_EXPERTS['up']}.weight"
+                yield np.ascontiguousarray(array[:, :half]), f"blk.{layer}.{_EXPERTS['gate']}.weight"
+                yield np.ascontiguousarray(array[:, half:]), f"blk.{layer}.{_EXPERTS['up']}.weight"
             else:
-                yield name, array, f"blk.{layer}.{_EXPERTS['down']}.weight"
+                yield array, f"blk.{layer}.{_EXPERTS['down']}.weight"
             continue
-        yield name, array, gguf_name(name, architecture)
+        yield array, gguf_name(name, architecture)
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -236,7 +236,7 @@ def write_gguf(
     writer.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    for _, array, target in _tensors(model, architecture):
+    for array, target in _tensors(model, architecture):
         if architecture in GEMMA and target.endswith("norm.weight"):
             array = array + 1  # llama.cpp's Gemma converter stores 1 + w
         if architecture in ("llama", "granite") and ".attn_q." in target:
