@@ -118,16 +118,22 @@ def kv_bytes_per_token(config: Any, dtype: Any = "bfloat16", tensor_parallel_siz
     ``config`` is a Hugging Face config (object or dict), a ``config.json`` path or a
     checkpoint directory. ``2 (K and V) * layers * kv_heads * head_dim * dtype bytes``, where a
     tensor-parallel rank holds ``kv_heads / tensor_parallel_size`` heads (one when there are
-    fewer heads than ranks: they are replicated).
+    fewer heads than ranks: they are replicated). Latent attention (DeepSeek's ``kv_lora_rank``)
+    caches ``layers * (kv_lora_rank + qk_rope_head_dim) * dtype bytes``, on every rank.
     """
     fields = _config_fields(config)
     num_layers = _config_int(fields, "num_hidden_layers")
+    tensor_parallel_size = _positive_int(tensor_parallel_size, "tensor_parallel_size")
+    if fields.get("kv_lora_rank"):
+        # Latent attention (DeepSeek, `pagedrs.models.mla`): one latent per token and layer,
+        # the same on every rank.
+        latent = _config_int(fields, "kv_lora_rank") + _config_int(fields, "qk_rope_head_dim")
+        return num_layers * latent * dtype_bytes(dtype)
     num_heads = _config_int(fields, "num_attention_heads")
     num_kv_heads = _config_int(fields, "num_key_value_heads", default=num_heads)
     head_dim = fields.get("head_dim")
     if head_dim is None:
         head_dim = _config_int(fields, "hidden_size") // num_heads
-    tensor_parallel_size = _positive_int(tensor_parallel_size, "tensor_parallel_size")
     heads_per_rank = max(1, num_kv_heads // tensor_parallel_size)
     return 2 * num_layers * heads_per_rank * int(head_dim) * dtype_bytes(dtype)
 

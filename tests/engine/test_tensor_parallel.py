@@ -381,12 +381,15 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(tiny_checkpoint):
         "qwen2-moe",
         "qwen3-moe",
         "gpt-oss",
+        "deepseek-v2",
+        "deepseek-v3",
     ],
 )
 def test_tp2_of_the_other_families_generates_what_tp1_does(family, tmp_path):
     """Per-layer windows, softcaps, Gemma's norms, Phi-3's fused checkpoint tensors (split
     across ranks), Granite's multipliers and mixtures of experts (each expert's intermediate
-    features split, the router replicated; Qwen2-MoE's shared expert) under tensor parallelism."""
+    features split, the router replicated; Qwen2-MoE's shared expert) under tensor parallelism;
+    DeepSeek's latent attention (heads split, every rank caching every latent)."""
     from tests.helpers.families import save_family
 
     save_family(family, tmp_path)

@@ -159,7 +159,52 @@ FAMILIES: dict[str, Callable[[], Any]] = {
         pad_token_id=0,
         eos_token_id=1,
     ),
+    # DeepSeek's latent attention (key and value sizes apart, V3 with a query latent and YaRN's
+    # mscale in the softmax scale), a dense first layer, shared experts, group-limited routing
+    # (V2 by the best expert of a group, V3 by the best two, with a correction bias and a
+    # renormalization) and a routed scaling factor.
+    "deepseek-v2": lambda: _deepseek(
+        2, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5
+    ),
+    "deepseek-v3": lambda: _deepseek(
+        3,
+        q_lora_rank=24,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_parameters=_rope(
+            "yarn",
+            factor=8.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=0.9,
+            mscale_all_dim=1.0,
+            original_max_position_embeddings=ORIGINAL_MAX,
+        ),
+    ),
 }
+
+
+def _deepseek(version: int, **extra):
+    import transformers
+
+    cls = transformers.DeepseekV2Config if version == 2 else transformers.DeepseekV3Config
+    return cls(
+        **{**TINY, "num_key_value_heads": TINY["num_attention_heads"]},  # MLA has no KV heads of its own
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        pad_token_id=0,
+        eos_token_id=1,
+        **extra,
+    )
 
 
 def save_family(name: str, directory) -> Any:
@@ -171,6 +216,9 @@ def save_family(name: str, directory) -> Any:
     model = AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
     with torch.no_grad():  # random weights give nearly flat logits: make greedy choices clear
         model.get_output_embeddings().weight.mul_(4)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's, zero when built
+                buffer.normal_(0.0, 0.05)
     model.save_pretrained(directory)
     save_word_tokenizer(directory, TINY["vocab_size"])
     return model

@@ -16,6 +16,8 @@ from tests.helpers.families import FAMILIES, hf_greedy_logprobs, save_family
 NEW_TOKENS = 24
 PROMPTS = [list(range(10, 47)), [7, 7, 7, 300, 12, 64, 19, 81, 44, 3, 99, 250, 31]]  # 37 and 13 tokens
 TOLERANCE = 1e-4
+PYTHON_LAYERS_ONLY = {"deepseek-v2", "deepseek-v3"}
+"""Families the compiled CPU stack does not take (latent attention runs in the Python layers)."""
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -49,7 +51,8 @@ def test_whole_prompts_match_hugging_face(family, backend):
     the reference attention (what a GPU or tensor parallelism runs)."""
     name, directory, oracle = family
     llm = LLM(directory, attention_backend=backend)
-    assert (llm.engine.runner.cpu_stack is not None) == (backend == "auto" and cpu_kernels_available())
+    on_stack = backend == "auto" and cpu_kernels_available() and name not in PYTHON_LAYERS_ONLY
+    assert (llm.engine.runner.cpu_stack is not None) == on_stack
     for prompt, output in zip(PROMPTS, generate(llm, PROMPTS)):
         assert_matches(name, oracle, prompt, output.outputs[0])
     assert llm.engine.scheduler.stats().num_used_blocks == 0
@@ -72,8 +75,7 @@ def test_chunks_prefix_hits_preemption_and_n2_match_hugging_face(family):
     peaks = [decode_peak_blocks(layout.group_windows, len(p), len(p) + NEW_TOKENS - 1, 4) for p in PROMPTS]
     num_blocks = max(peaks) + 2 * layout.num_groups
     assert sum(peaks) > num_blocks
-    slots = llm.engine.runner.cache_slots
-    bytes_per_block = 2 * len(slots) * slots[0][0][0].numel() * slots[0][0].element_size()
+    bytes_per_block = llm.engine.runner.cache_bytes_per_block
     tight = LLM(
         directory, block_size=4, max_num_batched_tokens=8, max_num_seqs=4, kv_cache_memory=num_blocks * bytes_per_block
     )

@@ -111,11 +111,9 @@ class ModelRunner:
         graphed = graphed and not any(isinstance(layer.mlp, SparseMoe) for layer in model.decoder_layers())
         # With graphs, one block past the scheduler's takes the padding rows' keys/values.
         shape = (num_blocks + int(graphed), block_size, model.num_kv_heads, model.head_dim)
-        self.cache_slots = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(self.layout.num_slots)
-        ]
-        """The cache tensors, ``layout.num_slots`` key/value pairs."""
+        self.cache_slots = [self._cache_pair(shape, dtype, model.latent_cache) for _ in range(self.layout.num_slots)]
+        """The cache tensors, ``layout.num_slots`` key/value pairs (a latent cache's pair is
+        one tensor twice: `pagedrs.models.mla`)."""
         self.kv_caches = [self.cache_slots[slot] for slot in self.layout.layer_slots]
         """Each layer's key/value pair (layers of different groups share a pair)."""
         self.graphs: DecodeGraphs | None = None
@@ -134,6 +132,18 @@ class ModelRunner:
                     sliding_window=self.layout.views[0][1],
                     capture=capture,
                 )
+
+    def _cache_pair(
+        self, shape: tuple[int, ...], dtype: torch.dtype, latent: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = torch.zeros(shape, dtype=dtype, device=self.device)
+        return (keys, keys) if latent else (keys, torch.zeros(shape, dtype=dtype, device=self.device))
+
+    @property
+    def cache_bytes_per_block(self) -> int:
+        """Bytes one block id takes in every cache tensor (a latent pair's one tensor once)."""
+        distinct = {id(t): t for pair in self.cache_slots for t in pair}.values()
+        return sum(t[0].numel() * t.element_size() for t in distinct)
 
     def expert_tokens(self) -> dict[int, torch.Tensor]:
         """(Token, slot) pairs routed to each expert of each mixture-of-experts layer since the

@@ -1,6 +1,7 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks each
-token's top-k experts, each expert is a gated MLP, and the token's output is the weighted sum
-of its experts' outputs (plus, for Qwen2-MoE, a shared expert scaled by a sigmoid gate).
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2/V3):
+a router picks each token's top-k experts, each expert is a gated MLP, and the token's output
+is the weighted sum of its experts' outputs (plus shared experts every token runs: Qwen2-MoE's
+scaled by a sigmoid gate, DeepSeek's not).
 
 Experts are stored stacked, ``gate_up [E, 2 * I, H]`` and ``down [E, H, I]`` (transformers'
 fused layout and llama.cpp's ``ffn_*_exps``), each rank holding its share of every expert's
@@ -15,7 +16,7 @@ experts that have tokens, which is also the reference both kernels are tested ag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -64,19 +65,62 @@ class Routing:
     ``norm_topk_prob``)."""
     softmax_after_topk: bool = False
     """The top-k logits are chosen first and the weights are their softmax (gpt-oss)."""
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    """Each expert's score: the softmax over all experts, or its own sigmoid (DeepSeek-V3, which
+    also adds a correction bias to the scores it chooses by, not to the weights)."""
+    num_groups: int = 1
+    """Experts fall into this many equal groups, and only the best ``topk_groups`` groups are
+    chosen from (DeepSeek's group-limited routing); 1: no groups."""
+    topk_groups: int = 1
+    group_score: Literal["max", "top2_sum"] = "max"
+    """How a group is ranked: by its best expert's score (DeepSeek-V2's
+    ``group_limited_greedy``) or by the sum of its best two (DeepSeek-V3's ``noaux_tc``)."""
+    scale: float = 1.0
+    """The weights are multiplied by it at the end (DeepSeek's ``routed_scaling_factor``)."""
+
+    def check(self) -> None:
+        """``ValueError`` for a routing no expert set can follow."""
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(f"{self.num_experts} experts do not fall into {self.num_groups} equal groups (n_group)")
+        if not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(f"topk_group must be in 1..{self.num_groups}, got {self.topk_groups}")
+        if self.group_score == "top2_sum" and self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+            raise ValueError("ranking groups by their best two experts needs two experts in each group")
+        if self.top_k > self.num_experts // self.num_groups * self.topk_groups:
+            raise ValueError(f"top-{self.top_k} routing cannot fit in {self.topk_groups} groups of experts")
 
 
-def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids int64 [T, K], weights float32 [T, K])`` from router logits ``[T, E]``: the softmax
-    (in float32, as transformers computes it) of the top-k experts, optionally renormalized; or
-    the softmax of the top-k logits (gpt-oss)."""
+def route(
+    logits: torch.Tensor, routing: Routing, score_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids int64 [T, K], weights float32 [T, K])`` from router logits ``[T, E]``, as
+    transformers computes them (in float32): the top-k experts' scores, optionally limited to
+    the best groups, renormalized and scaled; or the softmax of the top-k logits (gpt-oss).
+    ``score_bias`` (``[E]``, DeepSeek-V3's ``e_score_correction_bias``) shifts the scores the
+    experts are chosen by; the weights are the unshifted scores."""
     if routing.softmax_after_topk:
         top, ids = torch.topk(logits, routing.top_k, dim=-1)
         return ids, torch.softmax(top.float(), dim=-1)
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, routing.top_k, dim=-1)
+    scores = torch.sigmoid(logits.float()) if routing.scoring == "sigmoid" else torch.softmax(logits.float(), dim=-1)
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if routing.num_groups > 1:
+        grouped = choice.unflatten(-1, (routing.num_groups, -1))
+        if routing.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = torch.topk(group_scores, routing.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        # As transformers: V2 zeroes the other groups' scores, V3 makes them -inf.
+        hidden = 0.0 if routing.group_score == "max" else float("-inf")
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), hidden).flatten(-2)
+    ids = torch.topk(choice, routing.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
     if routing.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        denominator = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (denominator + 1e-20 if routing.scoring == "sigmoid" else denominator)
+    if routing.scale != 1.0:
+        weights = weights * routing.scale
     return ids, weights
 
 
@@ -217,8 +261,8 @@ class FusedExperts(nn.Module):
 
 class SparseMoe(nn.Module):
     """A mixture-of-experts MLP: the router (``gate``, replicated), the routed experts, and an
-    optional shared expert (an MLP every token runs) scaled by ``sigmoid(shared_expert_gate(x))``
-    (Qwen2-MoE)."""
+    optional shared expert (an MLP every token runs), scaled by ``sigmoid(shared_expert_gate(x))``
+    (Qwen2-MoE) or not (DeepSeek's, whose ``n_shared_experts`` are one MLP of their summed width)."""
 
     def __init__(
         self,
@@ -230,9 +274,15 @@ class SparseMoe(nn.Module):
         dtype: torch.dtype,
         shared_expert: nn.Module | None = None,
         bias: bool = False,
+        shared_gate: bool = True,
+        score_bias: bool = False,
     ):
-        """``bias``: the router and every expert's projections have biases (gpt-oss)."""
+        """``bias``: the router and every expert's projections have biases (gpt-oss);
+        ``shared_gate``: the shared expert is scaled by a sigmoid gate (Qwen2-MoE; DeepSeek's
+        shared experts have none); ``score_bias``: the router's scores have a correction bias
+        (DeepSeek-V3's ``e_score_correction_bias``)."""
         super().__init__()
+        routing.check()
         if not 0 < routing.top_k <= min(routing.num_experts, MAX_TOP_K):
             raise ValueError(
                 f"num_experts_per_tok must be in 1..{min(routing.num_experts, MAX_TOP_K)}, got {routing.top_k}"
@@ -246,7 +296,12 @@ class SparseMoe(nn.Module):
         self.experts = FusedExperts(routing.num_experts, hidden_size, intermediate_size, activation, tp, dtype, bias)
         self.shared_expert = shared_expert
         self.shared_expert_gate = (
-            nn.Parameter(torch.empty(1, hidden_size, dtype=dtype), requires_grad=False) if shared_expert else None
+            nn.Parameter(torch.empty(1, hidden_size, dtype=dtype), requires_grad=False)
+            if shared_expert is not None and shared_gate
+            else None
+        )
+        self.score_bias = (
+            nn.Parameter(torch.zeros(routing.num_experts, dtype=torch.float32), False) if score_bias else None
         )
         self.expert_tokens: torch.Tensor
         self.register_buffer("expert_tokens", torch.zeros(routing.num_experts, dtype=torch.int64), persistent=False)
@@ -254,10 +309,13 @@ class SparseMoe(nn.Module):
         ``pagedrs:moe_expert_tokens`` reports (the CPU decoder stack counts into it too)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(F.linear(x, self.gate, self.gate_bias), self.routing)
+        ids, weights = route(F.linear(x, self.gate, self.gate_bias), self.routing, self.score_bias)
         self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.routing.num_experts)
         out = _all_reduce(self.experts(x, ids, weights), self.tp)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
+        if self.shared_expert is not None:
             # the shared expert's down projection is row-parallel: it all-reduces itself
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+            out = out + shared
         return out

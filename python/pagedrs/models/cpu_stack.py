@@ -69,17 +69,31 @@ def why_unsupported(model: DecoderForCausalLM, device: torch.device, attention_b
         return f"it runs on the CPU attention backend (this model uses {attention_backend.name!r} on {device})"
     if model.tp.size > 1:
         return "tensor parallelism all-reduces inside each layer"
+    if model.latent_cache:
+        return "it runs per-head keys and values, not latent attention (DeepSeek)"
     if model.head_dim % 2 or model.head_dim > MAX_HEAD_DIM:
         return f"it rotates even head sizes up to {MAX_HEAD_DIM} (this model's is {model.head_dim})"
     for layer in model.decoder_layers():
-        if isinstance(layer.mlp, SparseMoe) and layer.mlp.experts.dtype != torch.float32:
-            return f"experts of {layer.mlp.experts.dtype} (it runs float32 or packed experts)"
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoe) and mlp.experts.dtype != torch.float32:
+            return f"experts of {mlp.experts.dtype} (it runs float32 or packed experts)"
+        if isinstance(mlp, SparseMoe) and (_grouped_or_scaled(mlp) or _ungated_shared(mlp)):
+            return "it routes by softmax or top-k logits, with one gated shared expert at most"
     if model.norm.weight.dtype != torch.float32:
         return f"it computes in float32 (the model is {model.norm.weight.dtype})"
     for linear in _linears(model):
         if _linear_type(linear) is None:
             return f"a linear of type {type(linear).__name__} ({linear.weight.dtype})"
     return None
+
+
+def _grouped_or_scaled(moe: SparseMoe) -> bool:
+    routing = moe.routing
+    return routing.scoring != "softmax" or routing.num_groups > 1 or routing.scale != 1.0 or moe.score_bias is not None
+
+
+def _ungated_shared(moe: SparseMoe) -> bool:
+    return moe.shared_expert is not None and moe.shared_expert_gate is None
 
 
 class CpuDecoderStack:

@@ -1,6 +1,6 @@
-"""The dense decoder every registered family runs on (`pagedrs.models.registry`): Llama's
-block, switched by the family's settings and the Hugging Face config (Mistral, Qwen2/3,
-Gemma 1/2/3, Phi-3, Granite, OLMo 2).
+"""The decoder every registered family runs on (`pagedrs.models.registry`): Llama's block,
+switched by the family's settings and the Hugging Face config (Mistral, Qwen2/3, Gemma 1/2/3,
+Phi-3, Granite, OLMo 2; mixtures of experts; DeepSeek's latent attention, `pagedrs.models.mla`).
 
 Each layer has its own attention spec (`LayerAttention`: window, softcap, scale, rotary), so
 models that mix sliding and global layers (Gemma 2/3, Qwen2/3 ``use_sliding_window``) run
@@ -27,6 +27,7 @@ from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, Tenso
 from pagedrs.layers.moe import Activation, Routing, SparseMoe
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, get_rope, per_layer_type
+from pagedrs.models.mla import LatentAttention, latent_scale, latent_width
 from pagedrs.models.registry import Family, MixtureOfExperts, family_of
 from pagedrs.quant.mxfp4 import Mxfp4Joiner
 
@@ -82,6 +83,8 @@ def layer_attention(config: Any, family: Family, head_dim: int) -> list[LayerAtt
         scale = float(config.attention_multiplier)
     elif family.query_pre_attn_scalar:
         scale = float(config.query_pre_attn_scalar) ** -0.5
+    elif family.latent_attention:
+        scale = latent_scale(config)
     else:
         scale = head_dim**-0.5
     softcap = getattr(config, "attn_logit_softcapping", None)
@@ -188,6 +191,8 @@ def is_sparse_layer(config: Any, family: Family, index: int) -> bool:
     """Whether layer ``index`` of a mixture-of-experts family is a mixture (else a dense MLP)."""
     if family.moe is None:
         return False
+    if family.moe.deepseek:
+        return index >= int(getattr(config, "first_k_dense_replace", 0) or 0)
     if not family.moe.sparse_step:
         return True
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
@@ -204,14 +209,65 @@ def sparse_moe(config: Any, family: Family, tp: TensorParallel, dtype: torch.dty
     renormalize = moe.always_renormalize or bool(getattr(config, "norm_topk_prob", False))
     num_experts, top_k = int(getattr(config, moe.num_experts_key)), int(config.num_experts_per_tok)
     routing = Routing(num_experts, top_k, renormalize, softmax_after_topk=moe.gpt_oss)
-    shared = None
-    if moe.shared_expert and int(getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0:
-        shared = MLP(config, family, tp, dtype, intermediate=int(config.shared_expert_intermediate_size))
     width = int(getattr(config, moe.width_key))
+    shared = None
+    if moe.deepseek:
+        routing = deepseek_routing(config, moe.deepseek, num_experts, top_k)
+        num_shared = int(getattr(config, "n_shared_experts", 0) or 0)
+        if num_shared > 0:  # one MLP as wide as all of them
+            shared = MLP(config, family, tp, dtype, intermediate=num_shared * width)
+    elif moe.shared_expert and int(getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0:
+        shared = MLP(config, family, tp, dtype, intermediate=int(config.shared_expert_intermediate_size))
     activation = Activation(_activation(config, family))
     if moe.gpt_oss:
         activation = Activation("swiglu_oai", float(config.swiglu_alpha), float(config.swiglu_limit))
-    return SparseMoe(routing, config.hidden_size, width, activation, tp, dtype, shared, bias=moe.gpt_oss)
+    return SparseMoe(
+        routing,
+        config.hidden_size,
+        width,
+        activation,
+        tp,
+        dtype,
+        shared,
+        bias=moe.gpt_oss,
+        shared_gate=moe.deepseek is None,
+        score_bias=moe.deepseek == "v3",
+    )
+
+
+def deepseek_routing(config: Any, version: str, num_experts: int, top_k: int) -> Routing:
+    """DeepSeek-V2's or V3's router as transformers runs it; ``ValueError`` for the settings
+    of DeepSeek's own code that transformers does not follow (so pagedrs cannot be checked
+    against it)."""
+    if int(getattr(config, "moe_layer_freq", 1) or 1) != 1:
+        raise ValueError("moe_layer_freq other than 1 is not supported (transformers ignores it)")
+    groups = int(getattr(config, "n_group", None) or 1)
+    topk_groups = int(getattr(config, "topk_group", None) or groups)
+    scale = float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)
+    scoring = getattr(config, "scoring_func", None) or ("softmax" if version == "v2" else "sigmoid")
+    method = getattr(config, "topk_method", None) or ("greedy" if version == "v2" else "noaux_tc")
+    if version == "v2":
+        if scoring != "softmax" or method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"DeepSeek-V2 routing {scoring}/{method} is not supported (softmax, greedy or grouped)")
+        if getattr(config, "norm_topk_prob", False):
+            # DeepSeek's code renormalizes, transformers does not: no oracle to match.
+            raise ValueError("norm_topk_prob is not supported for DeepSeek-V2 (transformers ignores it)")
+        if method == "greedy":
+            groups = topk_groups = 1
+        return Routing(num_experts, top_k, False, num_groups=groups, topk_groups=topk_groups, scale=scale)
+    if scoring != "sigmoid" or method != "noaux_tc":
+        raise ValueError(f"DeepSeek-V3 routing {scoring}/{method} is not supported (sigmoid, noaux_tc)")
+    renormalize = bool(getattr(config, "norm_topk_prob", False))
+    return Routing(
+        num_experts,
+        top_k,
+        renormalize,
+        scoring="sigmoid",
+        num_groups=groups,
+        topk_groups=topk_groups,
+        group_score="top2_sum",
+        scale=scale,
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -229,7 +285,11 @@ class DecoderLayer(nn.Module):
         size = config.hidden_size
         self.placement = family.norm_placement
         self.input_layernorm = _norm(config, family, size, dtype) if self.placement != "post" else None
-        self.self_attn = Attention(config, family, spec, tp, dtype)
+        self.self_attn: Attention | LatentAttention = (
+            LatentAttention(config, spec.scale, tp, dtype)
+            if family.latent_attention
+            else Attention(config, family, spec, tp, dtype)
+        )
         # "pre": the norm before the MLP (Hugging Face's name for it); else the one after attention.
         self.post_attention_layernorm = _norm(config, family, size, dtype)
         sandwich = self.placement == "sandwich"
@@ -240,14 +300,16 @@ class DecoderLayer(nn.Module):
 
     def norms(self) -> dict[str, RMSNorm | None]:
         """The layer's norms by checkpoint name."""
-        return {
+        norms = {
             "input_layernorm": self.input_layernorm,
             "post_attention_layernorm": self.post_attention_layernorm,
             "pre_feedforward_layernorm": self.pre_feedforward_layernorm,
             "post_feedforward_layernorm": self.post_feedforward_layernorm,
-            "self_attn.q_norm": self.self_attn.q_norm,
-            "self_attn.k_norm": self.self_attn.k_norm,
         }
+        attn = self.self_attn
+        if isinstance(attn, Attention):
+            norms.update({"self_attn.q_norm": attn.q_norm, "self_attn.k_norm": attn.k_norm})
+        return norms
 
     def _residual(self, x: torch.Tensor) -> torch.Tensor:
         """A branch's output as it joins the residual stream (Granite scales it)."""
@@ -278,6 +340,8 @@ class DecoderForCausalLM(nn.Module):
         self.family = family = family_of(config)
         self.tp = tp
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if family.latent_attention:
+            head_dim = int(config.qk_rope_head_dim)  # what rotates: each head's rotary part
         specs = layer_attention(config, family, head_dim)
         # Every rotary embedding first (a bad rotary config fails before any layer is built).
         self.ropes = nn.ModuleDict(
@@ -302,9 +366,14 @@ class DecoderForCausalLM(nn.Module):
             None if self.tie_word_embeddings else VocabEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         )
         attn = layers[0].self_attn
-        self.num_kv_heads = attn.num_kv_heads
         self.num_heads = attn.num_heads
-        self.head_dim = attn.head_dim
+        self.latent_cache = isinstance(attn, LatentAttention)
+        """The cache holds one latent per token (`pagedrs.models.mla`): one "head" of
+        `latent_width` features, the key cache and the value cache one tensor."""
+        if isinstance(attn, LatentAttention):
+            self.num_kv_heads, self.head_dim = 1, latent_width(config)
+        else:
+            self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.layer_specs = specs
         self.layer_windows: tuple[int | None, ...] = tuple(spec.window for spec in specs)
         """Each layer's window (``None``: full attention): what `KVLayout.plan` groups by."""
@@ -461,11 +530,16 @@ class DecoderForCausalLM(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         if isinstance(mlp, SparseMoe) and rest.split(".")[0] in ("mlp", "block_sparse_moe"):
             return [prefix + loaded for loaded in _load_moe(mlp, rest, kind, tensor)]
-        fused_parts = {
-            "self_attn.q_proj": (attn.qkv_proj, 0, "self_attn.qkv_proj"),
-            "self_attn.k_proj": (attn.qkv_proj, 1, "self_attn.qkv_proj"),
-            "self_attn.v_proj": (attn.qkv_proj, 2, "self_attn.qkv_proj"),
-        }
+        if isinstance(attn, LatentAttention) and parts[2] == "self_attn":
+            latent = attn.load(".".join(parts[3:-1]), kind, tensor)
+            if latent is None:
+                raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            return [prefix + latent]
+        fused_parts: dict[str, tuple[ColumnParallelLinear, int, str]] = {}
+        if isinstance(attn, Attention):
+            fused_parts["self_attn.q_proj"] = (attn.qkv_proj, 0, "self_attn.qkv_proj")
+            fused_parts["self_attn.k_proj"] = (attn.qkv_proj, 1, "self_attn.qkv_proj")
+            fused_parts["self_attn.v_proj"] = (attn.qkv_proj, 2, "self_attn.qkv_proj")
         if isinstance(mlp, MLP):
             fused_parts["mlp.gate_proj"] = (mlp.gate_up_proj, 0, "mlp.gate_up_proj")
             fused_parts["mlp.up_proj"] = (mlp.gate_up_proj, 1, "mlp.gate_up_proj")
@@ -477,7 +551,7 @@ class DecoderForCausalLM(nn.Module):
             projection = attn.o_proj if rest == "self_attn.o_proj" else cast(MLP, mlp).down_proj
             (projection.load if kind == "weight" else projection.load_bias)(tensor)
             return [f"{prefix}{rest}.{kind}"]
-        if rest == "self_attn" and kind == "sinks" and attn.sinks is not None:
+        if rest == "self_attn" and kind == "sinks" and isinstance(attn, Attention) and attn.sinks is not None:
             attn.sinks.copy_(tensor[attn.heads])
             return [f"{prefix}self_attn.sinks"]
         norm = layer.norms().get(rest)
@@ -537,8 +611,13 @@ def _load_moe(moe: SparseMoe, rest: str, kind: str, tensor: WeightHandle) -> lis
     if parts == ["mlp", "shared_expert_gate"] and kind == "weight" and moe.shared_expert_gate is not None:
         moe.shared_expert_gate.copy_(tensor[:])
         return ["mlp.shared_expert_gate"]
+    if parts == ["mlp", "gate"] and kind == "e_score_correction_bias" and moe.score_bias is not None:
+        moe.score_bias.copy_(tensor[:])
+        return ["mlp.score_bias"]
     shared = moe.shared_expert
-    if len(parts) == 3 and parts[1] == "shared_expert" and kind == "weight" and isinstance(shared, MLP):
+    # Qwen2-MoE's shared_expert, DeepSeek's shared_experts (one MLP as wide as all of them).
+    shared_names = ("shared_expert", "shared_experts")
+    if len(parts) == 3 and parts[1] in shared_names and kind == "weight" and isinstance(shared, MLP):
         if parts[2] in ("gate_proj", "up_proj"):
             shared.gate_up_proj.load(0 if parts[2] == "gate_proj" else 1, tensor)
             return ["mlp.shared_expert.gate_up_proj.weight"]

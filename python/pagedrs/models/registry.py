@@ -30,11 +30,16 @@ class MixtureOfExperts:
     always_renormalize: bool = False
     """The top-k weights always sum to 1 (Mixtral); else as ``norm_topk_prob`` says."""
     shared_expert: bool = False
-    """A shared expert of ``shared_expert_intermediate_size`` every token runs, scaled by a
-    sigmoid gate (Qwen2-MoE)."""
+    """A shared expert every token runs: Qwen2-MoE's of ``shared_expert_intermediate_size``,
+    scaled by a sigmoid gate; DeepSeek's (see ``deepseek``)."""
     sparse_step: bool = False
     """Only layers ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers`` are
     mixtures; the others dense MLPs of ``intermediate_size`` (Qwen2-MoE, Qwen3-MoE)."""
+    deepseek: Literal["v2", "v3"] | None = None
+    """DeepSeek's mixture: experts of ``n_routed_experts``, the first ``first_k_dense_replace``
+    layers dense, ``n_shared_experts`` with no gate, scores scaled by ``routed_scaling_factor``;
+    V2 routes by softmax (``topk_method`` ``greedy`` or ``group_limited_greedy``), V3 by sigmoid
+    with ``e_score_correction_bias`` over the best ``topk_group`` of ``n_group`` groups."""
     gpt_oss: bool = False
     """gpt-oss's mixture: biases on the router (``mlp.router``) and on every expert, the softmax
     over the top-k logits, the clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``), and experts
@@ -76,10 +81,13 @@ class Family:
     activation_key: str = "hidden_act"
     """The config key naming the MLP's activation (Gemma 2/3: ``hidden_activation``)."""
     moe: MixtureOfExperts | None = None
-    """The MLPs are mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss), configured so."""
+    """The MLPs are mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss, DeepSeek), configured so."""
     attention_sinks: bool = False
     """Each attention head has a learned logit (``self_attn.sinks``) in its softmax, with no
     value (gpt-oss)."""
+    latent_attention: bool = False
+    """Multi-head latent attention (DeepSeek-V2/V3, `pagedrs.models.mla`): the cache holds one
+    compressed latent per token, not per-head keys and values."""
 
 
 LLAMA = Family()
@@ -139,6 +147,20 @@ _ROWS: dict[str, tuple[str, Family]] = {
             moe=MixtureOfExperts(num_experts_key="num_local_experts", width_key="intermediate_size", gpt_oss=True),
         ),
     ),
+    "DeepseekV2ForCausalLM": (
+        "decoder",
+        Family(
+            latent_attention=True,
+            moe=MixtureOfExperts(num_experts_key="n_routed_experts", shared_expert=True, deepseek="v2"),
+        ),
+    ),
+    "DeepseekV3ForCausalLM": (
+        "decoder",
+        Family(
+            latent_attention=True,
+            moe=MixtureOfExperts(num_experts_key="n_routed_experts", shared_expert=True, deepseek="v3"),
+        ),
+    ),
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -156,6 +178,8 @@ _MODEL_TYPES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ROWS)
