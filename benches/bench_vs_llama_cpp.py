@@ -50,7 +50,7 @@ LLAMA_CPP = textwrap.dedent(
 )
 
 
-def pagedrs_rows(repeats: int, threads: int) -> list[dict]:
+def pagedrs_rows(repeats: int, threads: int, activations: str = "none") -> list[dict]:
     import statistics
     import time
 
@@ -59,7 +59,8 @@ def pagedrs_rows(repeats: int, threads: int) -> list[dict]:
     from pagedrs import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    llm = LLM(kv_cache_memory="256MiB", enable_prefix_caching=False)  # each run pays its prefill
+    # each run pays its prefill
+    llm = LLM(kv_cache_memory="256MiB", enable_prefix_caching=False, cpu_activation_quantization=activations)
     rows = []
     for temperature in (0.0, 1.0):
         llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=temperature), use_tqdm=False)
@@ -72,7 +73,7 @@ def pagedrs_rows(repeats: int, threads: int) -> list[dict]:
             assert len(out[0].outputs[0].token_ids) == NUM_TOKENS
         rows.append(
             {
-                "engine": f"pagedrs (quantization={llm.engine.config.quantization})",
+                "engine": f"pagedrs (quantization={llm.engine.config.quantization}, activations={activations})",
                 "temperature": temperature,
                 "tok_s": NUM_TOKENS / statistics.median(times),
                 "runs_s": times,
@@ -86,29 +87,39 @@ def main() -> None:
     parser.add_argument("--llama-python", required=True, help="a Python with llama-cpp-python installed")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--activations",
+        default="none",
+        help="pagedrs's cpu_activation_quantization, or several comma-separated (none,int8): one run each",
+    )
     parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.in_process:
-        print(json.dumps(pagedrs_rows(args.repeats, args.threads)))
+        print(json.dumps(pagedrs_rows(args.repeats, args.threads, args.activations)))
         return
     from pagedrs.models.loader import default_model_path
 
-    ours = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--in-process",
-            "--llama-python",
-            "-",
-            "--repeats",
-            str(args.repeats),
-            "--threads",
-            str(args.threads),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    ours = []
+    for activations in args.activations.split(","):
+        run = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--in-process",
+                "--llama-python",
+                "-",
+                "--repeats",
+                str(args.repeats),
+                "--threads",
+                str(args.threads),
+                "--activations",
+                activations,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        ours += json.loads(run.stdout.strip().splitlines()[-1])
     theirs = subprocess.run(
         [
             args.llama_python,
@@ -124,14 +135,14 @@ def main() -> None:
         capture_output=True,
         text=True,
     )
-    rows = json.loads(ours.stdout.strip().splitlines()[-1]) + json.loads(theirs.stdout.strip().splitlines()[-1])
-    for row in rows:
+    reference = json.loads(theirs.stdout.strip().splitlines()[-1])
+    for row in ours + reference:
         row["tok_s"] = round(row["tok_s"], 1)
         row["runs_s"] = [round(t, 3) for t in row["runs_s"]]
         print(json.dumps(row))
-    for temperature in (0.0, 1.0):
-        pair = [row["tok_s"] for row in rows if row["temperature"] == temperature]
-        print(f"temperature {temperature}: pagedrs / llama.cpp = {pair[0] / pair[1]:.2f}x")
+    for row in ours:
+        base = next(ref["tok_s"] for ref in reference if ref["temperature"] == row["temperature"])
+        print(f"{row['engine']}, temperature {row['temperature']}: / llama.cpp = {row['tok_s'] / base:.2f}x")
 
 
 if __name__ == "__main__":

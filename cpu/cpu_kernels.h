@@ -109,8 +109,14 @@ c10::intrusive_ptr<DecoderStack> make_decoder_stack(int64_t hidden_size, int64_t
 // ---------------------------------------------------------------------------------------------
 // Shared between sources
 
+// A kernel type id is a ggml type, or a ggml type ORed with this flag: its activations are
+// quantized to int8 per 32 features before the matmul (quant_matmul.cpp's "int8 activations";
+// Q8_0, Q4_0 and Q4_1 with AVX2; other types and machines run the exact path).
+constexpr int64_t kInt8Activations = 1 << 8;
+
 // quant_matmul.cpp: out [num_tokens, out_features] = x [num_tokens, in_features] @
-// dequant(weight)^T, all float32 and contiguous, weight packed in a GGUF block format.
+// dequant(weight)^T, all float32 and contiguous, weight packed in a GGUF block format
+// (ggml_type may carry kInt8Activations).
 void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
                       int64_t out_features, int64_t ggml_type);
 
@@ -142,7 +148,7 @@ void fused_experts_f32(const at::Tensor& x, const int64_t* topk_ids, const float
                        const ExpertWeights& experts, at::Tensor& out);
 
 // quant_matmul.cpp: bytes and weights of one stored block of a supported ggml type (32
-// weights, 256 for the k-quants); both fail loudly on any other type.
+// weights, 256 for the k-quants; kInt8Activations ignored); both fail loudly on any other type.
 int64_t quant_block_bytes(int64_t ggml_type);
 int64_t quant_block_weights(int64_t ggml_type);
 

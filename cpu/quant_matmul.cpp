@@ -26,9 +26,17 @@
 //   returns         [num_tokens, out_features], x's dtype
 //
 // Values: Q8_0 w = d * q; Q4_0 w = d * (q - 8); Q4_1 w = d * q + m; Q4_K w = (d * sc) * q -
-// dmin * m; Q6_K w = (d * sc) * (q - 32); exactly as gguf's dequantize computes them in float32. Activations are never quantized (llama.cpp's Q8 trick
-// changes results): each block is dequantized in registers and multiplied in float32, so the
-// result equals "dequantize, then float matmul" up to the order of the additions.
+// dmin * m; Q6_K w = (d * sc) * (q - 32); exactly as gguf's dequantize computes them in float32.
+// By default activations are never quantized: each block is dequantized in registers and
+// multiplied in float32, so the result equals "dequantize, then float matmul" up to the order of
+// the additions.
+//
+// int8 activations (opt-in: a type id ORed with kInt8Activations, cpu_kernels.h): each token's
+// row of x is quantized per 32 features to int8 once per matmul (dx = max|x| / 127, llama.cpp's
+// Q8_0 / Q8_1 activations), and each block's dot product is an integer one (AVX2 maddubs/madd:
+// 32 int8 x int8 products summed in int32), scaled by dw * dx in float; Q4_1's minimum adds
+// m * dx * sum(qx). It changes results (the activations' rounding, about 0.4% of a block's largest
+// value); Q8_0, Q4_0 and Q4_1 with AVX2 take it, anything else runs the exact path.
 //
 // Instruction sets: with AVX-512 each 32 weights dequantize into two 16-lane registers; with
 // AVX2 + FMA (no AVX-512) into four 8-lane ones; elsewhere into a buffer (scalar code). The build
@@ -48,6 +56,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 // The intrinsics used below: _cvtsh_ss (F16C) and the AVX-512 ones.
 #if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__AVX2__)
@@ -450,12 +459,167 @@ void matmul_rows(const float* x, int64_t x_stride, const uint8_t* weight, float*
   }
 }
 
+#ifdef __AVX2__
+#define PAGEDRS_INT8_ACTIVATIONS 1
+
+// x quantized per token and 32 features: q = round(x / d), d = max|x| / 127, and d * sum(q)
+// (what Q4_1's minimum multiplies).
+struct Int8Rows {
+  int64_t num_blocks = 0;  // per token
+  std::vector<int8_t> q;   // [num_tokens, num_blocks * 32]
+  std::vector<float> d;    // [num_tokens, num_blocks]
+  std::vector<float> sum;  // [num_tokens, num_blocks]
+};
+
+inline float hsum_avx2(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+}
+
+// Tokens [t_begin, t_end) of x into `rows` (sized by the caller).
+void quantize_rows(const float* x, int64_t in_features, int64_t t_begin, int64_t t_end, Int8Rows& rows) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    for (int64_t b = 0; b < rows.num_blocks; ++b) {
+      const float* xb = x + t * in_features + b * kBlockSize;
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      }
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+      const float d = _mm_cvtss_f32(m) / 127.f;
+      const __m256 inverse = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q[i] = _mm256_cvtps_epi32(scaled);
+      }
+      // int32 -> int16 -> int8; packs interleave 128-bit lanes, the permute puts them back in order.
+      const __m256i q16_lo = _mm256_packs_epi32(q[0], q[1]), q16_hi = _mm256_packs_epi32(q[2], q[3]);
+      const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16_lo, q16_hi),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows.q.data() + (t * rows.num_blocks + b) * kBlockSize), q8);
+      const __m256i sum32 = _mm256_madd_epi16(_mm256_add_epi16(q16_lo, q16_hi), _mm256_set1_epi16(1));
+      const float total = hsum_avx2(_mm256_cvtepi32_ps(sum32));
+      rows.d[t * rows.num_blocks + b] = d;
+      rows.sum[t * rows.num_blocks + b] = d * total;
+    }
+  }
+}
+
+// The 32 weights of a block as bytes in order: signed for Q8_0 and Q4_0, unsigned nibbles for
+// Q4_1 (whose minimum the caller adds).
+template <class Format>
+inline __m256i block_bytes(const uint8_t* block);
+template <>
+inline __m256i block_bytes<Q8_0>(const uint8_t* block) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+}
+inline __m256i nibble_bytes(const uint8_t* qs) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_insertf128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));  // weights 0..15 low halves, 16..31 high
+}
+template <>
+inline __m256i block_bytes<Q4_0>(const uint8_t* block) {
+  return _mm256_sub_epi8(nibble_bytes(block + 2), _mm256_set1_epi8(8));
+}
+template <>
+inline __m256i block_bytes<Q4_1>(const uint8_t* block) {
+  return nibble_bytes(block + 4);
+}
+
+// out[t * out_stride] for kTokens quantized tokens (from token t0 of `rows`) and one weight row.
+template <class Format, int kTokens>
+inline void dot_row_int8(const Int8Rows& rows, int64_t t0, const uint8_t* __restrict__ row, float* __restrict__ out,
+                         int64_t out_stride) {
+  constexpr bool kUnsigned = std::is_same_v<Format, Q4_1>;
+  const int64_t num_blocks = rows.num_blocks;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kTokens];
+  float minimums[kTokens] = {};
+  for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = row + b * Format::kBytes;
+    const __m256i w = block_bytes<Format>(block);
+    const __m256 dw = _mm256_set1_ps(fp16_to_float(block));
+    // maddubs multiplies unsigned by signed bytes: signed weights go in as |w|, their signs
+    // moved onto the activations.
+    const __m256i w_unsigned = kUnsigned ? w : _mm256_sign_epi8(w, w);
+    for (int t = 0; t < kTokens; ++t) {
+      const int64_t at = (t0 + t) * num_blocks + b;
+      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.q.data() + at * kBlockSize));
+      if (!kUnsigned) q = _mm256_sign_epi8(q, w);
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w_unsigned, q), ones);
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(rows.d.data() + at));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[t]);
+      if constexpr (kUnsigned) minimums[t] += fp16_to_float(block + 2) * rows.sum[at];
+    }
+  }
+  for (int t = 0; t < kTokens; ++t) out[t * out_stride] = hsum_avx2(acc[t]) + minimums[t];
+}
+
+template <class Format>
+void matmul_rows_int8(const Int8Rows& rows, const uint8_t* weight, float* out, int64_t out_stride, int64_t num_tokens,
+                      int64_t row_begin, int64_t row_end) {
+  const int64_t row_bytes = rows.num_blocks * Format::kBytes;
+  for (int64_t chunk = row_begin; chunk < row_end; chunk += kRowChunk) {
+    const int64_t chunk_end = std::min(row_end, chunk + kRowChunk);
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
+      const int64_t tile = std::min<int64_t>(kTokenTile, num_tokens - t0);
+      for (int64_t n = chunk; n < chunk_end; ++n) {
+        const uint8_t* w = weight + n * row_bytes;
+        float* o = out + t0 * out_stride + n;
+        switch (tile) {
+          case 1: dot_row_int8<Format, 1>(rows, t0, w, o, out_stride); break;
+          case 2: dot_row_int8<Format, 2>(rows, t0, w, o, out_stride); break;
+          case 3: dot_row_int8<Format, 3>(rows, t0, w, o, out_stride); break;
+          case 4: dot_row_int8<Format, 4>(rows, t0, w, o, out_stride); break;
+          case 5: dot_row_int8<Format, 5>(rows, t0, w, o, out_stride); break;
+          case 6: dot_row_int8<Format, 6>(rows, t0, w, o, out_stride); break;
+          case 7: dot_row_int8<Format, 7>(rows, t0, w, o, out_stride); break;
+          default: dot_row_int8<Format, 8>(rows, t0, w, o, out_stride); break;
+        }
+      }
+    }
+  }
+}
+
+// The int8-activation matmul, or false where this type has none (the caller runs the exact one).
+bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
+                 int64_t out_features, int64_t ggml_type) {
+  if (ggml_type != kQ8_0 && ggml_type != kQ4_0 && ggml_type != kQ4_1) return false;
+  // Reused across calls (no allocation per matmul once grown); the workers below read the
+  // calling thread's buffers through this reference.
+  thread_local Int8Rows buffers;
+  Int8Rows& rows = buffers;
+  rows.num_blocks = in_features / kBlockSize;
+  const size_t blocks = static_cast<size_t>(num_tokens * rows.num_blocks);
+  if (rows.q.size() < blocks * kBlockSize) rows.q.resize(blocks * kBlockSize);
+  if (rows.d.size() < blocks) rows.d.resize(blocks), rows.sum.resize(blocks);
+  at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) { quantize_rows(x, in_features, begin, end, rows); });
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    switch (ggml_type) {
+      case kQ8_0: matmul_rows_int8<Q8_0>(rows, weight, out, out_features, num_tokens, begin, end); break;
+      case kQ4_0: matmul_rows_int8<Q4_0>(rows, weight, out, out_features, num_tokens, begin, end); break;
+      default: matmul_rows_int8<Q4_1>(rows, weight, out, out_features, num_tokens, begin, end); break;
+    }
+  });
+  return true;
+}
+#endif
+
 }  // namespace
 
 namespace pagedrs_cpu {
 
 int64_t quant_block_bytes(int64_t ggml_type) {
-  switch (ggml_type) {
+  switch (ggml_type & ~kInt8Activations) {
     case kQ8_0: return Q8_0::kBytes;
     case kQ4_0: return Q4_0::kBytes;
     case kQ4_1: return Q4_1::kBytes;
@@ -471,7 +635,8 @@ int64_t quant_block_bytes(int64_t ggml_type) {
 
 int64_t quant_block_weights(int64_t ggml_type) {
   quant_block_bytes(ggml_type);  // fails on an unsupported type
-  return ggml_type == kQ4_K || ggml_type == kQ6_K ? 256 : kBlockSize;
+  const int64_t format = ggml_type & ~kInt8Activations;
+  return format == kQ4_K || format == kQ6_K ? 256 : kBlockSize;
 }
 
 void quant_matmul_rows_f32(const float* x, int64_t x_stride, const uint8_t* weight, float* out, int64_t out_stride,
@@ -479,7 +644,7 @@ void quant_matmul_rows_f32(const float* x, int64_t x_stride, const uint8_t* weig
                            int64_t ggml_type) {
   if (num_tokens == 0 || row_begin >= row_end) return;
   const auto args = [&](auto run) { run(x, x_stride, weight, out, out_stride, num_tokens, in_features, row_begin, row_end); };
-  switch (ggml_type) {
+  switch (ggml_type & ~kInt8Activations) {  // always exact (the experts' kernel calls it)
     case kQ8_0: args(matmul_rows<Q8_0>); break;
     case kQ4_0: args(matmul_rows<Q4_0>); break;
     case kQ4_1: args(matmul_rows<Q4_1>); break;
@@ -492,6 +657,12 @@ void quant_matmul_rows_f32(const float* x, int64_t x_stride, const uint8_t* weig
 void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
                       int64_t out_features, int64_t ggml_type) {
   quant_block_bytes(ggml_type);  // fails on an unsupported type, before any thread starts
+#ifdef PAGEDRS_INT8_ACTIVATIONS
+  if ((ggml_type & kInt8Activations) &&
+      matmul_int8(x, weight, out, num_tokens, in_features, out_features, ggml_type & ~kInt8Activations)) {
+    return;
+  }
+#endif
   // A range of at least 16 rows per thread: smaller ones cost more in scheduling than they save.
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     quant_matmul_rows_f32(x, in_features, weight, out, out_features, num_tokens, in_features, begin, end, ggml_type);

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "cuda", "triton"]
 Quantization = Literal["auto", "none", "int8", "fp8"]
+ActivationQuantization = Literal["none", "int8"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DistributedBackend = Literal["gloo", "nccl"]
 
@@ -113,6 +114,12 @@ class EngineConfig:
         "auto",
         "auto: a GGUF keeps its own 4/8-bit weights (CPU), an FP8 checkpoint its e4m3 weights; none: dequantize "
         "to dtype; int8: quantize a float checkpoint's linears at load (CPU); fp8: to e4m3 per channel",
+    )
+    cpu_activation_quantization: ActivationQuantization = knob(
+        "none",
+        "int8: packed Q8_0/Q4_0/Q4_1 linears quantize their inputs to int8 per 32 features and multiply in "
+        "integers (AVX2, as llama.cpp does): faster batched decode, slightly different results (docs/cpu.md); "
+        "none: exact",
     )
     speculative_config: SpeculativeConfig | None = knob(
         None,

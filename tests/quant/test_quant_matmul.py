@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType, quants
 
 from pagedrs.checkpoint import ggml_blocks
 from pagedrs.kernels import cpu as cpu_kernels
+from pagedrs.quant.layers import INT8_ACTIVATIONS
 from tests.helpers.k_quants import K_QUANTS, random_k_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels do not build here")
@@ -134,3 +135,53 @@ def test_q8_0_quantizer_equals_gguf_bit_for_bit():
     weight[1, 5] = 2.5 * weight[1, :32].abs().max() / 127  # about halfway between steps 2 and 3
     expected = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
     assert torch.equal(ggml_blocks.quantize_q8_0(weight), torch.from_numpy(expected))
+
+
+def _has_avx2() -> bool:
+    """Whether the kernels (built for this machine) have the int8-activation path."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return " avx2" in cpuinfo.read()
+    except OSError:
+        return False
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path sees it: each 32 features rounded to multiples of max|x| / 127."""
+    blocks = x.double().view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    return (torch.round(blocks / torch.where(scale == 0, 1, scale)) * scale).view_as(x.double())
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="int8 activations run on AVX2")
+@pytest.mark.parametrize(
+    ("qtype", "shape"),
+    [(qtype, shape) for qtype in FORMATS for shape in SHAPES],
+    ids=lambda value: value.name if isinstance(value, GGMLQuantizationType) else "x".join(map(str, value)),
+)
+def test_int8_activations_equal_quantized_rows_times_the_weights(qtype, shape):
+    """The integer path equals "quantize each token's 32-feature blocks to int8, then the float
+    matmul" up to float rounding, and differs from the exact path by no more than x's rounding."""
+    num_tokens, out_features, in_features = shape
+    packed, weight = packed_weight(qtype, out_features, in_features, seed=num_tokens * 1000 + out_features)
+    x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(1)) * 3
+    if in_features > 32:
+        x[0, :32] = 0.0  # an all-zero block quantizes to zeros
+    ops = cpu_kernels.load()
+    out = ops.quant_matmul(x, packed, int(qtype) | INT8_ACTIVATIONS, in_features)
+    exact = ops.quant_matmul(x, packed, int(qtype), in_features)
+    expected = F.linear(_int8_rows(x), weight.double())
+    bound = 8 * in_features * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
+    assert bool(((out.double() - expected).abs() <= bound + 1e-5).all())
+    # Apart from the exact path by at most the rounding of x: sum |w| * |x - q(x)|.
+    rounding = (x.double() - _int8_rows(x)).abs() @ weight.abs().double().T
+    assert bool(((out.double() - exact.double()).abs() <= rounding + 2 * bound + 1e-5).all())
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
+def test_int8_activations_leave_the_k_quants_exact(qtype):
+    packed, _ = packed_weight(qtype, 20, 256, seed=3)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+    ops = cpu_kernels.load()
+    exact = ops.quant_matmul(x, packed, int(qtype), 256)
+    assert torch.equal(ops.quant_matmul(x, packed, int(qtype) | INT8_ACTIVATIONS, 256), exact)

@@ -83,3 +83,53 @@ def test_int8_on_a_gguf_or_a_bad_value_is_refused(tiny_llama):
         LLM(tiny_llama, quantization="Q4")
     with pytest.raises(ValueError, match="GGUF"):
         LLM(device="cpu", quantization="int8")
+
+
+# A fixed text for the int8-activation path's accuracy (the default model, teacher-forced).
+FIXED_TEXT = (
+    "A paged KV cache stores each sequence's keys and values in fixed-size blocks, so memory is "
+    "allocated as the sequence grows and freed when it finishes. Requests that share a prompt "
+    "prefix can share its blocks, and a scheduler that runs every request one step at a time can "
+    "admit new ones as soon as there is room. The cost of a step is mostly reading the weights: "
+    "a small model on a laptop decodes at the speed its memory delivers them, which is why the "
+    "weights are kept in four or eight bits and multiplied without first being expanded to floats. "
+    "The same reasoning says that a batch of sixteen requests costs little more than one."
+)
+
+
+def _text_logprobs(llm: LLM, token_ids: list[int]) -> list[dict[int, float]]:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=5, temperature=0)
+    entries = llm.generate([token_ids], params, use_tqdm=False)[0].prompt_logprobs
+    return [{t: lp.logprob for t, lp in entry.items()} if entry else {} for entry in entries]
+
+
+def test_int8_activations_stay_close_to_the_exact_path_on_the_default_model():
+    """``cpu_activation_quantization="int8"`` on the default model (Q4_1 linears, a Q8_0 head),
+    teacher-forced over a fixed text: the text's perplexity within 1% of the exact path's and
+    the most likely next token the same at >= 90% of positions (measured here: docs/cpu.md)."""
+    exact = LLM(enable_prefix_caching=False)
+    int8 = LLM(enable_prefix_caching=False, cpu_activation_quantization="int8")
+    assert int8.engine.runner.cpu_stack is not None  # the stack multiplies by int8 activations too
+    linear = int8.engine.model.layers[0].mlp.down_proj
+    assert isinstance(linear, QuantRowParallelLinear) and linear.int8_activations
+    token_ids = exact.get_tokenizer().encode(FIXED_TEXT)
+    ours, theirs = _text_logprobs(exact, token_ids), _text_logprobs(int8, token_ids)
+    agree, nll_exact, nll_int8 = 0, 0.0, 0.0
+    for position in range(1, len(token_ids)):
+        token = token_ids[position]
+        nll_exact -= ours[position][token]
+        nll_int8 -= theirs[position][token]
+        agree += max(ours[position], key=ours[position].get) == max(theirs[position], key=theirs[position].get)
+    positions = len(token_ids) - 1
+    print(f"log-perplexity {nll_exact / positions:.4f} -> {nll_int8 / positions:.4f}, top-1 {agree / positions:.3f}")
+    assert abs(nll_int8 - nll_exact) / positions < 0.01  # log-perplexity within 0.01 nats
+    assert agree / positions >= 0.9
+
+
+def test_int8_activations_need_packed_linears(tiny_llama):
+    with pytest.raises(ValueError, match="needs packed Q8_0, Q4_0 or Q4_1 linears"):
+        LLM(tiny_llama, quantization="none", cpu_activation_quantization="int8")
+    with pytest.raises(ValueError, match="cpu_activation_quantization"):
+        LLM(tiny_llama, cpu_activation_quantization="int4")
+    llm = LLM(tiny_llama, quantization="int8", cpu_activation_quantization="int8")  # packed at load: runs
+    assert len(llm.generate([[5, 17, 33]], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids) == 4

@@ -22,6 +22,7 @@ from pagedrs.models import build_model
 from pagedrs.models.cpu_stack import CpuDecoderStack, why_unsupported
 from pagedrs.models.decoder import DecoderForCausalLM
 from pagedrs.models.loader import load_config, resolve_model
+from pagedrs.quant.layers import use_int8_activations
 from pagedrs.quant.loading import load_weights
 
 if TYPE_CHECKING:
@@ -56,6 +57,11 @@ def load_model_runner(
     source = resolve_model(config.model)
     model = build_model(hf_config or load_config(source), dtype, TensorParallel(rank, size))
     load_weights(model, source, config.quantization, device)  # packs linears where the weights call for it
+    if config.cpu_activation_quantization == "int8" and use_int8_activations(model) == 0:
+        raise ValueError(
+            "cpu_activation_quantization='int8' needs packed Q8_0, Q4_0 or Q4_1 linears on the CPU "
+            "(a GGUF file of those, or quantization='int8'); this model has none"
+        )
     model = model.to(device).eval()
     layout = KVLayout.plan(model.layer_windows, release_windows)
     return ModelRunner(model, num_blocks, config.block_size, dtype, device, config.attention_backend, graphs, layout)

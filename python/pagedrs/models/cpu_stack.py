@@ -17,7 +17,7 @@ every other case.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from pagedrs.layers.moe import ACTIVATION_IDS, SparseMoe
 from pagedrs.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
-    from pagedrs.models.decoder import DecoderForCausalLM
+    from pagedrs.models.decoder import Attention, DecoderForCausalLM
 
 F32 = 0
 """ggml's type id of float32: how the stack is told a linear is a dense float32 weight."""
@@ -46,7 +46,7 @@ def _linear_type(module: nn.Module) -> int | None:
     if type(module) in (ColumnParallelLinear, RowParallelLinear):
         return F32 if module.weight.dtype == torch.float32 else None
     if isinstance(module, (QuantColumnParallelLinear, QuantRowParallelLinear)):
-        return int(module.ggml_type)
+        return module.kernel_type
     return None
 
 
@@ -55,7 +55,7 @@ def _linears(model: DecoderForCausalLM) -> list[nn.Module]:
     expert's, if it has one)."""
     linears: list[nn.Module] = []
     for layer in model.decoder_layers():
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = cast("Attention", layer.self_attn), layer.mlp  # not latent (`why_unsupported`)
         linears += [attn.qkv_proj, attn.o_proj]
         dense: Any = mlp.shared_expert if isinstance(mlp, SparseMoe) else mlp  # an MLP
         if dense is not None:
@@ -117,7 +117,7 @@ class CpuDecoderStack:
             float(model.norm.eps),
         )
         for layer, spec, view in zip(model.decoder_layers(), model.layer_specs, layer_views):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = cast("Attention", layer.self_attn), layer.mlp
             norms = [
                 layer.input_layernorm,
                 # "pre" blocks: post_attention_layernorm is the norm before the MLP (its HF name).

@@ -58,7 +58,8 @@ def load_config(source: ModelSource) -> Any:
         if source.gguf_file is not None and gguf.architecture_of_file(source.name) in gguf.OWN_CONFIGS:
             config = gguf.own_config(source.name)
         else:
-            config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+            with gguf.shared_readers():
+                config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
     except (KeyError, TypeError) as error:  # transformers' own checks of the config's fields
         raise ValueError(f"the model config of {source.name!r} is invalid: {error}") from error
     if source.gguf_file is not None:
@@ -74,5 +75,7 @@ def load_tokenizer(source: ModelSource) -> Any:
     if source.gguf_file is not None and gguf.architecture_of_file(source.name) in gguf.OWN_CONFIGS:
         # AutoTokenizer would read the config through transformers, which has none for it;
         # the tokenizer itself converts from the file as any GGUF vocabulary does.
-        return PreTrainedTokenizerFast.from_pretrained(source.directory, gguf_file=source.gguf_file)
-    return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+        with gguf.shared_readers():
+            return PreTrainedTokenizerFast.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    with gguf.shared_readers():
+        return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)

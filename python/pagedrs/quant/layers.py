@@ -32,12 +32,19 @@ from pagedrs.layers.linear import (
 from pagedrs.layers.moe import FusedExperts
 from pagedrs.quant.sharding import ColumnShardBias, ReplicatedBias
 
+INT8_ACTIVATIONS = 1 << 8
+"""A kernel type id ORed with it quantizes the activations to int8 (``cpu/cpu_kernels.h``'s
+``kInt8Activations``)."""
+INT8_ACTIVATION_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
+"""The formats the kernel multiplies by int8 activations (the others stay exact)."""
 
-def quant_matmul(x: torch.Tensor, packed: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
-    """``x @ dequant(packed)^T`` over x's last dimension, in x's dtype."""
+
+def quant_matmul(x: torch.Tensor, packed: torch.Tensor, kernel_type: int) -> torch.Tensor:
+    """``x @ dequant(packed)^T`` over x's last dimension, in x's dtype; ``kernel_type``: the
+    ggml type, possibly with `INT8_ACTIVATIONS`."""
     in_features = x.shape[-1]
     flat = x.reshape(-1, in_features).contiguous()
-    out = cpu_kernels.load().quant_matmul(flat, packed, int(ggml_type), in_features)
+    out = cpu_kernels.load().quant_matmul(flat, packed, int(kernel_type), in_features)
     return out.reshape(*x.shape[:-1], packed.shape[0])
 
 
@@ -62,11 +69,30 @@ class _Packed(nn.Module):
         super().__init__()
         self.ggml_type = GGMLQuantizationType(ggml_type)
         self.in_features = in_features
+        self.int8_activations = False
+        """Multiply by int8-quantized activations (`use_int8_activations`); exact otherwise."""
         packed = torch.empty(rows, ggml_blocks.row_bytes(ggml_type, in_features), dtype=torch.uint8)
         self.weight = nn.Parameter(packed, requires_grad=False)
 
+    @property
+    def kernel_type(self) -> int:
+        """The CPU kernels' id of how to multiply by this weight."""
+        return int(self.ggml_type) | (INT8_ACTIVATIONS if self.int8_activations else 0)
+
     def extra_repr(self) -> str:
-        return f"{self.ggml_type.name}, out={self.weight.shape[0]}, in={self.in_features}"
+        activations = ", int8 activations" if self.int8_activations else ""
+        return f"{self.ggml_type.name}, out={self.weight.shape[0]}, in={self.in_features}{activations}"
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """Switches every packed linear (and the packed head) whose format has the integer path
+    to int8 activations; returns how many."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, _Packed) and module.ggml_type in INT8_ACTIVATION_TYPES:
+            module.int8_activations = True
+            switched += 1
+    return switched
 
 
 class QuantColumnParallelLinear(ColumnShardBias, _Packed):
@@ -83,7 +109,7 @@ class QuantColumnParallelLinear(ColumnShardBias, _Packed):
         self.weight[target].copy_(_packed_slice(weight, self.ggml_type, source, slice(None)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = quant_matmul(x, self.weight, self.ggml_type)
+        out = quant_matmul(x, self.weight, self.kernel_type)
         return out + self.bias if self.bias is not None else out
 
 
@@ -109,7 +135,7 @@ class QuantRowParallelLinear(ReplicatedBias, _Packed):
         self.weight.copy_(_packed_slice(weight, self.ggml_type, slice(None), self.input_cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = quant_matmul(x, self.weight, self.ggml_type)
+        out = quant_matmul(x, self.weight, self.kernel_type)
         if self.tp.size > 1:
             torch.distributed.all_reduce(out)
         return out + self.bias if self.bias is not None else out
@@ -150,7 +176,7 @@ class QuantVocabEmbedding(_Packed):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """As `VocabEmbedding.logits`: the whole vocabulary on rank 0 (gathered), this rank's
         slice elsewhere."""
-        return gather_logits(quant_matmul(hidden, self.weight, self.ggml_type), self.tp, self.vocab_size)
+        return gather_logits(quant_matmul(hidden, self.weight, self.kernel_type), self.tp, self.vocab_size)
 
 
 class QuantFusedExperts(FusedExperts):
