@@ -14,7 +14,7 @@ EXTENSION := python/pagedrs/_core.abi3.so
 # extension, so `make test` never tests a stale one.
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) rust/Cargo.toml $(shell find rust/src -name '*.rs')
 
-.PHONY: setup build test lint lint-python lint-rust test-rust test-python test-fast cpu-kernels cuda-check gpu-check bench bench-rust bench-python bench-model \
+.PHONY: setup build test lint lint-python lint-rust test-rust test-python test-fast cpu-kernels cpu-isa-check cuda-check gpu-check bench bench-rust bench-python bench-model \
 	bench-presets serve wheel clean
 
 setup: $(EXTENSION)
@@ -46,7 +46,7 @@ $(EXTENSION): $(RUST_SOURCES) $(DEPS_STAMP)
 
 build: $(EXTENSION)
 
-test: lint test-rust cuda-check test-python
+test: lint test-rust cuda-check cpu-isa-check test-python
 
 # Static checks: ruff (lint and format), mypy over the package, stubtest (the compiled core
 # against python/pagedrs/_core.pyi), clippy with warnings as errors (with and without the
@@ -80,6 +80,17 @@ test-fast: $(EXTENSION) $(MODEL_DEPS_STAMP) cpu-kernels
 # instant after) and a kernel that does not build fails here, not as a silent fallback.
 cpu-kernels: $(EXTENSION) $(MODEL_DEPS_STAMP)
 	$(PY) -m pagedrs.kernels.cpu
+
+# The CPU kernels' other x86 path, so neither rots: compiled for AVX-512 on an AVX2 machine
+# (object code only: it cannot run here); on an AVX-512 machine built for AVX2 and the kernel
+# tests run against it (PAGEDRS_CPU_ISA=avx2).
+CPU_KERNEL_TESTS = tests/attention/test_cpu_attention.py tests/quant/test_quant_matmul.py \
+	tests/quant/test_fused_experts.py tests/sample/test_cpu_sampling.py tests/models/test_decoder_stack.py
+cpu-isa-check: cpu-kernels
+	$(PY) -m pagedrs.kernels.cpu --compile-check-other
+	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
+		PAGEDRS_CPU_ISA=avx2 $(PY) -m pytest -q $(CPU_KERNEL_TESTS); \
+	fi
 
 # Compiles every CUDA kernel for sm_80 and sm_90 and the torch binding against torch's
 # headers (no GPU needed); fails when a kernel does not build.

@@ -3,7 +3,9 @@ heads, head size 64, float32, blocks of 16): the torch reference; the "cpu" back
 compiled kernel, long prefill chunks through scaled_dot_product_attention); and the kernel
 alone for every row (what the backend would do without the SDPA path).
 
-    .venv/bin/python benches/bench_cpu_attention.py [--threads N] [--repeat R]
+    .venv/bin/python benches/bench_cpu_attention.py [--threads N] [--repeat R] [--cache-dtype bfloat16]
+
+``--cache-dtype``: the caches in bfloat16 or float16 under float32 queries (``kv_cache_dtype``).
 
 Each number is the median over R calls of ``meta.attend`` (the write of the step's new keys
 and values included, the per-step metadata build not: it is shared by every layer), in ms,
@@ -63,7 +65,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
+    cache_dtype = getattr(torch, args.cache_dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     retain_freed_host_memory()  # as the engine does: no page faults on every call's temporaries
@@ -81,14 +85,15 @@ def main() -> None:
         + [(512, 512)],
     }
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 (caches {args.cache_dtype}), "
         f"H={NUM_HEADS} KVH={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}; median ms per layer"
     )
     print(f"{'case':44} {'torch ref':>10} {'cpu':>8} {'kernel only':>12}")
     sdpa_min_rows = cpu_backend.SDPA_MIN_ROWS
     with torch.inference_mode():
         for name, seqs in cases.items():
-            arrays, qkv, caches = batches.make_step(seqs, torch.float32)
+            arrays, qkv, caches = make_step(seqs, torch.float32)
+            caches = tuple(cache.to(cache_dtype) for cache in caches)
             reference = median_ms(AttentionMetadata.build(**arrays), qkv, caches, args.repeat)
             backend = median_ms(CpuAttentionMetadata.build(**arrays), qkv, caches, args.repeat)
             cpu_backend.SDPA_MIN_ROWS = 1 << 30

@@ -48,7 +48,9 @@
 //                       out (written in place)
 //   cos, sin            one [num_tokens, rotary_dim] float32 pair per rotary embedding: the
 //                       factors of each row's position; the first rotary_dim of each head rotate
-//   key/value caches    one pair per layer, [num_blocks, block_size, num_kv_heads, D] float32
+//   key/value caches    one pair per layer, [num_blocks, block_size, num_kv_heads, D] float32,
+//                       bfloat16 or float16 (--kv-cache-dtype: rows rounded as they are stored,
+//                       read back as float32)
 //   attention views     one per (KV layer group, window) the layers use, each the layout of a
 //                       CpuAttentionMetadata: the cache slot of each row's key and value
 //                       ([num_tokens] int64), the block tables of the rows the kernel attends
@@ -94,6 +96,24 @@ struct Linear {
     if (bias) out.add_(*bias);
   }
 };
+
+// One row of n float32 values into a cache (float32, bfloat16 or float16, checked by the
+// caller) at element offset `at`.
+void store_row(const float* row, const at::Tensor& cache, int64_t at, int64_t n) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: std::copy(row, row + n, cache.data_ptr<float>() + at); break;
+    case at::kBFloat16: {
+      c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + at;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(row[i]);
+      break;
+    }
+    default: {
+      c10::Half* dst = cache.data_ptr<c10::Half>() + at;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::Half>(row[i]);
+      break;
+    }
+  }
+}
 
 void check_float_vector(const at::Tensor& t, int64_t size, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "pagedrs_cpu: ", name,
@@ -431,8 +451,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       }
       layer.qkv.apply(input_norm != nullptr ? normed : hidden, qkv);
       // Per row: q/k norms, rotary on q and k, then k and v into their cache slot.
-      float* key_cache = key_caches[layer_index].data_ptr<float>();
-      float* value_cache = value_caches[layer_index].data_ptr<float>();
+      const at::Tensor& key_cache = key_caches[layer_index];
+      const at::Tensor& value_cache = value_caches[layer_index];
       const float* q_norm = data(layer.q_norm);
       const float* k_norm = data(layer.k_norm);
       const bool whole_norms = layer.q_norm && layer.q_norm->numel() == q_size && q_size != D;
@@ -452,8 +472,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
           if (norm != nullptr && !whole_norms) rms_norm(x, norm, eps_, D, x);
           rotate(x, cos_rows + t * rotary_dim, sin_rows + t * rotary_dim, rotary_dim);
         }
-        std::copy(row + q_size, row + q_size + kv_size, key_cache + slots[t] * kv_size);
-        std::copy(row + q_size + kv_size, row + qkv_size, value_cache + slots[t] * kv_size);
+        store_row(row + q_size, key_cache, slots[t] * kv_size, kv_size);
+        store_row(row + q_size + kv_size, value_cache, slots[t] * kv_size, kv_size);
       });
       const std::optional<at::Tensor> view_tables =
           block_tables.empty() ? std::nullopt : std::optional<at::Tensor>(block_tables[layer.view]);
@@ -582,12 +602,14 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                 value_caches.size());
     for (size_t l = 0; l < layers_.size(); ++l) {
       for (const at::Tensor* cache : {&key_caches[l], &value_caches[l]}) {
-        TORCH_CHECK(cache->device().is_cpu() && cache->scalar_type() == at::kFloat && cache->is_contiguous() &&
-                        cache->dim() == 4 &&
+        const auto dtype = cache->scalar_type();
+        TORCH_CHECK(cache->device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                        dtype == key_caches[0].scalar_type() && cache->is_contiguous() && cache->dim() == 4 &&
                         cache->size(2) == num_kv_heads_ && cache->size(3) == head_size_ &&
                         cache->sizes() == key_caches[0].sizes(),
-                    "pagedrs_cpu: every cache must be contiguous float32 [num_blocks, block_size, ", num_kv_heads_,
-                    ", ", head_size_, "], got ", cache->sizes());
+                    "pagedrs_cpu: every cache must be contiguous float32, bfloat16 or float16 (all one dtype) "
+                    "[num_blocks, block_size, ", num_kv_heads_, ", ", head_size_, "], got ", cache->sizes(), " ",
+                    dtype);
       }
     }
     TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
@@ -635,9 +657,15 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       const int64_t num_keys = mask.has_value() ? mask->size(1) : context_len;
       // [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].
       const at::Tensor q = query.slice(0, start, end).transpose(0, 1).unflatten(0, {num_kv_heads_, group});
-      const at::Tensor keys =
-          key_cache.index_select(0, blocks).flatten(0, 1).slice(0, 0, num_keys).transpose(0, 1).unsqueeze(1);
+      // A 16-bit cache's rows as float32, as the query (the gather copies them anyway).
+      const at::Tensor keys = key_cache.index_select(0, blocks)
+                                  .to(at::kFloat)
+                                  .flatten(0, 1)
+                                  .slice(0, 0, num_keys)
+                                  .transpose(0, 1)
+                                  .unsqueeze(1);
       const at::Tensor values = value_cache.index_select(0, blocks)
+                                    .to(at::kFloat)
                                     .flatten(0, 1)
                                     .slice(0, 0, num_keys)
                                     .transpose(0, 1)

@@ -15,7 +15,9 @@
 //
 // Layouts:
 //   query, out      [num_rows, num_heads, head_size]; heads contiguous, any row stride
-//   key/value cache [num_blocks, block_size, num_kv_heads, head_size], contiguous
+//   key/value cache [num_blocks, block_size, num_kv_heads, head_size], contiguous; the
+//                   query's dtype, or bfloat16 / float16 under float32 queries (a 16-bit
+//                   cache of a float32 model: each row is converted to float32 as it is read)
 //   block_tables    [num_seqs, max_blocks_per_seq] int32
 //   cu_seqlens_q    [num_seqs + 1] int32: rows of sequence s are cu_seqlens_q[s] .. [s + 1]
 //   context_lens    [num_seqs] int32: tokens sequence s attends to, its new rows included
@@ -234,7 +236,9 @@ inline const float* as_float(const T* row, float* buf, int n) {
   }
 }
 
-template <typename T>
+// T: the query's and the output's dtype; C: the caches' (the query's, or a 16-bit cache under
+// float32 queries).
+template <typename T, typename C>
 void attend_item(const Args& args, const WorkItem& item, Scratch& scratch) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int group = args.num_heads / args.num_kv_heads;
@@ -259,8 +263,8 @@ void attend_item(const Args& args, const WorkItem& item, Scratch& scratch) {
   std::fill(scratch.max_score.begin(), scratch.max_score.begin() + num_vectors, kNegInf);
   std::fill(scratch.sum_exp.begin(), scratch.sum_exp.begin() + num_vectors, 0.f);
 
-  const T* key_cache = static_cast<const T*>(args.key_cache);
-  const T* value_cache = static_cast<const T*>(args.value_cache);
+  const C* key_cache = static_cast<const C*>(args.key_cache);
+  const C* value_cache = static_cast<const C*>(args.value_cache);
   const int64_t token_stride = static_cast<int64_t>(args.num_kv_heads) * head_size;
   const int64_t head_offset = static_cast<int64_t>(item.kv_head) * head_size;
   const float* key_rows[kKeyTile];
@@ -369,7 +373,7 @@ std::vector<WorkItem> work_items(const int* cu_seqlens_q, int num_seqs, int num_
   return items;
 }
 
-template <typename T>
+template <typename T, typename C>
 void run(const Args& args, const std::vector<WorkItem>& items) {
   const int group = args.num_heads / args.num_kv_heads;
   std::atomic<int64_t> next{0};
@@ -379,7 +383,7 @@ void run(const Args& args, const std::vector<WorkItem>& items) {
   const int64_t num_tasks = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {
     Scratch scratch(kRowTile * group, args.head_size);
-    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend_item<T>(args, items[i], scratch);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend_item<T, C>(args, items[i], scratch);
   });
 }
 
@@ -396,8 +400,10 @@ void check_rows(const at::Tensor& t, const char* name, const at::Tensor& key_cac
               " must be [num_rows, num_heads, ", key_cache.size(3), "], got ", t.sizes());
   TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "pagedrs_cpu: ", name,
               "'s heads must be contiguous within a row (a row stride is fine)");
-  TORCH_CHECK(t.scalar_type() == key_cache.scalar_type(), "pagedrs_cpu: ", name, " dtype ", t.scalar_type(),
-              " differs from the cache's ", key_cache.scalar_type());
+  // The cache's dtype, or float32 rows over a 16-bit cache (--kv-cache-dtype).
+  TORCH_CHECK(t.scalar_type() == key_cache.scalar_type() || t.scalar_type() == at::kFloat, "pagedrs_cpu: ", name,
+              " dtype ", t.scalar_type(), " differs from the cache's ", key_cache.scalar_type(),
+              " (only float32 rows may read a cache of another dtype)");
 }
 
 void check_index(const at::Tensor& t, int64_t dims, const char* name) {
@@ -427,6 +433,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
               "pagedrs_cpu: paged_attention supports float32, bfloat16 and float16, got ", dtype);
   check_rows(query, "query", key_cache);
   check_rows(out, "out", key_cache);
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "pagedrs_cpu: out and query differ in dtype");
   TORCH_CHECK(out.sizes() == query.sizes(), "pagedrs_cpu: out ", out.sizes(), " must match query ", query.sizes());
   const int64_t num_kv_heads = key_cache.size(2), num_heads = query.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "pagedrs_cpu: ", num_heads, " query heads do not group over ",
@@ -485,10 +492,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   args.softcap = static_cast<float>(softcap);
   args.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
   const auto items = work_items(args.cu_seqlens_q, static_cast<int>(num_seqs), args.num_kv_heads);
+  const bool float_rows = query.scalar_type() == at::kFloat;
   switch (dtype) {
-    case at::kFloat: run<float>(args, items); break;
-    case at::kBFloat16: run<c10::BFloat16>(args, items); break;
-    case at::kHalf: run<c10::Half>(args, items); break;
+    case at::kFloat: run<float, float>(args, items); break;
+    case at::kBFloat16:
+      float_rows ? run<float, c10::BFloat16>(args, items) : run<c10::BFloat16, c10::BFloat16>(args, items);
+      break;
+    case at::kHalf: float_rows ? run<float, c10::Half>(args, items) : run<c10::Half, c10::Half>(args, items); break;
     default: break;  // refused above
   }
 }

@@ -26,6 +26,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "cuda", "triton"]
 Quantization = Literal["auto", "none", "int8", "fp8"]
 ActivationQuantization = Literal["none", "int8"]
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DistributedBackend = Literal["gloo", "nccl"]
 
@@ -114,6 +115,11 @@ class EngineConfig:
         "auto",
         "auto: a GGUF keeps its own 4/8-bit weights (CPU), an FP8 checkpoint its e4m3 weights; none: dequantize "
         "to dtype; int8: quantize a float checkpoint's linears at load (CPU); fp8: to e4m3 per channel",
+    )
+    kv_cache_dtype: KVCacheDtype = knob(
+        "auto",
+        "the KV cache's dtype: auto (the model's), or bfloat16 / float16 under a float32 model on the CPU "
+        "(half the KV bytes, rows rounded as stored; docs/cpu.md)",
     )
     cpu_activation_quantization: ActivationQuantization = knob(
         "none",
@@ -307,6 +313,27 @@ def default_kv_cache_memory(device: torch.device, weight_bytes: int = 0) -> int:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     budget = max(ram * CPU_MEMORY_SHARE - weight_bytes, ram * 0.05)
     return int(min(max(budget, 256 * 2**20), 4 * 2**30))
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: the model's (``"auto"``), or a 16-bit one under a float32 model on
+    the CPU (the CPU kernels read it as float32). ``ValueError`` for any other pairing: the GPU
+    kernels and 16-bit models read their own dtype only."""
+    import torch
+
+    if kv_cache_dtype == "auto":
+        return dtype
+    chosen = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(kv_cache_dtype)
+    if chosen is None:
+        raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {kv_cache_dtype!r}")
+    if chosen == dtype:
+        return chosen
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} with a {str(dtype).removeprefix('torch.')} model on {device.type}: "
+            "a cache of another dtype runs on the CPU under a float32 model only"
+        )
+    return chosen
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

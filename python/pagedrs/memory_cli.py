@@ -22,6 +22,9 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--device", default=None, help="for --dtype auto and the default budget: cpu or cuda")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="as the server's: auto (the model's dtype), bfloat16 or float16"
+    )
+    parser.add_argument(
         "--quantization",
         default="auto",
         choices=QUANTIZATION_CHOICES,
@@ -46,7 +49,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def predict(args: argparse.Namespace) -> dict[str, Any]:
-    from pagedrs.config import EngineConfig, resolve_dtype
+    from pagedrs.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
     from pagedrs.engine.builder import plan_kv_cache
     from pagedrs.engine.kv_layout import final_blocks
     from pagedrs.models.loader import load_config, resolve_model
@@ -58,6 +61,7 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         quantization=args.quantization,
         kv_cache_memory=args.budget,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     device = engine_config.torch_device()
     dtype = resolve_dtype(engine_config.dtype, device)
@@ -76,6 +80,7 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": args.model or "default (SmolLM2-135M-Instruct)",
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)).removeprefix("torch."),
         "block_size": args.block_size,
         "quantization": args.quantization,
         "weight_bytes": weight_bytes,
@@ -186,7 +191,10 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
         return 0
     p = prediction
-    print(f"model {p['model']}, {p['dtype']}, block size {p['block_size']}, budget {p['budget_bytes'] / 2**20:.1f} MiB")
+    print(
+        f"model {p['model']}, {p['dtype']} (KV cache {p['kv_cache_dtype']}), block size {p['block_size']}, "
+        f"budget {p['budget_bytes'] / 2**20:.1f} MiB"
+    )
     print(
         f"weights {p['weight_bytes'] / 2**20:.1f} MiB (quantization {p['quantization']}); "
         f"weights + KV budget {(p['weight_bytes'] + p['budget_bytes']) / 2**20:.1f} MiB"

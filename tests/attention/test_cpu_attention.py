@@ -198,3 +198,25 @@ def test_attention_sinks_match_the_reference(sliding_window, prefill_route):
     assert_close(actual, expected, torch.float32)
     without, _, _, _ = attend_both(MIXED, sliding_window=sliding_window, dtype=torch.float32, **SHAPE)
     assert (expected - without).abs().max() > 1e-2  # the sinks change the result
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_float32_queries_over_a_16_bit_cache_match_the_reference(cache_dtype, sliding_window, prefill_route):
+    """``kv_cache_dtype`` bfloat16 / float16 under a float32 model: the step's keys and values
+    are rounded as they are stored, and every read (kernel and SDPA chunks) takes them as
+    float32, as the torch reference does over the same 16-bit caches."""
+    arrays, (query, key, value), caches = make_step(
+        MIXED, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32
+    )
+    results = []
+    for metadata in (AttentionMetadata, CpuAttentionMetadata):
+        key_cache, value_cache = (c.to(cache_dtype) for c in caches)
+        meta = metadata.build(**arrays, sliding_window=sliding_window, device=torch.device("cpu"))
+        out = meta.attend(query, key, value, key_cache, value_cache, 64**-0.5)
+        assert out.dtype == torch.float32
+        results.append((out, key_cache, value_cache))
+    (expected, *expected_caches), (actual, *actual_caches) = results
+    for ours, theirs in zip(actual_caches, expected_caches):
+        assert torch.equal(ours, theirs)  # the same rounding of the new rows
+    assert_close(actual, expected, torch.float32)

@@ -252,8 +252,9 @@ def _attend_sdpa(
         return
     # [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].
     q = query[chunk.start : chunk.end].transpose(0, 1).unflatten(0, (num_kv_heads, num_heads // num_kv_heads))
-    keys = key_cache[chunk.blocks].flatten(0, 1)[: chunk.num_keys].transpose(0, 1).unsqueeze(1)
-    values = value_cache[chunk.blocks].flatten(0, 1)[: chunk.num_keys].transpose(0, 1).unsqueeze(1)
+    # A 16-bit cache under float32 queries: the gathered rows as float32.
+    keys = key_cache[chunk.blocks].to(query.dtype).flatten(0, 1)[: chunk.num_keys].transpose(0, 1).unsqueeze(1)
+    values = value_cache[chunk.blocks].to(query.dtype).flatten(0, 1)[: chunk.num_keys].transpose(0, 1).unsqueeze(1)
     attended = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale
     )

@@ -131,10 +131,11 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Writes ``[T, KVH, D]`` keys/values into ``[num_blocks, block_size, KVH, D]`` caches."""
+    """Writes ``[T, KVH, D]`` keys/values into ``[num_blocks, block_size, KVH, D]`` caches
+    (rounded to the caches' dtype where it differs: a 16-bit cache of a float32 model)."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
 def attend_gathered(

@@ -17,7 +17,7 @@ import torch
 
 from pagedrs._core import Scheduler
 from pagedrs.checkpoint import ModelSource
-from pagedrs.config import EngineConfig, resolve_dtype
+from pagedrs.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from pagedrs.engine.cuda_graphs import GraphSettings
 from pagedrs.engine.kv_layout import KVLayout
 from pagedrs.engine.model_runner import ModelRunner, load_model_runner
@@ -124,7 +124,7 @@ def plan_kv_cache(
     capacity = kv_cache_capacity(
         hf_config,
         budget,
-        dtype,
+        resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device),
         config.block_size,
         config.tensor_parallel_size,
         draft.hf_config if draft is not None else None,

@@ -11,6 +11,7 @@ import torch
 
 from pagedrs._core import SchedulerOutput
 from pagedrs.attention import AttentionBackend, StepViews, select_backend
+from pagedrs.config import resolve_kv_cache_dtype
 from pagedrs.engine.cuda_graphs import DecodeGraphs, GraphSettings, capture_cuda_graph
 from pagedrs.engine.kv_layout import KVLayout
 from pagedrs.engine.staging import StagedInputs
@@ -64,7 +65,10 @@ def load_model_runner(
         )
     model = model.to(device).eval()
     layout = KVLayout.plan(model.layer_windows, release_windows)
-    return ModelRunner(model, num_blocks, config.block_size, dtype, device, config.attention_backend, graphs, layout)
+    cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+    return ModelRunner(
+        model, num_blocks, config.block_size, dtype, device, config.attention_backend, graphs, layout, cache_dtype
+    )
 
 
 class ModelRunner:
@@ -82,11 +86,13 @@ class ModelRunner:
         attention_backend: str = "auto",
         graphs: GraphSettings | None = None,
         layout: KVLayout | None = None,
+        cache_dtype: torch.dtype | None = None,
     ):
         """``graphs``: capture decode steps as CUDA graphs (`pagedrs.engine.cuda_graphs`) on
         the GPU backends; on a CPU (tests only) the same path runs eagerly. ``layout``: how the
         layers share the blocks (default: `KVLayout.plan` of the model's windows); it must be
-        the scheduler's (its ``group_windows`` are the core's ``kv_group_windows``)."""
+        the scheduler's (its ``group_windows`` are the core's ``kv_group_windows``). ``cache_dtype``:
+        the KV cache's (default: ``dtype``; a 16-bit one under a float32 model on the CPU)."""
         self.model = model
         self.layout = layout if layout is not None else KVLayout.plan(model.layer_windows)
         self.block_size = block_size
@@ -117,7 +123,10 @@ class ModelRunner:
         graphed = graphed and not any(isinstance(layer.mlp, SparseMoe) for layer in model.decoder_layers())
         # With graphs, one block past the scheduler's takes the padding rows' keys/values.
         shape = (num_blocks + int(graphed), block_size, model.num_kv_heads, model.head_dim)
-        self.cache_slots = [self._cache_pair(shape, dtype, model.latent_cache) for _ in range(self.layout.num_slots)]
+        cache_dtype = cache_dtype or dtype
+        self.cache_slots = [
+            self._cache_pair(shape, cache_dtype, model.latent_cache) for _ in range(self.layout.num_slots)
+        ]
         """The cache tensors, ``layout.num_slots`` key/value pairs (a latent cache's pair is
         one tensor twice: `pagedrs.models.mla`)."""
         self.kv_caches = [self.cache_slots[slot] for slot in self.layout.layer_slots]

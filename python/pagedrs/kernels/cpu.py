@@ -1,7 +1,8 @@
 """The CPU kernels in ``cpu/`` (paged attention, sampling, quantized matmuls, the fused decoder
 stack): one extension built with `torch.utils.cpp_extension` on first use, cached under
 ``~/.cache/pagedrs`` by a hash of the sources, the compiler flags, torch's version and this
-machine's CPU (the build targets it with ``-march=native``), loaded once, used as
+machine's CPU (the build targets it with ``-march=native``, or the x86 instruction set
+``PAGEDRS_CPU_ISA`` names: ``avx2``, ``avx512``), loaded once, used as
 ``torch.ops.pagedrs_cpu.*`` and ``torch.classes.pagedrs_cpu.DecoderStack`` (all registered in
 ``cpu/torch_bindings.cpp``). ``python -m pagedrs.kernels.cpu`` builds it ahead of use (``make
 cpu-kernels``, run by ``make test``), so no test or first request pays the compile."""
@@ -13,8 +14,10 @@ import hashlib
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -40,7 +43,30 @@ def sources_dir() -> Path:
     return directory
 
 
-def compile_flags() -> list[str]:
+ISA_MARCH = {"avx2": "-march=x86-64-v3", "avx512": "-march=x86-64-v4"}
+"""x86 instruction sets the kernels can be built for besides ``native`` (``PAGEDRS_CPU_ISA``):
+AVX2 + FMA + F16C, and AVX-512 F/BW/DQ/VL. Each selects its own code paths at compile time
+(``cpu/quant_matmul.cpp``), so building the one this machine does not take keeps it from rotting
+(`compile_check`; ``make cpu-isa-check``)."""
+
+
+def _isa() -> str:
+    isa = os.environ.get("PAGEDRS_CPU_ISA", "native")
+    if isa != "native" and isa not in ISA_MARCH:
+        raise ValueError(f"PAGEDRS_CPU_ISA must be native, {' or '.join(ISA_MARCH)}; got {isa!r}")
+    return isa
+
+
+def native_isa() -> str:
+    """The instruction set ``-march=native`` takes here: ``avx512``, ``avx2`` or ``other``."""
+    flags = _cpu_fingerprint().split()
+    if "avx512f" in flags and "avx512bw" in flags:
+        return "avx512"
+    return "avx2" if "avx2" in flags and "fma" in flags else "other"
+
+
+def compile_flags(isa: str | None = None) -> list[str]:
+    """The compiler's flags for ``isa`` (default: ``PAGEDRS_CPU_ISA``, else ``native``)."""
     # NOTE: at::parallel_for is inlined from torch's headers as `omp parallel`, so it spreads
     # over threads only when compiled with -fopenmp. On Linux the extension then needs
     # libgomp.so.1, which torch has already loaded (its own copy): one OpenMP runtime, torch's
@@ -54,12 +80,52 @@ def compile_flags() -> list[str]:
         "-fno-trapping-math",
         "-fopenmp" if sys.platform == "linux" else "-fopenmp-simd",
     ]
+    isa = isa or _isa()
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
-        flags.append("-march=native")
+        flags += ["-march=native"] if isa == "native" else [ISA_MARCH[isa], "-mtune=native"]
     elif machine in ("aarch64", "arm64"):
+        if isa != "native":
+            raise ValueError(f"PAGEDRS_CPU_ISA={isa} is an x86 instruction set; this machine is {machine}")
         flags.append("-mcpu=native")
     return flags
+
+
+def compile_check(isa: str) -> float:
+    """Compiles every kernel source for ``isa`` into object code that is thrown away (nothing
+    is loaded: this machine may not run it); raises with the compiler's output on an error.
+    Returns the seconds it took."""
+    import time
+
+    import torch
+    from torch.utils.cpp_extension import include_paths
+
+    start = time.perf_counter()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [*include_paths(), sysconfig.get_paths()["include"]]
+    base = [  # as torch.utils.cpp_extension compiles them (its build.ninja's cflags)
+        os.environ.get("CXX", "c++"),
+        "-std=c++20",
+        "-fPIC",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(flag for path in includes for flag in ("-isystem", path)),
+        *compile_flags(isa),
+    ]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        runs = list(
+            pool.map(
+                lambda name: subprocess.run(
+                    [*base, "-c", str(sources_dir() / name), "-o", os.devnull], capture_output=True, text=True
+                ),
+                SOURCES,
+            )
+        )
+    failed = [(name, run) for name, run in zip(SOURCES, runs) if run.returncode != 0]
+    if failed:
+        name, run = failed[0]
+        raise RuntimeError(f"{name} does not compile for {isa}:\n{run.stderr[-4000:]}")
+    return time.perf_counter() - start
 
 
 def _cpu_fingerprint() -> str:
@@ -133,6 +199,9 @@ def available() -> bool:
 
 
 def main() -> int:
+    """``python -m pagedrs.kernels.cpu``: builds and loads the kernels for this machine;
+    ``--compile-check-other``: also compiles them for the x86 instruction set it does not take
+    (AVX-512 on an AVX2 machine, AVX2 on an AVX-512 one)."""
     import time
 
     start = time.perf_counter()
@@ -141,7 +210,19 @@ def main() -> int:
     except Exception as error:  # noqa: BLE001
         print(f"the CPU kernels did not build: {error}", file=sys.stderr)
         return 1
-    print(f"ok: built and loaded torch.ops.pagedrs_cpu ({time.perf_counter() - start:.1f} s)")
+    print(f"ok: built and loaded torch.ops.pagedrs_cpu for {_isa()} ({time.perf_counter() - start:.1f} s)")
+    if "--compile-check-other" in sys.argv[1:]:
+        native = native_isa()
+        if native == "other" or platform.machine().lower() not in ("x86_64", "amd64"):
+            print(f"no other x86 instruction set to check on this {platform.machine()} machine")
+            return 0
+        other = "avx2" if native == "avx512" else "avx512"
+        try:
+            seconds = compile_check(other)
+        except RuntimeError as error:
+            print(error, file=sys.stderr)
+            return 1
+        print(f"ok: the kernels compile for {other} too ({seconds:.1f} s; this machine runs {native})")
     return 0
 
 

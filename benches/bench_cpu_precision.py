@@ -1,19 +1,24 @@
-"""int8 activations (``cpu_activation_quantization="int8"``) against the exact path on the default
-model, side by side in one process: what they cost in accuracy and what they buy in speed.
+"""The CPU's approximate options against the exact path on the default model, side by side in
+one process: int8 activations (``cpu_activation_quantization="int8"``) and a 16-bit KV cache
+(``kv_cache_dtype="bfloat16"`` / ``"float16"``): what each costs in accuracy and buys in speed.
 
 Accuracy, over a fixed text (the first ``TEXT_TOKENS`` tokens of this repository's README, one
 prompt, teacher-forced): the perplexity of each path, the mean and largest change of the text
-tokens' logprobs, and how often the two paths' most likely next token agree; then greedy
-agreement: 8 prompts, 128 tokens each, the tokens each path generates before the two differ.
+tokens' logprobs against the exact path, and how often the two paths' most likely next token
+agree; then greedy agreement: 8 prompts, 128 tokens each, the tokens each path generates before
+it differs from the exact one.
 
-Speed: single-stream decode (128 tokens, prefill included; greedy and at temperature 1.0) and a
-batch of 64 requests decoding 64 tokens each (useful tokens per second), medians of 3.
+Speed: single-stream decode (128 tokens, prefill included; greedy and at temperature 1.0), a
+batch of 64 requests decoding 64 tokens each after short prompts (useful tokens per second,
+prefill included), medians of 3, and the decode rate of a batch of 64 after 500-token prompts
+(attention's share grows with the context), one run (the prefills take minutes).
 
-    PYTHONPATH=python .venv/bin/python benches/bench_int8_activations.py
+    PYTHONPATH=python .venv/bin/python benches/bench_cpu_precision.py [--variants int8,bf16-kv,fp16-kv]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -44,34 +49,41 @@ def text_logprobs(llm: LLM, token_ids: list[int]) -> list[dict[int, float]]:
     return [{t: lp.logprob for t, lp in entry.items()} if entry else {} for entry in output.prompt_logprobs]
 
 
-def accuracy(exact: LLM, int8: LLM) -> dict[str, float]:
+def accuracy(exact: LLM, other: LLM) -> dict[str, object]:
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     token_ids = exact.get_tokenizer().encode(readme)[:TEXT_TOKENS]
-    ours, theirs = text_logprobs(exact, token_ids), text_logprobs(int8, token_ids)
-    deltas, agree, nll_exact, nll_int8 = [], 0, 0.0, 0.0
+    ours, theirs = text_logprobs(exact, token_ids), text_logprobs(other, token_ids)
+    deltas, agree, nll_exact, nll_other = [], 0, 0.0, 0.0
     for position in range(1, len(token_ids)):
         token = token_ids[position]
         a, b = ours[position], theirs[position]
         nll_exact -= a[token]
-        nll_int8 -= b[token]
+        nll_other -= b[token]
         deltas.append(abs(a[token] - b[token]))
         agree += max(a, key=lambda t: a[t]) == max(b, key=lambda t: b[t])
     positions = len(token_ids) - 1
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    greedy = [exact.generate(PROMPTS, params, use_tqdm=False), int8.generate(PROMPTS, params, use_tqdm=False)]
+    greedy = [exact.generate(PROMPTS, params, use_tqdm=False), other.generate(PROMPTS, params, use_tqdm=False)]
     shared = []
     for left, right in zip(*greedy):
         a, b = left.outputs[0].token_ids, right.outputs[0].token_ids
         shared.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
     return {
         "perplexity_exact": round(math.exp(nll_exact / positions), 4),
-        "perplexity_int8": round(math.exp(nll_int8 / positions), 4),
+        "perplexity_other": round(math.exp(nll_other / positions), 4),
         "mean_abs_logprob_change": round(statistics.mean(deltas), 5),
         "max_abs_logprob_change": round(max(deltas), 4),
         "top1_agreement": round(agree / positions, 4),
         "greedy_tokens_before_divergence": shared,
         "greedy_identical_prompts": sum(s == 128 for s in shared),
     }
+
+
+VARIANTS = {
+    "int8": {"cpu_activation_quantization": "int8"},
+    "bf16-kv": {"kv_cache_dtype": "bfloat16"},
+    "fp16-kv": {"kv_cache_dtype": "float16"},
+}
 
 
 def single_stream(llm: LLM, params: SamplingParams) -> float:
@@ -84,6 +96,8 @@ def single_stream(llm: LLM, params: SamplingParams) -> float:
 
 
 def batch(llm: LLM) -> float:
+    """Useful tokens per second of 64 requests of 64 new tokens (temperature 1.0) after short
+    prompts, prefill included."""
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=64, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(64)]
     rates = []
@@ -94,15 +108,37 @@ def batch(llm: LLM) -> float:
     return round(statistics.median(rates), 1)
 
 
+def long_context_decode(llm: LLM, prompt_tokens: int = 500) -> float:
+    """Decode tokens per second of 64 requests after ``prompt_tokens`` distinct tokens of README
+    text each: the time of 64 new tokens minus the time of 1 (the prefill), one run each."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    ids = llm.get_tokenizer().encode(readme)
+    prompts: list = [ids[i : i + prompt_tokens] for i in range(64)]
+
+    def seconds(new_tokens: int) -> float:  # one run each: 64 prefills of 500 tokens take minutes
+        params = SamplingParams(temperature=1.0, seed=1, max_tokens=new_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    return round(64 * 63 / (seconds(64) - seconds(1)), 1)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", default="int8,bf16-kv,fp16-kv", help=f"among {', '.join(VARIANTS)}")
+    args = parser.parse_args()
     torch.set_num_threads(2)
-    llms = {
-        "exact": LLM(kv_cache_memory="1GiB", enable_prefix_caching=False),
-        "int8": LLM(kv_cache_memory="1GiB", enable_prefix_caching=False, cpu_activation_quantization="int8"),
-    }
+    names = [name for name in args.variants.split(",") if name]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose among {', '.join(VARIANTS)}")
+    llms = {"exact": LLM(kv_cache_memory="3GiB", enable_prefix_caching=False)}
+    for name in names:
+        llms[name] = LLM(kv_cache_memory="3GiB", enable_prefix_caching=False, **VARIANTS[name])
     for llm in llms.values():
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    result: dict[str, object] = {"accuracy": accuracy(llms["exact"], llms["int8"])}
+    result: dict[str, object] = {"accuracy": {name: accuracy(llms["exact"], llms[name]) for name in names}}
     greedy = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, seed=1, max_tokens=128, ignore_eos=True)
     for name, llm in llms.items():
@@ -110,6 +146,7 @@ def main() -> None:
             "single_greedy_tok_s": single_stream(llm, greedy),
             "single_t1.0_tok_s": single_stream(llm, sampled),
             "batch64_t1.0_tok_s": batch(llm),
+            "batch64_decode_after_500_t1.0_tok_s": long_context_decode(llm),
         }
     print(json.dumps(result, indent=1))
 
