@@ -30,25 +30,11 @@ def _logprobs(llm: LLM) -> list[list[tuple[int, float]]]:
 
 @pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
 def test_a_16_bit_cache_holds_twice_the_tokens_and_stays_close(tiny_llama, cache_dtype):
-    budget = 64 * 2**10
-    exact = LLM(tiny_llama, kv_cache_memory=budget, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
-    half = LLM(
-        tiny_llama,
-        kv_cache_memory=budget,
-        block_size=4,
-        max_num_batched_tokens=8,
-        max_num_seqs=4,
-        kv_cache_dtype=cache_dtype,
-    )
-    layers = LLM(
-        tiny_llama,
-        kv_cache_memory=budget,
-        block_size=4,
-        max_num_batched_tokens=8,
-        max_num_seqs=4,
-        kv_cache_dtype=cache_dtype,
-        attention_backend="torch",
-    )
+    # Small blocks and chunks of 8 tokens: prefills in chunks over cached blocks.
+    shape = {"kv_cache_memory": 64 * 2**10, "block_size": 4, "max_num_batched_tokens": 8, "max_num_seqs": 4}
+    exact = LLM(tiny_llama, **shape)
+    half = LLM(tiny_llama, **shape, kv_cache_dtype=cache_dtype)
+    layers = LLM(tiny_llama, **shape, kv_cache_dtype=cache_dtype, attention_backend="torch")
     assert half.engine.runner.kv_caches[0][0].dtype == getattr(torch, cache_dtype)
     assert half.engine.info.num_blocks == 2 * exact.engine.info.num_blocks
     assert kv_bytes_per_token(tiny_llama, cache_dtype) * 2 == kv_bytes_per_token(tiny_llama, "float32")

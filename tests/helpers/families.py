@@ -224,6 +224,18 @@ def save_family(name: str, directory) -> Any:
     return model
 
 
+def save_unreadable_family(name: str, directory, change: dict[str, Any]) -> None:
+    """Saves family ``name`` with ``change`` applied to its config.json and its weights made
+    unreadable, so a refusal must come before any weight is read."""
+    import json
+
+    save_family(name, directory)
+    config_path = directory / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **change}))
+    for weights in directory.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")  # reading any weight would fail otherwise
+
+
 def reset_rotary_state(model) -> None:
     """transformers' dynamic NTK rotary keeps the longest length it saw across calls: start
     each prompt from the original frequencies, as a fresh model would."""

@@ -11,7 +11,7 @@ import pytest
 from pagedrs import LLM, SamplingParams
 from pagedrs.engine.kv_layout import decode_peak_blocks
 from pagedrs.kernels.cpu import available as cpu_kernels_available
-from tests.helpers.families import FAMILIES, hf_greedy_logprobs, save_family
+from tests.helpers.families import FAMILIES, hf_greedy_logprobs, save_family, save_unreadable_family
 
 NEW_TOKENS = 24
 PROMPTS = [list(range(10, 47)), [7, 7, 7, 300, 12, 64, 19, 81, 44, 3, 99, 250, 31]]  # 37 and 13 tokens
@@ -135,14 +135,7 @@ def test_gguf_metadata_that_would_be_dropped_is_refused(tmp_path):
     ids=["unknown-type", "missing-setting", "unknown-setting", "unknown-layer-type", "activation"],
 )
 def test_bad_configs_are_refused_before_weights_are_read(tmp_path, change, message):
-    import json
-
-    save_family("llama-linear", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config.update(change)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    for weights in tmp_path.glob("*.safetensors"):
-        weights.write_bytes(b"not a safetensors file")  # reading any weight would fail otherwise
+    save_unreadable_family("llama-linear", tmp_path, change)
     with pytest.raises(ValueError, match=message):
         LLM(str(tmp_path))
 

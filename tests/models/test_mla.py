@@ -5,15 +5,13 @@ DeepSeek's configs that pagedrs does not run are refused before any weight is re
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from pagedrs import LLM
 from pagedrs.layers.moe import Routing, route
 from pagedrs.memory import kv_bytes_per_token, kv_cache_capacity
-from tests.helpers.families import FAMILIES, save_family
+from tests.helpers.families import FAMILIES, save_family, save_unreadable_family
 from tests.models.test_families import PROMPTS, generate
 
 LATENT = 32 + 8  # kv_lora_rank + qk_rope_head_dim of the tiny DeepSeek configs
@@ -56,12 +54,7 @@ def test_the_cache_holds_one_latent_per_token_and_layer(tmp_path):
     ids=["moe-layer-freq", "v2-renormalize", "v2-method", "v3-scoring", "groups", "topk-group", "top-k-in-groups"],
 )
 def test_deepseek_settings_pagedrs_does_not_run_are_refused(tmp_path, family, change, message):
-    save_family(family, tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config.update(change)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    for weights in tmp_path.glob("*.safetensors"):
-        weights.write_bytes(b"not a safetensors file")  # reading any weight would fail otherwise
+    save_unreadable_family(family, tmp_path, change)
     with pytest.raises(ValueError, match=message):
         LLM(str(tmp_path))
 
