@@ -64,3 +64,12 @@ def test_cache_dtypes_the_kernels_cannot_read_are_refused(tiny_llama):
         resolve_kv_cache_dtype("float16", torch.bfloat16, torch.device("cuda"))
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
     assert resolve_kv_cache_dtype("bfloat16", torch.float32, torch.device("cpu")) == torch.bfloat16
+
+
+def test_the_start_log_names_the_kernel_paths_and_the_approximations(tiny_llama, caplog):
+    caplog.set_level("INFO", logger="pagedrs")
+    LLM(tiny_llama, kv_cache_dtype="float16")
+    messages = [record.getMessage() for record in caplog.records]
+    if cpu_kernels_available():
+        assert any(message.startswith("CPU kernels for ") and "packed matmul" in message for message in messages)
+    assert "approximate arithmetic asked for: KV cache float16, activations none" in messages

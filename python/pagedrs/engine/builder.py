@@ -23,6 +23,7 @@ from pagedrs.engine.kv_layout import KVLayout
 from pagedrs.engine.model_runner import ModelRunner, load_model_runner
 from pagedrs.engine.parallel import TensorParallelGroup, TensorParallelRunner
 from pagedrs.engine.tp_common import check_parallel_config, launched_setup
+from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import TensorParallel
 from pagedrs.layers.rotary import model_positions
 from pagedrs.memory import KVCapacity, kv_cache_capacity
@@ -264,6 +265,14 @@ def _log_start(info: EngineInfo, plan: KVCachePlan) -> None:
     config = info.config
     if info.speculative is not None:
         logger.info("speculative decoding: %s", info.speculative)
+    if info.device.type == "cpu" and cpu_kernels.available():
+        logger.info("%s", cpu_kernels.describe())
+    if config.kv_cache_dtype != "auto" or config.cpu_activation_quantization != "none":
+        logger.info(
+            "approximate arithmetic asked for: KV cache %s, activations %s",
+            config.kv_cache_dtype,
+            config.cpu_activation_quantization,
+        )
     logger.info(
         "pagedrs engine: %s (%s) %s on %s, tensor parallel %d%s, %d KV blocks of %d tokens x %d layers%s",
         info.model_name,

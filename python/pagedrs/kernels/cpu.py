@@ -91,6 +91,21 @@ def compile_flags(isa: str | None = None) -> list[str]:
     return flags
 
 
+def describe() -> str:
+    """The paths the built kernels take on this machine, for the start-up log."""
+    isa = _isa()
+    target = native_isa() if isa == "native" else isa
+    matmul = {
+        "avx512": "blocks dequantized into AVX-512 registers",
+        "avx2": "blocks dequantized into AVX2 registers",
+    }.get(target, "blocks dequantized by scalar code")
+    int8 = "available (AVX2)" if target in ("avx2", "avx512") else "not built (no AVX2): exact path"
+    return (
+        f"CPU kernels for {isa}{f' ({target})' if isa == 'native' else ''}: packed matmul {matmul}; "
+        f"int8 activations {int8}; attention and sampling compiler-vectorized"
+    )
+
+
 def compile_check(isa: str) -> float:
     """Compiles every kernel source for ``isa`` into object code that is thrown away (nothing
     is loaded: this machine may not run it); raises with the compiler's output on an error.
