@@ -282,11 +282,11 @@ class SparseMoe(nn.Module):
         shared experts have none); ``score_bias``: the router's scores have a correction bias
         (DeepSeek-V3's ``e_score_correction_bias``)."""
         super().__init__()
-        routing.check()
         if not 0 < routing.top_k <= min(routing.num_experts, MAX_TOP_K):
             raise ValueError(
                 f"num_experts_per_tok must be in 1..{min(routing.num_experts, MAX_TOP_K)}, got {routing.top_k}"
             )
+        routing.check()
         if activation.name not in ACTIVATION_IDS:
             raise ValueError(f"experts' activation {activation.name!r} is not supported ({', '.join(ACTIVATION_IDS)})")
         self.routing = routing
