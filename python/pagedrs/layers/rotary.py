@@ -214,6 +214,11 @@ class Llama3Rope(RotaryEmbedding):
         return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(scale: float, coefficient: float = 1.0) -> float:
+    """YaRN's temperature for a context ``scale`` times the original: ``0.1 c ln(scale) + 1``."""
+    return 1.0 if scale <= 1 else 0.1 * coefficient * math.log(scale) + 1.0
+
+
 class YarnRope(RotaryEmbedding):
     """YaRN: dimensions that rotate more than ``beta_fast`` times over the original context
     keep their frequency, those under ``beta_slow`` are interpolated by ``factor``, a linear
@@ -225,13 +230,12 @@ class YarnRope(RotaryEmbedding):
         factor = params.get("factor")
         factor = float(factor) if factor is not None else max_positions / original
 
-        def mscale(scale: float, coefficient: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * coefficient * math.log(scale) + 1.0
-
         attention_factor = params.get("attention_factor")
         if attention_factor is None:
             m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-            attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+            attention_factor = (
+                yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+            )
         self.attention_factor = float(attention_factor)
         beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
         dim, theta = self.rotary_dim, self.theta

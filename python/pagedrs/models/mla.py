@@ -32,7 +32,7 @@ from pagedrs.attention import AttentionMetadata
 from pagedrs.checkpoint import WeightHandle
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel
 from pagedrs.layers.norm import RMSNorm
-from pagedrs.layers.rotary import apply_rotary
+from pagedrs.layers.rotary import apply_rotary, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6
 """The eps of the q and kv latents' RMSNorms: transformers builds them with the default, not
@@ -48,15 +48,12 @@ def latent_scale(config: Any) -> float:
     """The softmax scale: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times YaRN's
     ``mscale(factor, mscale_all_dim) ** 2`` when the rotary is YaRN with ``mscale_all_dim``
     (as transformers' DeepSeek models apply it)."""
-    import math
-
     scale = (int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)) ** -0.5
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     all_dim = params.get("mscale_all_dim")
     factor = float(params.get("factor") or 1.0)
-    if params.get("rope_type", "default") != "default" and all_dim and factor > 1:
-        mscale = 0.1 * float(all_dim) * math.log(factor) + 1.0
-        scale *= mscale * mscale
+    if params.get("rope_type", "default") != "default" and all_dim:
+        scale *= yarn_mscale(factor, float(all_dim)) ** 2
     return scale
 
 
