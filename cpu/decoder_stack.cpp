@@ -658,18 +658,11 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       // [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].
       const at::Tensor q = query.slice(0, start, end).transpose(0, 1).unflatten(0, {num_kv_heads_, group});
       // A 16-bit cache's rows as float32, as the query (the gather copies them anyway).
-      const at::Tensor keys = key_cache.index_select(0, blocks)
-                                  .to(at::kFloat)
-                                  .flatten(0, 1)
-                                  .slice(0, 0, num_keys)
-                                  .transpose(0, 1)
-                                  .unsqueeze(1);
-      const at::Tensor values = value_cache.index_select(0, blocks)
-                                    .to(at::kFloat)
-                                    .flatten(0, 1)
-                                    .slice(0, 0, num_keys)
-                                    .transpose(0, 1)
-                                    .unsqueeze(1);
+      const auto gather = [&](const at::Tensor& cache) {
+        return cache.index_select(0, blocks).to(at::kFloat).flatten(0, 1).slice(0, 0, num_keys).transpose(0, 1).unsqueeze(1);
+      };
+      const at::Tensor keys = gather(key_cache);
+      const at::Tensor values = gather(value_cache);
       at::Tensor out;
       if (layer.softcap > 0 || layer.sinks) {  // SDPA has neither: scores capped, masked, softmaxed
         at::Tensor visible = mask.has_value() ? *mask
