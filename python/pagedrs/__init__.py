@@ -17,7 +17,15 @@ from pagedrs.errors import (
     PagedrsError,
     UnknownRequestError,
 )
-from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrs.outputs import (
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 
 __version__ = _core_version
@@ -47,6 +55,10 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "PoolingParams",
+    "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
+    "ScoringRequestOutput",
     "DuplicateRequestError",
     "GrammarMatchers",
     "InternalError",

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -47,3 +51,52 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache (whole blocks), as vLLM reports them."""
     error: str | None = None
     """Why the request failed inside the engine (its choices then end with ``"error"``)."""
+    pooled: torch.Tensor | None = None
+    """A pooling request's result (`pagedrs.pooling_params`), float32 on the CPU, once it has
+    finished: the embedding, or the classifier's scores. A pooling request has no choices."""
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (`LLM.embed`), as vLLM returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+    """Per label: the sigmoid (one label) or softmax of the classifier's logits."""
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's classification (`LLM.classify`), as vLLM returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One text pair's score (`LLM.score`), as vLLM returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pagedrs.engine.builder import EngineInfo
 from pagedrs.engine.llm_engine import LLMEngine
 from pagedrs.outputs import RequestOutput
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ def add_delta(so_far: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     if so_far is None:
         so_far = dataclasses.replace(delta, outputs=[], prompt_logprobs=None)
     so_far.finished, so_far.num_cached_tokens, so_far.error = delta.finished, delta.num_cached_tokens, delta.error
+    so_far.pooled = delta.pooled
     if delta.prompt_logprobs is not None:
         so_far.prompt_logprobs = (so_far.prompt_logprobs or []) + delta.prompt_logprobs
     by_index = {choice.index: choice for choice in so_far.outputs}
@@ -272,7 +274,7 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -285,7 +287,8 @@ class AsyncLLMEngine:
         if not self.is_alive():
             raise EngineDeadError("the engine has stopped") from self._dead
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, hold_back=max(map(len, params.stop_strings), default=1) - 1)
+        stop_strings = params.stop_strings if isinstance(params, SamplingParams) else []
+        stream = _Stream(loop, hold_back=max(map(len, stop_strings), default=1) - 1)
         added = loop.create_future()
         # NOTE: checked and counted under one lock, and the engine thread publishes the core's
         # waiting count before it stops counting an add as pending (`_add`), so a request is

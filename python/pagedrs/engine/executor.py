@@ -36,7 +36,11 @@ class SamplingInputs:
     - ``banned``: ``(row, token ids)`` a row may not sample yet (``min_tokens``);
     - ``constrained``: ``(row, matcher)`` of rows under a grammar;
     - ``prompt_rows`` / ``prompt_targets`` / ``prompt_num_top``: token rows whose logits give
-      prompt logprobs, the prompt token each predicts, and the most top tokens any asks for.
+      prompt logprobs, the prompt token each predicts, and the most top tokens any asks for;
+    - ``sampled_rows``: the core's logits rows that are sampled, when some are not (they
+      belong to pooling requests), in order; ``rows``, ``banned`` and ``constrained`` number
+      these; ``None``: every row is sampled;
+    - ``pool_rows``: token rows whose final hidden states pooling requests read.
     """
 
     rows: list[SamplingRow]
@@ -45,6 +49,8 @@ class SamplingInputs:
     prompt_rows: np.ndarray
     prompt_targets: list[int]
     prompt_num_top: int = 0
+    sampled_rows: np.ndarray | None = None
+    pool_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 @dataclass
@@ -62,6 +68,15 @@ class StepResult:
     (`Sampler.logprob_columns`)."""
     failed: dict[str, Exception] = field(default_factory=dict)
     """Requests that failed in this step, with the error that failed them."""
+    pooled: torch.Tensor | None = None
+    """Float32 final hidden states of `SamplingInputs.pool_rows`, on the CPU."""
+    sampled_index: np.ndarray | None = None
+    """Per core logits row, its row in ``sampled`` (-1: a pooling request's row, not sampled);
+    ``None``: the same row."""
+
+    def sampled_row(self, row: int) -> int:
+        """The row of ``sampled`` that holds the core's logits row ``row``."""
+        return row if self.sampled_index is None else int(self.sampled_index[row])
 
 
 class Executor:
@@ -106,8 +121,11 @@ class Executor:
                 masks = self._mask_thread.submit(self._fill_bitmask, [matcher for _, matcher in inputs.constrained])
             if self.drafter is not None:  # it writes its proposals into the batch
                 drafts, draft_probs = self.drafter.propose(out, inputs.rows)
-            logits, prompt_logits = self.runner.execute(out, inputs.prompt_rows)
+            logits, prompt_logits, pooled = self.runner.execute(
+                out, inputs.prompt_rows, inputs.pool_rows, inputs.sampled_rows
+            )
             prompt_columns = self._prompt_logprobs(inputs, prompt_logits)
+            pooled = None if pooled is None else pooled.cpu()
             allowed = None if masks is None else ([row for row, _ in inputs.constrained], masks.result())
         except TensorParallelError:
             raise  # the ranks are out of step: the engine cannot go on
@@ -118,7 +136,13 @@ class Executor:
             result = self.empty_result(out)
             result.failed = dict.fromkeys(out.request_ids, error)
             return result
-        result = StepResult(np.zeros(0, np.int64), None, drafts, prompt_columns)
+        result = StepResult(np.zeros(0, np.int64), None, drafts, prompt_columns, pooled=pooled)
+        if inputs.sampled_rows is not None:  # some rows are pooling requests': not sampled
+            result.sampled_index = np.full(len(out.logits_indices), -1, np.int64)
+            result.sampled_index[inputs.sampled_rows] = np.arange(len(inputs.sampled_rows))
+            if not inputs.rows:
+                result.token_ids = np.zeros(len(out.logits_indices), np.int64)
+                return result
         try:
             if out.num_spec_tokens:
                 draft_ids = out.logits_draft_token_ids
@@ -133,10 +157,19 @@ class Executor:
         bad_rows = np.flatnonzero((sampled.token_ids < 0) | (sampled.token_ids >= self.vocab_size))
         for row in bad_rows.tolist():  # e.g. non-finite logits drawn from on a device without checks
             sampled.token_ids[row] = 0
-            request_id = out.request_ids[int(out.logits_request_indices[row])]
+            request_id = self._request_of_row(out, inputs, row)
             result.failed.setdefault(request_id, ValueError("the model's logits for this request are not finite"))
         result.token_ids, result.sampled = sampled.token_ids, sampled
+        if inputs.sampled_rows is not None:  # one token per core row; pooling rows get 0
+            result.token_ids = np.zeros(len(out.logits_indices), np.int64)
+            result.token_ids[inputs.sampled_rows] = sampled.token_ids
         return result
+
+    @staticmethod
+    def _request_of_row(out: SchedulerOutput, inputs: SamplingInputs, row: int) -> str:
+        """The request whose logits row is the sampler's ``row``."""
+        core_row = row if inputs.sampled_rows is None else int(inputs.sampled_rows[row])
+        return out.request_ids[int(out.logits_request_indices[core_row])]
 
     def _prompt_logprobs(self, inputs: SamplingInputs, logits: torch.Tensor) -> list[list[float]] | None:
         """Batched: each prompt row's target logprob, rank and top tokens, copied to the host once."""
@@ -169,5 +202,5 @@ class Executor:
                 outputs.append(self.sampler(logits[row : row + 1], [sampling], row_banned, row_allowed))
             except Exception as error:  # noqa: BLE001 - this request fails, the others go on
                 outputs.append(None)
-                failed.setdefault(out.request_ids[int(out.logits_request_indices[row])], error)
+                failed.setdefault(self._request_of_row(out, inputs, row), error)
         return SamplerOutput.of_rows(outputs)

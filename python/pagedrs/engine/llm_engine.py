@@ -16,9 +16,10 @@ from pagedrs.config import EngineConfig
 from pagedrs.engine.builder import EngineInfo, load_engine_parts
 from pagedrs.engine.executor import Executor
 from pagedrs.engine.host_memory import retain_freed_host_memory
-from pagedrs.engine.output_processor import OutputProcessor
+from pagedrs.engine.output_processor import OutputProcessor, Pooler
 from pagedrs.engine.request_state import StructuredOutputStats, _Request
 from pagedrs.outputs import RequestOutput
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sample import Sampler
 from pagedrs.sampling_params import SamplingParams
 
@@ -53,6 +54,11 @@ class LLMEngine:
             self.info.device,
             speculative=self.info.speculative is not None,
             rope_salt=self.runner.model.cache_salt,
+            pooler=Pooler(
+                self.hf_config.hidden_size,
+                self.model.classify if self.model.score is not None else None,
+                generates=not self.model.sequence_classifier,
+            ),
         )
         self.executor = Executor(
             self.runner,
@@ -106,12 +112,14 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
-        """Queues a request. Bad input raises ``ValueError`` and queues nothing.
+        """Queues a request: one to generate (`SamplingParams`), or one that pools its prompt's
+        hidden states into an embedding or scores (`PoolingParams`; its output's ``pooled``).
+        Bad input raises ``ValueError`` and queues nothing.
 
         Admission is atomic: everything the request needs (token ids, generators, penalty
         slots, detokenizers) is checked and built before the core sees it, and if the core

@@ -15,7 +15,7 @@ from pagedrs.config import resolve_kv_cache_dtype
 from pagedrs.engine.cuda_graphs import DecodeGraphs, GraphSettings, capture_cuda_graph
 from pagedrs.engine.kv_layout import KVLayout
 from pagedrs.engine.staging import StagedInputs
-from pagedrs.engine.step_arrays import StepArrays
+from pagedrs.engine.step_arrays import StepArrays, StepLogits
 from pagedrs.layers.linear import TensorParallel
 from pagedrs.layers.moe import SparseMoe
 from pagedrs.layers.rotary import rope_lengths
@@ -169,27 +169,44 @@ class ModelRunner:
             if isinstance(layer.mlp, SparseMoe)
         }
 
-    def execute(self, out: SchedulerOutput, extra_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        extra_rows: np.ndarray | None = None,
+        pool_rows: np.ndarray | None = None,
+        sampled_rows: np.ndarray | None = None,
+    ) -> StepLogits:
         """Copy-on-write copies, then the forward pass. Returns float32 logits of the rows to
-        sample (``[len(out.logits_indices), vocab]``) and of ``extra_rows`` (prompt logprobs).
-        (With tensor parallelism `pagedrs.engine.parallel.TensorParallelRunner` sends the
-        step to the other ranks first.)"""
-        logits = self.forward(StepArrays.of(out, extra_rows))
-        num_sampled = len(out.logits_indices)
-        return logits[:num_sampled], logits[num_sampled:]
+        sample (``out.logits_indices``, or those of them ``sampled_rows`` picks) and of
+        ``extra_rows`` (prompt logprobs), and the final hidden states of the ``pool_rows``
+        tokens (float32; pooling requests). (With tensor parallelism
+        `pagedrs.engine.parallel.TensorParallelRunner` sends the step to the other ranks first.)"""
+        arrays = StepArrays.of(out, extra_rows, sampled_rows)
+        logits, pooled = self.forward_pooled(arrays, pool_rows)
+        return StepLogits.split(logits, out, sampled_rows, pooled)
 
-    @torch.inference_mode()
     def forward(self, out: StepArrays) -> torch.Tensor:
         """One step of this rank's shard; float32 logits of ``out.logits_rows`` (the whole
         vocabulary on rank 0)."""
+        return self.forward_pooled(out)[0]
+
+    @torch.inference_mode()
+    def forward_pooled(
+        self, out: StepArrays, pool_rows: np.ndarray | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and the final hidden states (float32) of the ``pool_rows`` tokens when
+        there are any (rank 0 only: the other ranks compute the same logits rows)."""
+        pooling = pool_rows is not None and len(pool_rows) > 0
         graphs = self.graphs
-        if graphs is not None and graphs.can_run(
-            out.query_start_loc, out.logits_rows, out.block_tables[0], len(out.block_copies)
+        if (
+            graphs is not None
+            and not pooling
+            and graphs.can_run(out.query_start_loc, out.logits_rows, out.block_tables[0], len(out.block_copies))
         ):
             with _on_device(self.device):
                 return graphs.run(
                     out.input_token_ids, out.positions, out.slot_mapping[0], out.context_lens, out.block_tables[0]
-                )
+                ), None
         # Everything the step reads on the device goes over in one copy (on CUDA).
         with self.inputs.one_copy():
             # One metadata per attention view of the layers (one for most models).
@@ -207,9 +224,8 @@ class ModelRunner:
                 )
                 for group, window in self.layout.views
             ]
-            input_token_ids, positions, logits_rows = self.inputs.upload(
-                out.input_token_ids, out.positions, out.logits_rows
-            )
+            rows = np.concatenate([out.logits_rows, pool_rows]) if pooling else out.logits_rows
+            input_token_ids, positions, rows_on_device = self.inputs.upload(out.input_token_ids, out.positions, rows)
             lengths = None
             if self.model.length_dependent_rope:
                 lengths = self.inputs.upload(rope_lengths(out.positions, out.query_start_loc, out.prompt_lens))[0]
@@ -217,4 +233,16 @@ class ModelRunner:
         if copies is not None:
             self.attention_backend.copy_blocks(self.cache_slots, copies)
         meta = metas[0] if len(metas) == 1 else StepViews(metas, self.layout.layer_views)
-        return self.model(input_token_ids, positions, self.kv_caches, meta, logits_rows, self.cpu_stack, lengths)
+        model = self.model
+        if not pooling:
+            return model(input_token_ids, positions, self.kv_caches, meta, rows_on_device, self.cpu_stack, lengths), None
+        hidden = model.final_hidden(
+            input_token_ids, positions, self.kv_caches, meta, rows_on_device, self.cpu_stack, lengths
+        )
+        num_logits = len(out.logits_rows)
+        if num_logits:
+            logits = model.compute_logits(hidden[:num_logits])
+        else:
+            logits = torch.empty((0, model.config.vocab_size), dtype=torch.float32, device=self.device)
+        return logits, hidden[num_logits:].float()
+

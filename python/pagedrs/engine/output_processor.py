@@ -12,23 +12,40 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagedrs._core import FINISH_REASONS, GrammarMatchers, Scheduler, SchedulerOutput, StepUpdates
 from pagedrs.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pagedrs.engine.executor import SamplingInputs, StepResult
-from pagedrs.engine.request_state import StructuredOutputStats, _Choice, _Request
+from pagedrs.engine.request_state import StructuredOutputStats, _Choice, _Pooling, _Request
 from pagedrs.errors import DuplicateRequestError
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sample import Sampler, SamplingRow
 from pagedrs.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pagedrs.spec_decode.verify import speculates
 from pagedrs.structured_vocab import token_bytes
 
 logger = logging.getLogger("pagedrs")
+
+_POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
+"""The parameters a pooling request's `_Request` carries (nothing samples with them)."""
+
+
+@dataclass(frozen=True)
+class Pooler:
+    """What pooling requests may ask of the served model."""
+
+    hidden_size: int
+    classify: Callable[[torch.Tensor], torch.Tensor] | None
+    """The classifier head (`DecoderForCausalLM.classify`), when the model has one."""
+    generates: bool
+    """Whether the model has a language-model head (a sequence classifier has none)."""
 
 
 class OutputProcessor:
@@ -45,9 +62,13 @@ class OutputProcessor:
         device: torch.device,
         speculative: bool,
         rope_salt: Callable[[int], str | None] | None = None,
+        pooler: Pooler | None = None,
     ):
         """``rope_salt``: what a prompt of this length adds to its cache salt (the model's
-        `cache_salt`: length-dependent rotary embeddings rotate its keys by its length)."""
+        `cache_salt`: length-dependent rotary embeddings rotate its keys by its length).
+        ``pooler``: what pooling requests may ask of the model (default: nothing: none are
+        taken)."""
+        self.pooler = pooler or Pooler(0, None, generates=True)
         self.scheduler = scheduler
         self._rope_salt = rope_salt
         self.tokenizer = tokenizer
@@ -67,6 +88,11 @@ class OutputProcessor:
         """Requests that got a token, finished or failed in the step being processed."""
         self._prompt_owners: list[tuple[_Request, int]] = []
         """``(request, position)`` of the step's prompt-logprob rows, in `SamplingInputs` order."""
+        self._num_pooling = 0
+        """Live pooling requests (a step without any skips looking for their rows)."""
+        self._pool_owners: list[tuple[_Request, int, int]] = []
+        """``(request, first, count)``: the step's pooled rows ``first .. first + count`` are
+        the request's, in `SamplingInputs.pool_rows` order."""
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -74,7 +100,7 @@ class OutputProcessor:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int,
         cache_salt: str | None,
     ) -> None:
@@ -83,18 +109,20 @@ class OutputProcessor:
             raise DuplicateRequestError(f"request id {request_id!r} is already live")
         if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+        if isinstance(params, PoolingParams):
+            self._add_pooling(request_id, prompt, params, priority, cache_salt)
+            return
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
+        if not self.pooler.generates:
+            raise ValueError(
+                "this model is a sequence classifier: it has no language-model head, so it scores "
+                "(PoolingParams(task='classify')) and embeds, but does not generate"
+            )
         if params.n > self.max_num_seqs:  # before building n choices' state
             raise ValueError(f"n must be between 1 and max_num_seqs ({self.max_num_seqs}), got {params.n}")
-        if isinstance(prompt, str):
-            # As vLLM does for text prompts: the tokenizer adds its special tokens (e.g. BOS).
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
+        text, token_ids = self._prompt_ids(prompt)
         vocab = self.vocab_size
-        if any(not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         stop_token_ids = list(params.stop_token_ids or [])
         if any(not 0 <= t < vocab for t in stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
@@ -104,9 +132,7 @@ class OutputProcessor:
         if params.structured_outputs is not None:
             grammar_id = self.grammars.compile(*params.structured_outputs.kind_and_spec())
         request = self._new_request(request_id, text, token_ids, params, stop_token_ids, grammar_id)
-        rope_salt = self._rope_salt(len(token_ids)) if self._rope_salt is not None else None
-        if rope_salt is not None:
-            cache_salt = rope_salt if cache_salt is None else f"{cache_salt}|{rope_salt}"
+        cache_salt = self._cache_salt(cache_salt, len(token_ids))
         try:
             self.scheduler.add_request(
                 request_id,
@@ -128,6 +154,64 @@ class OutputProcessor:
             raise
         self.requests[request_id] = request
         self._num_constrained_requests += grammar_id is not None
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """The prompt's text (``None`` for token ids) and its checked token ids."""
+        if isinstance(prompt, str):
+            # As vLLM does for text prompts: the tokenizer adds its special tokens (e.g. BOS).
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return text, [int(t) for t in token_ids]
+
+    def _cache_salt(self, cache_salt: str | None, prompt_len: int) -> str | None:
+        """The request's salt, with what the model's rotary adds for a prompt of this length."""
+        rope_salt = self._rope_salt(prompt_len) if self._rope_salt is not None else None
+        if rope_salt is None:
+            return cache_salt
+        return rope_salt if cache_salt is None else f"{cache_salt}|{rope_salt}"
+
+    def _add_pooling(
+        self, request_id: str, prompt: str | list[int], params: PoolingParams, priority: int, cache_salt: str | None
+    ) -> None:
+        """Queues a pooling request: to the core, a one-token request whose one logits row is
+        never sampled (`sampling_inputs` leaves it out): it ends, and frees its blocks, in the
+        step that computes its prompt's last token."""
+        if self.speculative:
+            raise ValueError("pooling requests (embeddings, scores) need an engine without speculative decoding")
+        if params.task == "classify" and self.pooler.classify is None:
+            raise ValueError(
+                "this model has no classifier head: scores need a *ForSequenceClassification checkpoint "
+                "(or hf_overrides with classifier_from_token, docs/pooling.md)"
+            )
+        if params.dimensions is not None and params.dimensions > self.pooler.hidden_size:
+            raise ValueError(f"dimensions must be at most the model's hidden size ({self.pooler.hidden_size})")
+        text, token_ids = self._prompt_ids(prompt)
+        request = _Request(request_id, text, token_ids, _POOLING_SAMPLING, pooling=_Pooling(params))
+        self.scheduler.add_request(
+            request_id,
+            token_ids,
+            max_tokens=1,
+            min_tokens=0,
+            eos_token_id=self.eos_token_id,
+            stop_token_ids=[],
+            ignore_eos=True,
+            n=1,
+            priority=priority,
+            cache_salt=self._cache_salt(cache_salt, len(token_ids)),
+            speculate=False,
+            # `mean` and `cls` read positions a cached prefix would skip.
+            prompt_logprobs=params.reads_every_position,
+        )
+        self.requests[request_id] = request
+        self._num_pooling += 1
 
     def _new_request(
         self,
@@ -197,6 +281,7 @@ class OutputProcessor:
     def forget(self, request: _Request) -> None:
         """The one place a request leaves the engine: its sampler state goes with it."""
         del self.requests[request.request_id]
+        self._num_pooling -= request.pooling is not None
         self._release(request)
 
     def _release(self, request: _Request) -> None:
@@ -217,18 +302,26 @@ class OutputProcessor:
         constrained rows, and the rows whose logits give prompt logprobs."""
         request_ids = out.request_ids
         rows, banned, constrained = [], [], []
+        unsampled = []  # pooling requests' logits rows
         for row, (seq, index) in enumerate(
             zip(out.logits_request_indices.tolist(), out.logits_choice_indices.tolist())
         ):
-            choice = self.requests[request_ids[seq]].choices[index]
+            request = self.requests[request_ids[seq]]
+            if request.pooling is not None:
+                unsampled.append(row)
+                continue
+            choice = request.choices[index]
+            sampled = len(rows)  # the row's number among the sampled rows
             rows.append(choice.sampling)
             if choice.matcher is not None:
-                constrained.append((row, choice.matcher))
+                constrained.append((sampled, choice.matcher))
             if choice.banned_token_ids and len(choice.output.token_ids) < choice.sampling.params.min_tokens:
                 # NOTE: a constrained output whose grammar has ended may only stop: its
                 # constraint outranks min_tokens (banning EOS would leave it nothing).
                 if choice.matcher is None or not self.grammars.is_finished(choice.matcher):
-                    banned.append((row, choice.banned_token_ids))
+                    banned.append((sampled, choice.banned_token_ids))
+        sampled_rows = np.delete(np.arange(len(out.logits_indices)), unsampled) if unsampled else None
+        pool_rows = self._pool_rows(out) if self._num_pooling else np.zeros(0, np.int64)
         prompt_rows = self._prompt_logprob_rows(out)
         self._prompt_owners = [(request, position) for _, request, position in prompt_rows]
         return SamplingInputs(
@@ -238,7 +331,45 @@ class OutputProcessor:
             prompt_rows=np.array([row for row, _, _ in prompt_rows], dtype=np.int64),
             prompt_targets=[request.prompt_token_ids[position + 1] for _, request, position in prompt_rows],
             prompt_num_top=max((request.params.prompt_logprobs or 0 for _, request, _ in prompt_rows), default=0),
+            sampled_rows=sampled_rows,
+            pool_rows=pool_rows,
         )
+
+    def _pool_rows(self, out: SchedulerOutput) -> np.ndarray:
+        """The token rows whose final hidden states the step's pooling requests read (their
+        owners into ``_pool_owners``): ``last``, the prompt's last token when this step
+        computes it; ``cls``, its first; ``mean``, every position not read before."""
+        rows: list[np.ndarray] = []
+        owners = []
+        first = 0
+        for seq, request_id in enumerate(out.request_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.pooling is None:
+                continue
+            state = request.pooling
+            start, end = int(out.query_start_loc[seq]), int(out.query_start_loc[seq + 1])
+            if end == start:
+                continue
+            first_position, last_position = int(out.positions[start]), int(out.positions[end - 1])
+            kind = state.params.pooling_type
+            if kind == "last":
+                wanted = [end - 1] if last_position == len(request.prompt_token_ids) - 1 else []
+                picked = np.array(wanted, np.int64)
+            elif kind == "cls":
+                picked = np.array([start] if first_position == 0 and state.next_position == 0 else [], np.int64)
+                state.next_position = max(state.next_position, last_position + 1)
+            else:  # mean: a step's positions of a request are contiguous; each is read once
+                skip = state.next_position - first_position
+                if skip < 0:  # the core computes such a request's whole prompt (`_add_pooling`)
+                    raise RuntimeError(f"pooling request {request_id}: positions before {first_position} were skipped")
+                picked = np.arange(min(start + skip, end), end, dtype=np.int64)
+                state.next_position = max(state.next_position, last_position + 1)
+            if len(picked):
+                rows.append(picked)
+                owners.append((request, first, len(picked)))
+                first += len(picked)
+        self._pool_owners = owners
+        return np.concatenate(rows) if rows else np.zeros(0, np.int64)
 
     def fail_requests(self, failed: dict[str, Exception]) -> None:
         """Ends each request with finish reason ``"error"`` and frees its blocks."""
@@ -249,6 +380,7 @@ class OutputProcessor:
         """The core's columns into outputs; returns the requests that got a token, finished or
         failed this step, and forgets the finished ones."""
         self._record_prompt_logprobs(result.prompt_logprob_columns)
+        self._record_pooled(result.pooled)
         self._apply(updates, result)
         touched, self._touched = self._touched, {}
         outputs = [request.to_output() for request in touched.values()]
@@ -278,6 +410,10 @@ class OutputProcessor:
             if request is None:
                 continue  # aborted since schedule
             request.num_cached_tokens = num_cached_tokens
+            if request.pooling is not None:
+                if finish_code:
+                    self._finish_pooling(request, FINISH_REASONS[finish_code - 1])
+                continue
             choice = request.choices[index]
             if choice.output.finished():
                 continue  # failed in this step's execute
@@ -304,6 +440,8 @@ class OutputProcessor:
         for choice in request.choices:
             if not choice.output.finished():
                 choice.output.finish_reason = "error"
+        if request.pooling is not None:
+            request.pooling.finish_reason = "error"
         try:
             self.scheduler.abort_request(request_id)
         except KeyError:
@@ -332,6 +470,7 @@ class OutputProcessor:
         sampled = result.sampled
         if output.logprobs is not None and sampled is not None and sampled.logprobs is not None:
             logprobs, ranks, top_ids, top_logprobs = sampled.logprob_lists()
+            row = result.sampled_row(row)
             output.logprobs.append(
                 self._logprob_entry(
                     token, logprobs[row], ranks[row], top_ids[row], top_logprobs[row], request.params.logprobs or 0
@@ -362,6 +501,58 @@ class OutputProcessor:
         output.finish_reason, output.stop_reason = "stop", stop
         if not core_finished:
             self.scheduler.finish_request(request.request_id, "stop", output.index)
+
+    # -- pooling -------------------------------------------------------------------------------
+
+    def _record_pooled(self, pooled: torch.Tensor | None) -> None:
+        """The step's pooled hidden states into their requests (`_pool_rows` said whose)."""
+        owners, self._pool_owners = self._pool_owners, []
+        if pooled is None:
+            return
+        for request, first, count in owners:
+            state = request.pooling
+            if state is None or request.request_id not in self.requests:
+                continue
+            if state.params.pooling_type == "mean":
+                total = pooled[first : first + count].sum(dim=0)
+                state.total = total if state.total is None else state.total + total
+            else:
+                state.total = pooled[first].clone()
+
+    def _finish_pooling(self, request: _Request, reason: str) -> None:
+        """The core has ended a pooling request (its prompt is done, or it was cut short)."""
+        state = request.pooling
+        assert state is not None
+        self._touched[request.request_id] = request
+        if reason != "length":  # "length": the one (unsampled) token; anything else cut it short
+            state.finish_reason = reason
+            return
+        try:
+            state.result = self._pooled_result(request)
+        except Exception as error:  # this request fails, the others go on
+            logger.exception("pooling request %s failed", request.request_id)
+            self._fail(request.request_id, error)
+            return
+        state.finish_reason = "stop"
+
+    def _pooled_result(self, request: _Request) -> torch.Tensor:
+        """The request's embedding or scores, from the hidden states it read."""
+        state = request.pooling
+        assert state is not None
+        params = state.params
+        if state.total is None:
+            raise RuntimeError("the prompt ended before its pooled position was read")
+        vector = state.total / len(request.prompt_token_ids) if params.pooling_type == "mean" else state.total
+        if params.task == "classify":
+            classify = self.pooler.classify
+            assert classify is not None  # checked at admission
+            logits = classify(vector.to(self.device)).cpu()
+            if not params.activation:
+                return logits
+            return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=-1)
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        return F.normalize(vector, dim=-1) if params.normalize else vector
 
     # -- logprobs ------------------------------------------------------------------------------
 

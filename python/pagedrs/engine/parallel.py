@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from pagedrs._core import SchedulerOutput
 from pagedrs.config import EngineConfig
-from pagedrs.engine.step_arrays import StepArrays
+from pagedrs.engine.step_arrays import StepArrays, StepLogits
 from pagedrs.engine.tp_common import (
     HEADER_LEN,
     LOAD_TIMEOUT,
@@ -245,14 +245,20 @@ class TensorParallelRunner:
         self.group = group
         self.model = runner.model
 
-    def execute(self, out: SchedulerOutput, extra_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `ModelRunner.execute`, on every rank."""
-        arrays = StepArrays.of(out, extra_rows)
+    def execute(
+        self,
+        out: SchedulerOutput,
+        extra_rows: np.ndarray | None = None,
+        pool_rows: np.ndarray | None = None,
+        sampled_rows: np.ndarray | None = None,
+    ) -> StepLogits:
+        """As `ModelRunner.execute`, on every rank (the pooled rows' hidden states are rank
+        0's: every rank ends the layers with the same hidden states)."""
+        arrays = StepArrays.of(out, extra_rows, sampled_rows)
         with self.group.guard():
             self.group.send_step(arrays)
-            logits = self.runner.forward(arrays)
-        num_sampled = len(out.logits_indices)
-        return logits[:num_sampled], logits[num_sampled:]
+            logits, pooled = self.runner.forward_pooled(arrays, pool_rows)
+        return StepLogits.split(logits, out, sampled_rows, pooled)
 
     def expert_tokens(self) -> dict[int, torch.Tensor]:
         """Rank 0's counts (`ModelRunner.expert_tokens`): the router is replicated, every rank

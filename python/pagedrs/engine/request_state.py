@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedrs.engine.detokenizer import IncrementalDetokenizer
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sample import SamplingRow
 from pagedrs.sampling_params import SamplingParams
 
@@ -43,6 +46,21 @@ class _Choice:
 
 
 @dataclass
+class _Pooling:
+    """A pooling request's state: what it has read of its prompt's hidden states so far."""
+
+    params: PoolingParams
+    next_position: int = 0
+    """The next prompt position to read (``mean``/``cls``): a position computed again after
+    a preemption is read once."""
+    total: torch.Tensor | None = None
+    """``mean``: the sum of the positions read; ``last``/``cls``: the position's vector."""
+    result: torch.Tensor | None = None
+    """The embedding or scores, once the prompt is done."""
+    finish_reason: str | None = None
+
+
+@dataclass
 class _Request:
     request_id: str
     prompt: str | None
@@ -53,8 +71,12 @@ class _Request:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (the core's count, set once scheduled)."""
     error: str | None = None
+    pooling: _Pooling | None = None
+    """A pooling request's state (it has no choices: its one core choice is never sampled)."""
 
     def finished(self) -> bool:
+        if self.pooling is not None:
+            return self.pooling.finish_reason is not None
         return all(choice.output.finished() for choice in self.choices)
 
     def to_output(self) -> RequestOutput:
@@ -67,4 +89,5 @@ class _Request:
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
+            pooled=None if self.pooling is None else self.pooling.result,
         )

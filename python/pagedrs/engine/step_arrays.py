@@ -1,11 +1,12 @@
 """`StepArrays`: what one forward pass reads, as flat arrays (rank 0 sends exactly these to the
-other tensor-parallel ranks)."""
+other tensor-parallel ranks); `StepLogits`: what a runner's ``execute`` gives back."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from pagedrs._core import SchedulerOutput
 
@@ -26,8 +27,12 @@ class StepArrays(NamedTuple):
     block_copies: np.ndarray
 
     @staticmethod
-    def of(out: SchedulerOutput, extra_rows: np.ndarray | None = None) -> StepArrays:
-        rows = out.logits_indices
+    def of(
+        out: SchedulerOutput, extra_rows: np.ndarray | None = None, sampled_rows: np.ndarray | None = None
+    ) -> StepArrays:
+        """``sampled_rows``: which of ``out``'s logits rows to compute (default: all; a pooling
+        request's row is never sampled), then ``extra_rows``."""
+        rows = out.logits_indices if sampled_rows is None else out.logits_indices[sampled_rows]
         if extra_rows is not None and len(extra_rows):
             rows = np.concatenate([rows, extra_rows.astype(np.int64)])
         return StepArrays(
@@ -41,3 +46,21 @@ class StepArrays(NamedTuple):
             rows,
             out.block_copies,
         )
+
+
+class StepLogits(NamedTuple):
+    """What a runner's `execute` returns."""
+
+    logits: torch.Tensor
+    """Float32 logits of the rows to sample."""
+    prompt_logits: torch.Tensor
+    """Float32 logits of the prompt-logprob rows."""
+    pooled: torch.Tensor | None
+    """Float32 final hidden states of the pooled token rows (``None``: none asked for)."""
+
+    @staticmethod
+    def split(
+        logits: torch.Tensor, out: SchedulerOutput, sampled_rows: np.ndarray | None, pooled: torch.Tensor | None
+    ) -> StepLogits:
+        num_sampled = len(out.logits_indices) if sampled_rows is None else len(sampled_rows)
+        return StepLogits(logits[:num_sampled], logits[num_sampled:], pooled)

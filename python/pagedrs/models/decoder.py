@@ -28,7 +28,7 @@ from pagedrs.layers.moe import Activation, Routing, SparseMoe
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, apply_rotary, get_rope, per_layer_type
 from pagedrs.models.mla import LatentAttention, latent_scale, latent_width
-from pagedrs.models.registry import Family, MixtureOfExperts, family_of
+from pagedrs.models.registry import Family, MixtureOfExperts, family_of, is_sequence_classifier
 from pagedrs.quant.mxfp4 import Mxfp4Joiner
 
 if TYPE_CHECKING:
@@ -361,10 +361,21 @@ class DecoderForCausalLM(nn.Module):
         ]
         self.layers = nn.ModuleList(layers)
         self.norm = _norm(config, family, config.hidden_size, dtype)
+        self.sequence_classifier = is_sequence_classifier(config)
+        """A ``*ForSequenceClassification`` checkpoint: a classifier head (``score``), no
+        language-model head; it pools, it does not generate."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
-            None if self.tie_word_embeddings else VocabEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+            None
+            if self.tie_word_embeddings or self.sequence_classifier
+            else VocabEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         )
+        self.score: nn.Linear | None = None
+        """The classifier head (``[num_labels, hidden]``, replicated on every rank): a sequence
+        classifier's ``score``, or rows of the language-model head (`use_token_classifier`)."""
+        if self.sequence_classifier:
+            self.score = nn.Linear(config.hidden_size, int(config.num_labels), bias=False, dtype=dtype)
+            self.score.weight.requires_grad_(False)
         attn = layers[0].self_attn
         self.num_heads = attn.num_heads
         self.latent_cache = isinstance(attn, LatentAttention)
@@ -423,6 +434,22 @@ class DecoderForCausalLM(nn.Module):
         layers as one compiled call on the CPU, when the runner picked that strategy
         (`pagedrs.models.cpu_stack`); ``None``: the Python layers. ``rope_lengths``: each
         token's length for length-dependent rotary embeddings (`pagedrs.layers.rotary`)."""
+        hidden = self.final_hidden(input_ids, positions, kv_caches, meta, logits_indices, decoder_stack, rope_lengths)
+        return self.compute_logits(hidden)
+
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: StepAttention,
+        rows: torch.Tensor,
+        decoder_stack: CpuDecoderStack | None = None,
+        rope_lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Runs the step's tokens (as `forward`); returns the last layer's hidden states of the
+        ``rows`` tokens after the final norm, in the model's dtype (what the head reads, and
+        what pooling requests pool)."""
         hidden = self.embed_tokens(input_ids)
         if self.embedding_scale != 1.0:
             # As transformers: the scale in the model's dtype (Gemma's normalizer).
@@ -440,7 +467,12 @@ class DecoderForCausalLM(nn.Module):
                 layer_meta = meta.of_layer(index) if isinstance(meta, StepViews) else meta
                 cos, sin = cos_sin[spec.rope]
                 hidden = layer(hidden, cos, sin, kv_cache, layer_meta)
-        hidden = self.norm(hidden[logits_indices])
+        return self.norm(hidden[rows])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final hidden states (`final_hidden`)."""
+        if self.sequence_classifier:
+            raise ValueError("this model is a sequence classifier: it has no language-model head and cannot generate")
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = head.logits(hidden)
         if self.logits_scaling != 1.0:
@@ -449,6 +481,34 @@ class DecoderForCausalLM(nn.Module):
         if self.final_logit_softcap is not None:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the classifier head (``[..., num_labels]``) for pooled hidden
+        states (``[..., hidden]``, any float dtype, on the model's device)."""
+        if self.score is None:
+            raise ValueError(
+                "this model has no classifier head: load a *ForSequenceClassification checkpoint "
+                "(or a causal model with hf_overrides classifier_from_token, docs/pooling.md)"
+            )
+        weight = self.score.weight
+        return (pooled.to(weight.dtype) @ weight.T).float()
+
+    def use_token_classifier(self, token_ids: list[int], difference: bool) -> None:
+        """Makes the language-model head's rows of ``token_ids`` the classifier (vLLM's
+        ``classifier_from_token``): one label per token, or with ``difference`` (two tokens,
+        Qwen3-Reranker's "no"/"yes") one label, the second row minus the first, whose sigmoid
+        is the softmax probability of the second token over the two."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        weight = getattr(head, "weight", None)
+        if self.tp.size > 1 or not isinstance(weight, torch.Tensor) or weight.shape[0] < self.config.vocab_size:
+            raise ValueError(
+                "classifier_from_token needs the whole language-model head as plain weights on one rank "
+                "(no tensor parallelism, no packed GGUF head)"
+            )
+        rows = weight[torch.tensor(token_ids, device=weight.device)].detach().clone()
+        rows = (rows[1:2] - rows[0:1]) if difference else rows
+        self.score = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+        self.score.weight.requires_grad_(False).copy_(rows)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, WeightHandle]]) -> None:
@@ -521,6 +581,11 @@ class DecoderForCausalLM(nn.Module):
         if name == "norm.weight":
             self.norm.load(tensor)
             return ["norm.weight"]
+        if name == "score.weight" and self.sequence_classifier and self.score is not None:
+            if tuple(tensor.shape) != tuple(self.score.weight.shape):
+                raise ValueError(f"score.weight has shape {tuple(tensor.shape)}, not {tuple(self.score.weight.shape)}")
+            self.score.weight.copy_(tensor[:])
+            return ["score.weight"]
         parts = name.split(".")
         if parts[0] != "layers":
             raise ValueError(f"unexpected checkpoint tensor {name!r}")

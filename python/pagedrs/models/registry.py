@@ -198,6 +198,11 @@ def supported_models() -> list[tuple[str, str, str]]:
     return [(architecture, by_architecture.get(architecture, "-"), formats[architecture]) for architecture in _ROWS]
 
 
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+"""A registered family's ``*ForSequenceClassification`` checkpoints run as its decoder with a
+classifier head (``score``) instead of the language-model head."""
+
+
 def architecture_of(config: Any) -> str:
     """The architecture named by ``config.architectures`` (or, for GGUF files, which carry
     none, by ``config.model_type``)."""
@@ -207,10 +212,21 @@ def architecture_of(config: Any) -> str:
     for name in names:
         if name in _ROWS:
             return name
+        causal = name.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM"
+        if name.endswith(CLASSIFIER_SUFFIX) and causal in _ROWS:
+            return causal
     raise ValueError(
         f"unsupported model architecture {names or getattr(config, 'model_type', None)!r}; "
         f"pagedrs supports {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
+
+
+def is_sequence_classifier(config: Any) -> bool:
+    """Whether ``config`` names a sequence classifier whose head is its own ``score`` tensor
+    (with ``classifier_from_token`` the head is built from the language-model head instead:
+    the checkpoint is a causal model's)."""
+    names = list(getattr(config, "architectures", None) or [])
+    return bool(names) and names[0].endswith(CLASSIFIER_SUFFIX) and not getattr(config, "classifier_from_token", None)
 
 
 def family_of(config: Any) -> Family:
