@@ -127,6 +127,12 @@ class EngineConfig:
         "integers (AVX2, as llama.cpp does): faster batched decode, slightly different results (docs/cpu.md); "
         "none: exact",
     )
+    hf_overrides: dict | None = knob(
+        None,
+        "JSON object of fields set on the checkpoint's config before the model is built, as vLLM's --hf-overrides; "
+        'e.g. {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true} serves Qwen3-Reranker as a scorer (docs/pooling.md)',
+    )
     speculative_config: SpeculativeConfig | None = knob(
         None,
         'speculative decoding as JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 4, '
@@ -151,6 +157,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if isinstance(self.hf_overrides, str):
+            import json
+
+            try:
+                self.hf_overrides = json.loads(self.hf_overrides)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"hf_overrides must be a JSON object: {error}") from None
         self.validate()
 
     def validate(self) -> None:
@@ -205,6 +218,8 @@ class EngineConfig:
             value = getattr(self, spec.name)
             if isinstance(value, SpeculativeConfig):
                 value = dataclasses.asdict(value)
+            elif isinstance(value, dict):
+                value = dict(value)
             elif value is not None and not isinstance(value, (str, int, float, bool)):
                 value = str(value).removeprefix("torch.")
             result[spec.name] = value

@@ -10,21 +10,58 @@ from tqdm.auto import tqdm
 
 from pagedrs.config import EngineConfig
 from pagedrs.engine.llm_engine import LLMEngine
-from pagedrs.outputs import RequestOutput
+from pagedrs.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
+from pagedrs.scoring import classifier_score, cosine, pair_token_ids, pairs
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]
+"""Text, token ids, or vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``."""
 Message = dict[str, str]
 
 
 def _is_one_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
-    """A string or a non-empty list of token ids is one prompt; anything else is a sequence of prompts."""
-    return isinstance(prompts, str) or (
+    """A string, a prompt dict or a non-empty list of token ids is one prompt; anything else is
+    a sequence of prompts."""
+    return isinstance(prompts, (str, dict)) or (
         isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts)
     )
+
+
+def _engine_prompt(prompt: Prompt) -> str | list[int]:
+    """A prompt as the engine takes it: vLLM's ``{"prompt": text}`` and
+    ``{"prompt_token_ids": ids}`` unwrapped; other keys (images, ...) are refused."""
+    if not isinstance(prompt, dict):
+        return prompt
+    known = {"prompt", "prompt_token_ids"}
+    unknown = sorted(set(prompt) - known)
+    if unknown:
+        raise ValueError(f"unsupported prompt keys {unknown}: a prompt dict has 'prompt' or 'prompt_token_ids'")
+    if len(prompt) != 1:
+        raise ValueError("a prompt dict has exactly one of 'prompt' (text) and 'prompt_token_ids'")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError("'prompt' must be text")
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    if not isinstance(ids, list):
+        raise ValueError("'prompt_token_ids' must be a list of token ids")
+    return ids
+
+
+def _prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    return [_engine_prompt(prompt) for prompt in ([prompts] if _is_one_prompt(prompts) else list(prompts))]
 
 
 def _is_one_conversation(messages: list[Message] | Sequence[list[Message]]) -> TypeIs[list[Message]]:
@@ -67,15 +104,85 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for each prompt (text, or a list of token ids); outputs come back in the
-        order of the prompts. All prompts are validated before any is queued."""
-        prompts = [prompts] if _is_one_prompt(prompts) else list(prompts)
+        """Generates for each prompt (text, token ids, or vLLM's prompt dicts); outputs come
+        back in the order of the prompts. All prompts are validated before any is queued."""
+        engine_prompts = _prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or SamplingParams()] * len(engine_prompts)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+            if len(params) != len(engine_prompts):
+                raise ValueError(f"{len(engine_prompts)} prompts but {len(params)} sampling params")
+        return self._run(self._add_all(engine_prompts, params), use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding: the last layer's hidden states pooled (by default the
+        last token's, unit length; see `PoolingParams`). Any served decoder model embeds."""
+        params = pooling_params or PoolingParams()
+        if params.task != "embed":
+            raise ValueError("embed takes PoolingParams with task='embed'")
+        outputs = self._pool(_prompts(prompts), params, use_tqdm)
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(self._pooled(o).tolist()))
+            for o in outputs
+        ]
+
+    def classify(
+        self, prompts: Prompt | Sequence[Prompt], *, use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt through the model's classifier head: per label, a sigmoid (one label)
+        or the softmax over the labels."""
+        outputs = self._pool(_prompts(prompts), PoolingParams(task="classify"), use_tqdm)
+        return [
+            ClassificationRequestOutput(
+                o.request_id, o.prompt_token_ids, ClassificationOutput(self._pooled(o).tolist())
+            )
+            for o in outputs
+        ]
+
+    def score(
+        self, text_1: str | list[str], text_2: str | list[str], *, use_tqdm: bool = True
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``score``: one text against each of several, or pairs of two equal lists
+        (`pagedrs.scoring.pairs`). A classifier scores each pair as one input; any other
+        model by the cosine similarity of the two texts' embeddings (`pagedrs.scoring`)."""
+        text_pairs = pairs(text_1, text_2)
+        if self.engine.model.score is not None:
+            tokenizer = self.engine.tokenizer
+            inputs: list[str | list[int]] = [pair_token_ids(tokenizer, first, second) for first, second in text_pairs]
+            outputs = self._pool(inputs, PoolingParams(task="classify"), use_tqdm)
+            return [
+                ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(classifier_score(self._pooled(o))))
+                for o in outputs
+            ]
+        texts = list(dict.fromkeys(text for pair in text_pairs for text in pair))
+        embedded = dict(zip(texts, self._pool(list(texts), PoolingParams(), use_tqdm)))
+        return [
+            ScoringRequestOutput(
+                f"llm-{next(self._ids)}",
+                embedded[first].prompt_token_ids + embedded[second].prompt_token_ids,
+                ScoringOutput(cosine(self._pooled(embedded[first]), self._pooled(embedded[second]))),
+            )
+            for first, second in text_pairs
+        ]
+
+    def _pool(self, prompts: list[str | list[int]], params: PoolingParams, use_tqdm: bool) -> list[RequestOutput]:
+        return self._run(self._add_all(prompts, [params] * len(prompts)), use_tqdm)
+
+    @staticmethod
+    def _pooled(output: RequestOutput) -> Any:
+        if output.pooled is None:
+            raise RuntimeError(f"request {output.request_id} ended without a result: {output.error or 'cut short'}")
+        return output.pooled
+
+    def _add_all(self, prompts: list[str | list[int]], params: Sequence[SamplingParams | PoolingParams]) -> list[str]:
+        """Queues every prompt, or (when one is refused) none."""
         request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
@@ -86,7 +193,7 @@ class LLM:
             for request_id in added:
                 self.engine.abort_request(request_id)
             raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def chat(
         self,

@@ -66,7 +66,7 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
     device = engine_config.torch_device()
     dtype = resolve_dtype(engine_config.dtype, device)
     source = resolve_model(args.model)
-    plan = plan_kv_cache(engine_config, source, load_config(source), device, dtype)
+    plan = plan_kv_cache(engine_config, source, load_config(source, engine_config.hf_overrides), device, dtype)
     weight_bytes, budget, capacity, layout = plan.weight_bytes, plan.budget_bytes, plan.capacity, plan.layout
     lengths = [int(item) for item in args.lengths.split(",") if item.strip()]
     slack = block_slack(lengths, args.block_size)

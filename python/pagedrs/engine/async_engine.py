@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedrs.engine.builder import EngineInfo
 from pagedrs.engine.llm_engine import LLMEngine
+from pagedrs.engine.output_processor import Pooler
 from pagedrs.outputs import RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
@@ -243,6 +244,11 @@ class AsyncLLMEngine:
     def info(self) -> EngineInfo:
         """What the engine serves (fixed at start-up: safe to read from any thread)."""
         return self.engine.info
+
+    @property
+    def pooler(self) -> Pooler:
+        """What pooling requests may ask of the model (fixed at start-up)."""
+        return self.engine.processor.pooler
 
     def broadcast_stats(self) -> dict[str, float] | None:
         """With tensor parallelism: steps sent to the other ranks, their bytes and seconds."""

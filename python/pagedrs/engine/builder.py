@@ -141,10 +141,11 @@ def load_engine_parts(config: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(config.dtype, device)
     check_parallel_config(config, device)
     source = resolve_model(config.model)
-    hf_config = load_config(source)
+    hf_config = load_config(source, config.hf_overrides)
     architecture = architecture_of(hf_config)
     tokenizer = load_tokenizer(source)
     tp_size = config.tensor_parallel_size
+    classifier_tokens = _classifier_token_ids(hf_config, tokenizer, tp_size)
     speculative = config.speculative_config
     draft = _load_draft_config(speculative, hf_config, tp_size)
     # A setting the model does not implement (a rotary type, an activation) or an indivisible
@@ -187,6 +188,10 @@ def load_engine_parts(config: EngineConfig) -> EngineParts:
         )
         if parallel is not None:
             parallel.wait_until_loaded()
+        if classifier_tokens is not None:
+            runner.model.use_token_classifier(
+                classifier_tokens, difference=bool(getattr(hf_config, "is_original_qwen3_reranker", False))
+            )
     except BaseException:
         if parallel is not None:
             parallel.shutdown(graceful=False)
@@ -225,6 +230,22 @@ def load_engine_parts(config: EngineConfig) -> EngineParts:
         drafter=drafter,
         parallel=parallel,
     )
+
+
+def _classifier_token_ids(hf_config: Any, tokenizer: Any, tp_size: int) -> list[int] | None:
+    """The token ids of ``classifier_from_token`` (`EngineConfig.hf_overrides`), checked."""
+    tokens = getattr(hf_config, "classifier_from_token", None)
+    if tokens is None:
+        return None
+    if tp_size > 1:
+        raise ValueError("classifier_from_token needs tensor_parallel_size 1 (it reads whole rows of the head)")
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id or not 0 <= token_id < hf_config.vocab_size:
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of this tokenizer")
+        ids.append(int(token_id))
+    return ids
 
 
 def _load_draft_config(speculative: SpeculativeConfig | None, hf_config: Any, tp_size: int) -> _Draft | None:

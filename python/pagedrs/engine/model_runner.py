@@ -56,7 +56,7 @@ def load_model_runner(
     its KV cache (its KV heads of ``num_blocks`` blocks, laid out by `KVLayout.plan` with
     ``release_windows``)."""
     source = resolve_model(config.model)
-    model = build_model(hf_config or load_config(source), dtype, TensorParallel(rank, size))
+    model = build_model(hf_config or load_config(source, config.hf_overrides), dtype, TensorParallel(rank, size))
     load_weights(model, source, config.quantization, device)  # packs linears where the weights call for it
     if config.cpu_activation_quantization == "int8" and use_int8_activations(model) == 0:
         raise ValueError(
@@ -235,7 +235,9 @@ class ModelRunner:
         meta = metas[0] if len(metas) == 1 else StepViews(metas, self.layout.layer_views)
         model = self.model
         if not pooling:
-            return model(input_token_ids, positions, self.kv_caches, meta, rows_on_device, self.cpu_stack, lengths), None
+            return model(
+                input_token_ids, positions, self.kv_caches, meta, rows_on_device, self.cpu_stack, lengths
+            ), None
         hidden = model.final_hidden(
             input_token_ids, positions, self.kv_caches, meta, rows_on_device, self.cpu_stack, lengths
         )
@@ -245,4 +247,3 @@ class ModelRunner:
         else:
             logits = torch.empty((0, model.config.vocab_size), dtype=torch.float32, device=self.device)
         return logits, hidden[num_logits:].float()
-

@@ -49,7 +49,24 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     raise ValueError(f"model {path!r} not found (pagedrs never downloads models)")
 
 
-def load_config(source: ModelSource) -> Any:
+def load_config(source: ModelSource, overrides: dict[str, Any] | None = None) -> Any:
+    """The checkpoint's transformers config, with ``overrides`` (`EngineConfig.hf_overrides`)
+    set on it."""
+    config = _load_config(source)
+    for key, value in (overrides or {}).items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"hf_overrides keys are config field names, got {key!r}")
+        setattr(config, key, value)
+    tokens = getattr(config, "classifier_from_token", None)
+    if tokens is not None:
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise ValueError("classifier_from_token must be a non-empty list of tokens (strings)")
+        if getattr(config, "is_original_qwen3_reranker", False) and len(tokens) != 2:
+            raise ValueError('is_original_qwen3_reranker needs classifier_from_token of two tokens (["no", "yes"])')
+    return config
+
+
+def _load_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
     from pagedrs.checkpoint import gguf

@@ -19,8 +19,24 @@ from pagedrs.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFu
 from pagedrs.envinfo import environment, model_fingerprint
 from pagedrs.server.chat import create_chat_completion, render_chat
 from pagedrs.server.completions import create_completion
+from pagedrs.server.messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    anthropic_error_body,
+    count_tokens,
+    create_message,
+)
 from pagedrs.server.metrics import CONTENT_TYPE, ServerMetrics
-from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagedrs.server.pooling import create_embedding, create_rerank, create_score
+from pagedrs.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    TokenizeRequest,
+)
 from pagedrs.server.serving import APIError, ClientDisconnected, Serving, ToolSettings, error_body
 from pagedrs.server.settings import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 from pagedrs.spec_decode import SpeculativeConfig
@@ -30,7 +46,15 @@ logger = logging.getLogger("pagedrs.server")
 _QUIET_PATHS = ("/metrics", "/health")
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+ANTHROPIC_PATHS = "/v1/messages"
+"""Routes of Anthropic's API: their errors are Anthropic's objects, their key may come in
+``x-api-key``."""
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None, path: str = "") -> JSONResponse:
+    """An error response in the shape of the API ``path`` belongs to."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic_error_body(status, message), status_code=status)
     return JSONResponse(error_body(status, message, kind, param), status_code=status)
 
 
@@ -67,7 +91,8 @@ class BodyLimitMiddleware:
             return
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await _error(413, _too_large(self.max_bytes), _ERROR_TYPES[413])(scope, receive, send)
+                response = _error(413, _too_large(self.max_bytes), _ERROR_TYPES[413], path=scope["path"])
+                await response(scope, receive, send)
                 return
         received = 0
 
@@ -85,12 +110,13 @@ class BodyLimitMiddleware:
 
 
 class AccessMiddleware:
-    """Checks the API key on ``/v1`` routes and logs one line per request when its response
-    has been sent (for a stream, when the stream ends)."""
+    """Checks the API key on ``/v1`` routes, logs one line per request when its response has
+    been sent (for a stream, when the stream ends), and counts requests per route."""
 
-    def __init__(self, app: Any, api_key: str | None):
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics | None = None):
         self.app = app
         self.api_key = api_key
+        self.metrics = metrics
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -108,12 +134,18 @@ class AccessMiddleware:
         try:
             if self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
                 response = _error(
-                    401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError"
+                    401,
+                    "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    "AuthenticationError",
+                    path=scope["path"],
                 )
                 await response(scope, receive, send_logged)
             else:
                 await self.app(scope, receive, send_logged)
         finally:
+            route = getattr(scope.get("route"), "path", None)  # the matched route's template
+            if self.metrics is not None and route is not None:
+                self.metrics.record_api_request(route, status)
             # /metrics and /health are scraped and probed every few seconds: no line each.
             if not (scope["path"] in _QUIET_PATHS and status == 200):
                 client = scope.get("client") or ("-", 0)
@@ -130,10 +162,16 @@ class AccessMiddleware:
                 )
 
     def _authorized(self, scope) -> bool:
+        assert self.api_key is not None
+        anthropic = scope["path"].startswith(ANTHROPIC_PATHS)
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key)
+                if scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key):
+                    return True
+            elif name == b"x-api-key" and anthropic:  # the Anthropic SDK's header
+                if hmac.compare_digest(value.decode("latin-1").strip(), self.api_key):
+                    return True
         return False
 
 
@@ -154,33 +192,35 @@ def build_app(
     app.state.serving = serving
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError):
-        return _error(error.status, error.message, error.kind, error.param)
+    async def api_error(request: Request, error: APIError):
+        return _error(error.status, error.message, error.kind, error.param, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, error: RequestValidationError):
-        return _error(400, _validation_message(error), "BadRequestError")
+    async def invalid_body(request: Request, error: RequestValidationError):
+        return _error(400, _validation_message(error), "BadRequestError", path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException):
-        return _error(error.status_code, str(error.detail), _ERROR_TYPES.get(error.status_code, "BadRequestError"))
+    async def http_error(request: Request, error: StarletteHTTPException):
+        kind = _ERROR_TYPES.get(error.status_code, "BadRequestError")
+        return _error(error.status_code, str(error.detail), kind, path=request.url.path)
 
     @app.exception_handler(QueueFullError)
-    async def queue_full(_: Request, error: QueueFullError):
-        return _error(503, f"the server is overloaded: {error}; retry later", "ServiceUnavailableError")
+    async def queue_full(request: Request, error: QueueFullError):
+        message = f"the server is overloaded: {error}; retry later"
+        return _error(503, message, "ServiceUnavailableError", path=request.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, error: EngineDeadError):
-        return _error(503, str(error), "ServiceUnavailableError")
+    async def engine_dead(request: Request, error: EngineDeadError):
+        return _error(503, str(error), "ServiceUnavailableError", path=request.url.path)
 
     @app.exception_handler(ClientDisconnected)
     async def disconnected(_: Request, error: ClientDisconnected):
         return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, error: Exception):
+    async def internal(request: Request, error: Exception):
         logger.exception("unhandled error")
-        return _error(500, f"{type(error).__name__}: {error}", "InternalServerError")
+        return _error(500, f"{type(error).__name__}: {error}", "InternalServerError", path=request.url.path)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw_request: Request):
@@ -189,6 +229,29 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
         return await create_chat_completion(serving, body, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw_request: Request):
+        return await create_embedding(serving, body, raw_request)
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score(body: ScoreRequest, raw_request: Request):
+        return await create_score(serving, body, raw_request)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, raw_request: Request):
+        return await create_rerank(serving, body, raw_request)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(body: MessagesRequest, raw_request: Request):
+        return await create_message(serving, body, raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(body: CountTokensRequest):
+        return await count_tokens(serving, body)
 
     @app.get("/v1/models")
     async def models():
@@ -265,7 +328,7 @@ def build_app(
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": await serving.tokenize(lambda tokenizer, tokens: tokenizer.decode(tokens), body.tokens)}
 
-    return AccessMiddleware(BodyLimitMiddleware(app, max_request_bytes), api_key)
+    return AccessMiddleware(BodyLimitMiddleware(app, max_request_bytes), api_key, metrics)
 
 
 def _speculative_info(speculative: SpeculativeConfig | None) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -72,7 +73,19 @@ def _content_logprobs(serving: Serving, choice: CompletionOutput, start: int, nu
     return content
 
 
-async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, raw_request: Request):
+@dataclass
+class ChatRun:
+    """A chat request queued in the engine: its run, how it uses tools, what it echoes."""
+
+    run: Run
+    plan: ToolPlan
+    echo: str
+    num_top: int
+
+
+async def start_chat(serving: Serving, body: ChatCompletionRequest, prefix: str = "chatcmpl") -> ChatRun:
+    """Checks a chat request, renders its conversation and queues it (what chat completions,
+    Anthropic's Messages and OpenAI's Responses share)."""
     serving.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -93,12 +106,18 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     if plan.parser is not None and plan.parser.needs_special_tokens:
         extra["skip_special_tokens"] = False  # its markers are special tokens
     params = serving.sampling_params(body, max_tokens, **extra)
-    run = serving.new_run("chatcmpl", body.n, [prompt])
+    run = serving.new_run(prefix, body.n, [prompt])
     # vLLM's echo for chat: an unfinished assistant message is repeated before its continuation.
     echo = ""
     if body.echo and conversation and conversation[-1]["role"] == "assistant":
         echo = conversation[-1]["content"]
     await serving.start(run, [params], body)
+    return ChatRun(run, plan, echo, num_top)
+
+
+async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, raw_request: Request):
+    chat = await start_chat(serving, body)
+    run, plan, echo, num_top = chat.run, chat.plan, chat.echo, chat.num_top
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return event_stream(run, _events(serving, run, body, plan, echo, num_top, include_usage), raw_request)

@@ -11,7 +11,6 @@ from starlette.requests import Request
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.server.protocol import CompletionRequest
 from pagedrs.server.serving import (
-    APIError,
     ChoiceCursor,
     Prompt,
     Run,
@@ -20,28 +19,10 @@ from pagedrs.server.serving import (
     event_stream,
     finish_reason,
     finite,
+    prompts_of,
     sse,
     top_entries,
 )
-
-
-def _prompts(tokenizer: Any, prompt: Any) -> list[Prompt]:
-    """The request's prompts as token ids (on a tokenizer thread: `Serving.tokenize`)."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompt = [prompt]
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    prompts = []
-    for item in prompt:
-        if isinstance(item, str):
-            prompts.append(Prompt(tokenizer.encode(item), item))
-        else:
-            prompts.append(Prompt(list(item)))
-        if not prompts[-1].token_ids:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-    return prompts
 
 
 class _Logprobs:
@@ -94,7 +75,7 @@ def _choice_logprobs(
 
 async def create_completion(serving: Serving, body: CompletionRequest, raw_request: Request):
     serving.check_model(body.model)
-    prompts = await serving.tokenize(_prompts, body.prompt)
+    prompts = await serving.tokenize(prompts_of, body.prompt)
     max_tokens = [serving.check_length(prompt, body.max_tokens) for prompt in prompts]
     extra = {"logprobs": body.logprobs}
     if body.echo and body.logprobs is not None:

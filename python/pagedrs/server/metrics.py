@@ -204,6 +204,12 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self.api_requests = Counter(
+            "pagedrs:api_requests",
+            "HTTP requests by route and status (every endpoint: generation, pooling, Anthropic, Responses).",
+            ["model_name", "route", "status"],
+            registry=self.registry,
+        )
         self.time_to_first_token = histogram(
             "pagedrs:time_to_first_token_seconds", "Arrival to first generated token.", _LATENCY_BUCKETS
         )
@@ -248,6 +254,13 @@ class ServerMetrics:
         self.request_generation_tokens.observe(sum(len(choice.token_ids) for choice in output.outputs))
         for choice in output.outputs:
             self.request_success.labels(self.model_name, choice.finish_reason or "abort").inc()
+        if not output.outputs:  # a pooling request: no choices
+            reason = "stop" if output.pooled is not None else "error" if output.error else "abort"
+            self.request_success.labels(self.model_name, reason).inc()
+
+    def record_api_request(self, route: str, status: int) -> None:
+        """One HTTP request to ``route`` (its template: ``/v1/responses/{response_id}``)."""
+        self.api_requests.labels(self.model_name, route, str(status or "disconnected")).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

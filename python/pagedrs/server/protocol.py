@@ -213,3 +213,35 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's ``/v1/embeddings`` body (vLLM's ``normalize`` too)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    """Keep the first ``dimensions`` features (Matryoshka), then normalize."""
+    normalize: bool = True
+    user: str | None = None
+
+
+class ScoreRequest(_Body):
+    """vLLM's ``/v1/score`` body: one text against several, or two lists pairwise."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankRequest(_Body):
+    """The Jina / Cohere ``/v1/rerank`` body."""
+
+    model: str | None = None
+    query: str
+    documents: list[str] | list[dict[str, Any]] = Field(min_length=1)
+    """Texts, or Cohere's ``{"text": ...}`` objects."""
+    top_n: int | None = None
+    """Keep the best ``top_n`` (default: all)."""
+    return_documents: bool = True

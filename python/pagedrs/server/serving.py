@@ -22,6 +22,7 @@ from starlette.responses import StreamingResponse
 
 from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream, add_delta
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedrs.server.protocol import _Generation
 from pagedrs.server.reasoning import ReasoningParser
@@ -73,6 +74,26 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 class Prompt:
     token_ids: list[int]
     text: str | None = None
+
+
+def prompts_of(tokenizer: Any, prompt: Any, param: str = "prompt") -> list[Prompt]:
+    """A request's prompts (text, texts, token ids or lists of them: OpenAI's ``prompt`` and
+    ``input``) as token ids (on a tokenizer thread: `Serving.tokenize`)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, f"{param} must not be empty", param=param)
+    prompts = []
+    for item in prompt:
+        if isinstance(item, str):
+            prompts.append(Prompt(tokenizer.encode(item), item))
+        else:
+            prompts.append(Prompt(list(item)))
+        if not prompts[-1].token_ids:
+            raise APIError(400, f"{param} must not be empty", param=param)
+    return prompts
 
 
 @dataclass
@@ -227,9 +248,16 @@ class Serving:
     def new_run(self, prefix: str, n: int, prompts: list[Prompt]) -> Run:
         return Run(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.served_model_name, n, prompts)
 
-    async def start(self, run: Run, params: list[SamplingParams], body: _Generation) -> None:
+    async def start(
+        self,
+        run: Run,
+        params: list[SamplingParams] | list[PoolingParams],
+        body: _Generation | None = None,
+    ) -> None:
         """Queues one engine request per prompt (all in the same engine step); if one is
-        refused, none stays queued."""
+        refused, none stays queued. ``body``: its priority and cache salt, when it has them."""
+        priority = body.priority if body is not None else 0
+        cache_salt = body.cache_salt if body is not None else None
         limit = self.engine.max_waiting_requests
         if limit is not None and len(run.prompts) > limit:
             raise APIError(
@@ -244,8 +272,8 @@ class Serving:
                     f"{run.request_id}-{index}",
                     prompt.token_ids,
                     param,
-                    priority=body.priority,
-                    cache_salt=body.cache_salt,
+                    priority=priority,
+                    cache_salt=cache_salt,
                     delta=True,
                 )
                 for index, (prompt, param) in enumerate(zip(run.prompts, params))
@@ -388,9 +416,21 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def event_stream(run: Run, events: AsyncGenerator[str, None], raw_request: Request) -> StreamingResponse:
-    """Server-sent events ending with ``data: [DONE]``. A failure after the stream has
-    started is sent as an error event; however the stream ends, the run is aborted."""
+def openai_error_event(error: APIError) -> str:
+    return sse(error_body(error.status, error.message, error.kind, error.param))
+
+
+def event_stream(
+    run: Run,
+    events: AsyncGenerator[str, None],
+    raw_request: Request,
+    *,
+    error_event: Callable[[APIError], str] = openai_error_event,
+    done: str | None = "data: [DONE]\n\n",
+) -> StreamingResponse:
+    """Server-sent events, then ``done`` (OpenAI's ``data: [DONE]``). A failure after the
+    stream has started is sent as ``error_event`` (the API's error event); however the stream
+    ends, the run is aborted."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
@@ -398,14 +438,15 @@ def event_stream(run: Run, events: AsyncGenerator[str, None], raw_request: Reque
                 async for event in events:
                     yield event
         except APIError as error:
-            yield sse(error_body(error.status, error.message, error.kind, error.param))
+            yield error_event(error)
         except Exception as error:  # the status line has gone: say it in the stream
             logger.exception("%s: the stream failed", run.request_id)
-            yield sse(error_body(500, f"{type(error).__name__}: {error}", "InternalServerError"))
+            yield error_event(APIError(500, f"{type(error).__name__}: {error}", "InternalServerError"))
         finally:
             run.abort()
             log_usage(raw_request, run.request_id, run.usage(), run.finals)
-        yield "data: [DONE]\n\n"
+        if done is not None:
+            yield done
 
     return StreamingResponse(guarded(), media_type="text/event-stream")
 
