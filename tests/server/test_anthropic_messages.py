@@ -162,7 +162,10 @@ BAD_MESSAGES = [
     ({"max_tokens": 8, "messages": ASK, "temperature": -1}, 400, "temperature"),
     ({"max_tokens": 10**6, "messages": ASK}, 400, "maximum context length"),
     (
-        {"max_tokens": 8, "messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]},
+        {
+            "max_tokens": 8,
+            "messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}],
+        },
         400,
         "tool_result blocks belong to user messages",
     ),

@@ -153,7 +153,7 @@ def test_pooling_routes_are_counted_in_the_metrics(server, client):
     client.embeddings.create(model=_model(client), input="count me", encoding_format="float")
     status, text = server.http.request("GET", "/metrics")
     assert status == 200
-    assert 'pagedrs:api_requests_total{model_name=' in text
+    assert "pagedrs:api_requests_total{model_name=" in text
     assert 'route="/v1/embeddings",status="200"' in text
     assert 'route="/v1/embeddings",status="400"' in text
 

@@ -37,6 +37,13 @@ from pagedrs.server.protocol import (
     ScoreRequest,
     TokenizeRequest,
 )
+from pagedrs.server.responses import (
+    ResponsesRequest,
+    ResponseStore,
+    create_response,
+    delete_response,
+    get_response,
+)
 from pagedrs.server.serving import APIError, ClientDisconnected, Serving, ToolSettings, error_body
 from pagedrs.server.settings import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 from pagedrs.spec_decode import SpeculativeConfig
@@ -190,6 +197,9 @@ def build_app(
     serving = Serving(engine, served_model_name, tool_settings)
     app = FastAPI(title="pagedrs", version=__version__)
     app.state.serving = serving
+    max_stored = server_config.max_stored_responses if server_config is not None else 1024
+    store = ResponseStore(max_responses=max_stored)
+    app.state.responses = store
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -252,6 +262,18 @@ def build_app(
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(body: CountTokensRequest):
         return await count_tokens(serving, body)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw_request: Request):
+        return await create_response(serving, store, body, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def read_response(response_id: str):
+        return get_response(store, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str):
+        return delete_response(store, response_id)
 
     @app.get("/v1/models")
     async def models():

@@ -37,6 +37,13 @@ class ServerConfig:
     max_request_bytes: int = knob(
         DEFAULT_MAX_REQUEST_BYTES, "answer 413 to request bodies larger than this (default: 32 MiB)", group="server"
     )
+    max_stored_responses: int = knob(
+        1024,
+        "responses /v1/responses keeps for previous_response_id and GET (least recently used dropped first; "
+        "also at most 64 MiB of them); 0: store none",
+        group="server",
+        minimum=0,
+    )
     log_level: LogLevel = knob("info", "log level", group="server")
     enable_auto_tool_choice: bool = knob(
         False,
