@@ -234,16 +234,16 @@ class ModelRunner:
             self.attention_backend.copy_blocks(self.cache_slots, copies)
         meta = metas[0] if len(metas) == 1 else StepViews(metas, self.layout.layer_views)
         model = self.model
-        if not pooling:
+        num_logits = len(out.logits_rows)
+        if not pooling and num_logits:
             return model(
                 input_token_ids, positions, self.kv_caches, meta, rows_on_device, self.cpu_stack, lengths
             ), None
         hidden = model.final_hidden(
             input_token_ids, positions, self.kv_caches, meta, rows_on_device, self.cpu_stack, lengths
         )
-        num_logits = len(out.logits_rows)
-        if num_logits:
+        if num_logits:  # (a sequence classifier has no head: its steps have no rows to sample)
             logits = model.compute_logits(hidden[:num_logits])
         else:
             logits = torch.empty((0, model.config.vocab_size), dtype=torch.float32, device=self.device)
-        return logits, hidden[num_logits:].float()
+        return logits, hidden[num_logits:].float() if pooling else None
