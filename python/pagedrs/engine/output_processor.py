@@ -301,7 +301,8 @@ class OutputProcessor:
         per row for choices still short of ``min_tokens``, ``(row, matcher)`` of the
         constrained rows, and the rows whose logits give prompt logprobs."""
         request_ids = out.request_ids
-        rows, banned, constrained = [], [], []
+        rows: list[SamplingRow] = []
+        banned, constrained = [], []
         unsampled = []  # pooling requests' logits rows
         for row, (seq, index) in enumerate(
             zip(out.logits_request_indices.tolist(), out.logits_choice_indices.tolist())

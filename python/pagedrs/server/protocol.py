@@ -240,7 +240,7 @@ class RerankRequest(_Body):
 
     model: str | None = None
     query: str
-    documents: list[str] | list[dict[str, Any]] = Field(min_length=1)
+    documents: list[str | dict[str, Any]] = Field(min_length=1)
     """Texts, or Cohere's ``{"text": ...}`` objects."""
     top_n: int | None = None
     """Keep the best ``top_n`` (default: all)."""

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -251,7 +251,7 @@ class Serving:
     async def start(
         self,
         run: Run,
-        params: list[SamplingParams] | list[PoolingParams],
+        params: Sequence[SamplingParams | PoolingParams],
         body: _Generation | None = None,
     ) -> None:
         """Queues one engine request per prompt (all in the same engine step); if one is
