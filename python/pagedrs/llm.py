@@ -154,6 +154,11 @@ class LLM:
         model by the cosine similarity of the two texts' embeddings (`pagedrs.scoring`)."""
         text_pairs = pairs(text_1, text_2)
         if self.engine.model.score is not None:
+            if self.engine.model.score.out_features != 1:  # said before any pair runs
+                raise ValueError(
+                    f"scoring needs a classifier with one label; this model's head has "
+                    f"{self.engine.model.score.out_features}"
+                )
             tokenizer = self.engine.tokenizer
             inputs: list[str | list[int]] = [pair_token_ids(tokenizer, first, second) for first, second in text_pairs]
             outputs = self._pool(inputs, PoolingParams(task="classify"), use_tqdm)

@@ -14,8 +14,9 @@ sampled, its KV blocks are freed at once. What it returns is the last layer's hi
 
 Poolers: ``last`` (the last prompt token: vLLM's default for decoder models), ``mean`` (the
 average over every prompt token) and ``cls`` (the first token). ``mean`` and ``cls`` read
-every prompt position, so such a request computes its whole prompt (it still leaves its
-blocks in the prefix cache for others); ``last`` reuses cached prefixes like generation.
+positions a cached prefix would skip, so such a request computes its whole prompt (it still
+leaves its blocks in the prefix cache for others); ``last`` reuses cached prefixes like
+generation.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class PoolingParams:
 
     @property
     def reads_every_position(self) -> bool:
-        """Whether the pooler reads positions before the last (the request then computes its
-        whole prompt rather than reusing a cached prefix)."""
+        """Whether the pooler reads positions before the last (every one for ``mean``, the
+        first for ``cls``): the request then computes its whole prompt rather than reusing a
+        cached prefix."""
         return self.pooling_type != "last"

@@ -5,6 +5,8 @@ checks everything but the capture itself."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -65,10 +67,14 @@ def test_graphs_only_on_one_gpu_rank_without_enforce_eager(tiny_llama, monkeypat
     from pagedrs.config import EngineConfig
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    assert builder.wants_decode_graphs(EngineConfig(), gpu, None)
-    assert not builder.wants_decode_graphs(EngineConfig(enforce_eager=True), gpu, None)
-    assert not builder.wants_decode_graphs(EngineConfig(), gpu, object())  # tensor parallel
-    assert not builder.wants_decode_graphs(EngineConfig(), cpu, None)
+    causal = SimpleNamespace(architectures=["LlamaForCausalLM"])
+    assert builder.wants_decode_graphs(EngineConfig(), gpu, None, causal)
+    assert not builder.wants_decode_graphs(EngineConfig(enforce_eager=True), gpu, None, causal)
+    # A sequence classifier has no logits to capture, and does not decode.
+    classifier = SimpleNamespace(architectures=["LlamaForSequenceClassification"])
+    assert not builder.wants_decode_graphs(EngineConfig(), gpu, None, classifier)
+    assert not builder.wants_decode_graphs(EngineConfig(), gpu, object(), causal)  # tensor parallel
+    assert not builder.wants_decode_graphs(EngineConfig(), cpu, None, causal)
     _, runner = _generate(tiny_llama, "triton", False, monkeypatch)
     assert runner.graphs is None
 

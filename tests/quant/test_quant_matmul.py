@@ -26,10 +26,14 @@ SHAPES = [  # (num_tokens, out_features, in_features)
     (8, 64, 160),
     (13, 71, 576),
     (33, 200, 64),
+    # From 128 tokens on, panels of weight rows (8 MiB of float32, at least 256 rows) are
+    # dequantized and multiplied by torch's sgemm:
+    (128, 200, 96),  # one panel, straight into the output
+    (130, 600, 8192),  # three panels of 256 rows, the last one partial
 ]
 
 
-K_SHAPES = [(1, 1, 256), (1, 97, 512), (3, 130, 768), (13, 71, 256), (33, 20, 512)]
+K_SHAPES = [(1, 1, 256), (1, 97, 512), (3, 130, 768), (13, 71, 256), (33, 20, 512), (140, 300, 256), (129, 300, 8192)]
 
 
 def packed_weight(qtype, out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -115,6 +115,37 @@ def test_forced_tool_use_gives_tool_use_blocks(client, model, stream, choice):
     assert message.stop_reason == "tool_use"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_call_cut_by_max_tokens_says_max_tokens(client, model, stream):
+    """Its input is incomplete: ``tool_use`` would tell the client to run it."""
+    kwargs = dict(
+        model=model,
+        max_tokens=3,
+        messages=ASK,
+        tools=[ANTHROPIC_WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    if stream:
+        with client.messages.stream(**kwargs) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**kwargs)
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 3
+
+
+def test_a_final_assistant_message_is_continued(client, chat, model):
+    """Anthropic's prefill: the answer goes on from the assistant's text, in the same turn."""
+    prefill = "The weather in Paris is"
+    messages = [*ASK, {"role": "assistant", "content": prefill}]
+    message = client.messages.create(model=model, max_tokens=12, messages=messages, **GREEDY)
+    expected = _greedy_chat(
+        chat, model, messages, 12, extra_body={"add_generation_prompt": False, "continue_final_message": True}
+    )
+    assert message.content[0].text == expected.choices[0].message.content
+    counted = client.messages.count_tokens(model=model, messages=messages)
+    assert counted.input_tokens == expected.usage.prompt_tokens
+
+
 def test_tool_results_go_back_through_the_template(client, chat, model):
     call = {"id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo", "unit": "C"}}
     messages = [

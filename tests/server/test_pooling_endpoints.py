@@ -138,6 +138,7 @@ BAD_EMBEDDINGS = [
     ({"input": 5}, "input"),
     ({"input": "w " * 300}, "maximum context length"),
     ({"input": "hi", "model": "other"}, "does not exist"),
+    ({"input": ["w5"] * 513}, "queues at most 512"),  # refused before tokenizing
 ]
 
 
@@ -243,6 +244,8 @@ BAD_SCORES = [
     ("/v1/score", {"text_1": "w5"}, "text_2"),
     ("/v1/rerank", {"query": "w5", "documents": []}, "documents"),
     ("/v1/rerank", {"query": "w5", "documents": ["w6"], "top_n": -1}, "top_n"),
+    ("/v1/rerank", {"query": "w5", "documents": ["w6"], "top_n": 0}, "top_n must be at least 1"),
+    ("/v1/rerank", {"query": "w5", "documents": ["w6"] * 513}, "queues at most 512"),
     ("/v1/rerank", {"query": "w5", "documents": [{"title": "no text"}]}, "documents[0]"),
     ("/v1/rerank", {"query": "", "documents": ["w6"]}, "query must not be empty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}]}, "sequence classifier"),
@@ -256,3 +259,29 @@ def test_bad_score_bodies_are_4xx_and_leave_the_engine_idle(score_server, path, 
     assert 400 <= status < 500, reply
     assert message in reply["error"]["message"]
     assert wait_for(lambda: _idle(score_server))
+
+
+def test_a_keyed_server_guards_the_aliases_and_refuses_multi_label_scores_up_front(tmp_path):
+    """``/score`` and ``/rerank`` run the model like ``/v1`` does, so they need the key too; a
+    head of several labels gives no score, which is said before anything is queued."""
+    import transformers
+
+    torch.manual_seed(4)
+    config = tiny_config("qwen3")
+    config.num_labels = 3
+    config.pad_token_id = TINY["vocab_size"] - 1
+    transformers.Qwen3ForSequenceClassification(config).save_pretrained(tmp_path)
+    save_word_tokenizer(tmp_path, TINY["vocab_size"])
+    server = InProcessServer(
+        [str(tmp_path), "--device", "cpu", "--max-model-len", "64", "--kv-cache-memory", "4MiB", "--api-key", "k"]
+    )
+    try:
+        pair = {"text_1": "w5", "text_2": ["w6", "w7"]}
+        for path, body in [("/score", pair), ("/rerank", {"query": "w5", "documents": ["w6"]}), ("/v2/rerank", {})]:
+            status, reply = server.http.request("POST", path, body)
+            assert status == 401, (path, reply)
+        status, reply = server.http.request("POST", "/v1/score", pair, headers={"Authorization": "Bearer k"})
+        assert status == 400 and "one label" in reply["error"]["message"], reply
+        assert server.engine.engine.scheduler.stats().num_prefill_tokens_total == 0  # nothing ran
+    finally:
+        server.close()

@@ -192,16 +192,20 @@ def test_previous_response_id_continues_and_stored_responses_are_read_and_delete
 
 
 def test_the_store_drops_the_least_recently_used_by_count_and_bytes():
-    store = ResponseStore(max_responses=2, max_bytes=1000)
+    store = ResponseStore(max_responses=2, max_bytes=8000)
     for name in "abc":
         store.put({"id": name}, [{"role": "user", "content": name}])
         if name == "b":
             assert store.get("a") is not None  # a is now the most recent
     assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
-    store.put({"id": "big"}, [{"role": "user", "content": "x" * 940}])  # with any other entry: over 1000
-    assert len(store) == 1 and store.get("big") is not None  # a and c went to make room
-    store.put({"id": "huge"}, [{"role": "user", "content": "x" * 2000}])  # over the whole bound: not stored
-    assert store.get("huge") is None and store.get("big") is not None
+
+    by_bytes = ResponseStore(max_responses=100, max_bytes=8000)
+    for index in range(9):  # ~943 bytes each: the ninth goes over 8000
+        by_bytes.put({"id": f"r{index}"}, [{"role": "user", "content": "x" * 900}])
+    assert len(by_bytes) == 8 and by_bytes.get("r0") is None and by_bytes.get("r8") is not None
+    # One response may take an eighth of the bound, so it cannot flush the others.
+    by_bytes.put({"id": "huge"}, [{"role": "user", "content": "x" * 1100}])
+    assert by_bytes.get("huge") is None and len(by_bytes) == 8 and by_bytes.get("r1") is not None
 
 
 BAD_RESPONSES = [

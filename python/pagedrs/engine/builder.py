@@ -29,6 +29,7 @@ from pagedrs.layers.rotary import model_positions
 from pagedrs.memory import KVCapacity, kv_cache_capacity
 from pagedrs.models import architecture_of, build_model
 from pagedrs.models.loader import load_config, load_tokenizer, resolve_model
+from pagedrs.models.registry import is_sequence_classifier
 from pagedrs.quant.loading import predicted_weight_bytes
 from pagedrs.sample import Sampler
 from pagedrs.spec_decode import SpeculativeConfig
@@ -83,9 +84,15 @@ class EngineParts:
     """The other tensor-parallel ranks (this engine is rank 0), when there are any."""
 
 
-def wants_decode_graphs(config: EngineConfig, device: torch.device, parallel: object) -> bool:
-    """CUDA graphs for decode: on a GPU, one rank, unless ``enforce_eager``."""
-    return device.type == "cuda" and parallel is None and not config.enforce_eager
+def wants_decode_graphs(config: EngineConfig, device: torch.device, parallel: object, hf_config: Any) -> bool:
+    """CUDA graphs for decode: on a GPU, one rank, unless ``enforce_eager``; never for a
+    sequence classifier, which does not decode (and has no logits to capture)."""
+    return (
+        device.type == "cuda"
+        and parallel is None
+        and not config.enforce_eager
+        and not is_sequence_classifier(hf_config)
+    )
 
 
 @dataclass(frozen=True)
@@ -182,7 +189,7 @@ def load_engine_parts(config: EngineConfig) -> EngineParts:
             size=tp_size,
             hf_config=hf_config,
             graphs=GraphSettings(max_model_len, config.max_num_seqs)
-            if wants_decode_graphs(config, device, parallel)
+            if wants_decode_graphs(config, device, parallel, hf_config)
             else None,
             release_windows=draft is None or plan.layout.group_windows[0] is None,
         )

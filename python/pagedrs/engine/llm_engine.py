@@ -58,6 +58,7 @@ class LLMEngine:
                 self.hf_config.hidden_size,
                 self.model.classify if self.model.score is not None else None,
                 generates=not self.model.sequence_classifier,
+                num_labels=self.model.score.out_features if self.model.score is not None else 0,
             ),
         )
         self.executor = Executor(

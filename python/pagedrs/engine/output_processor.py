@@ -46,6 +46,8 @@ class Pooler:
     """The classifier head (`DecoderForCausalLM.classify`), when the model has one."""
     generates: bool
     """Whether the model has a language-model head (a sequence classifier has none)."""
+    num_labels: int = 0
+    """The classifier head's outputs (0 without one)."""
 
 
 class OutputProcessor:
@@ -66,8 +68,8 @@ class OutputProcessor:
     ):
         """``rope_salt``: what a prompt of this length adds to its cache salt (the model's
         `cache_salt`: length-dependent rotary embeddings rotate its keys by its length).
-        ``pooler``: what pooling requests may ask of the model (default: nothing: none are
-        taken)."""
+        ``pooler``: what pooling requests may ask of the model (default: embeddings without
+        ``dimensions``, no classifier)."""
         self.pooler = pooler or Pooler(0, None, generates=True)
         self.scheduler = scheduler
         self._rope_salt = rope_salt
@@ -527,6 +529,11 @@ class OutputProcessor:
         self._touched[request.request_id] = request
         if reason != "length":  # "length": the one (unsampled) token; anything else cut it short
             state.finish_reason = reason
+            request.error = request.error or (
+                "the prompt needs more KV cache than the engine has"
+                if reason == "capacity"
+                else f"the request ended before its prompt was done ({reason})"
+            )
             return
         try:
             state.result = self._pooled_result(request)
@@ -544,6 +551,8 @@ class OutputProcessor:
         if state.total is None:
             raise RuntimeError("the prompt ended before its pooled position was read")
         vector = state.total / len(request.prompt_token_ids) if params.pooling_type == "mean" else state.total
+        if not torch.isfinite(vector).all():
+            raise ValueError("the model's hidden states are not finite (NaN or infinity)")
         if params.task == "classify":
             classify = self.pooler.classify
             assert classify is not None  # checked at admission

@@ -505,9 +505,12 @@ class DecoderForCausalLM(nn.Module):
                 "classifier_from_token needs the whole language-model head as plain weights on one rank "
                 "(no tensor parallelism, no packed GGUF head)"
             )
-        rows = weight[torch.tensor(token_ids, device=weight.device)].detach().clone()
+        if self.final_logit_softcap is not None:  # tanh is not linear: the rows are not the logits' rows
+            raise ValueError("classifier_from_token does not take a model whose logits are soft-capped")
+        # In float32: a difference of two bf16 rows would round; Granite's scaling divides the logits.
+        rows = weight[torch.tensor(token_ids, device=weight.device)].detach().float() / self.logits_scaling
         rows = (rows[1:2] - rows[0:1]) if difference else rows
-        self.score = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+        self.score = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=torch.float32)
         self.score.weight.requires_grad_(False).copy_(rows)
 
     @torch.no_grad()

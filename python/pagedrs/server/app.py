@@ -58,6 +58,15 @@ ANTHROPIC_PATHS = "/v1/messages"
 ``x-api-key``."""
 
 
+KEYED_PATHS = ("/v1/", "/v2/", "/score", "/rerank")
+"""Routes that need the API key when the server has one: the model's API under ``/v1`` and
+``/v2``, and vLLM's unversioned aliases of score and rerank."""
+
+
+def _needs_key(path: str) -> bool:
+    return path.startswith(KEYED_PATHS) or path == "/v1"
+
+
 def _error(status: int, message: str, kind: str, param: str | None = None, path: str = "") -> JSONResponse:
     """An error response in the shape of the API ``path`` belongs to."""
     if path.startswith(ANTHROPIC_PATHS):
@@ -139,12 +148,16 @@ class AccessMiddleware:
             await send(message)
 
         try:
-            if self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
+            path = scope["path"]
+            if self.api_key is not None and _needs_key(path) and not self._authorized(scope):
+                header = (
+                    "x-api-key: <key>' or 'Authorization: Bearer <key>" if path.startswith(ANTHROPIC_PATHS) else None
+                )
                 response = _error(
                     401,
-                    "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    f"invalid or missing API key (send '{header or 'Authorization: Bearer <key>'}')",
                     "AuthenticationError",
-                    path=scope["path"],
+                    path=path,
                 )
                 await response(scope, receive, send_logged)
             else:
@@ -217,7 +230,9 @@ def build_app(
     @app.exception_handler(QueueFullError)
     async def queue_full(request: Request, error: QueueFullError):
         message = f"the server is overloaded: {error}; retry later"
-        return _error(503, message, "ServiceUnavailableError", path=request.url.path)
+        path = request.url.path
+        status = 529 if path.startswith(ANTHROPIC_PATHS) else 503  # Anthropic's "overloaded"
+        return _error(status, message, "ServiceUnavailableError", path=path)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, error: EngineDeadError):

@@ -6,10 +6,15 @@ in its own shape, from the chat path's OpenAI message (`ToolPlan.message`) and d
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pagedrs.server.serving import APIError
+from pagedrs.outputs import RequestOutput
+from pagedrs.server.serving import APIError, Serving, check_failed, check_finished
+
+if TYPE_CHECKING:
+    from pagedrs.server.chat import ChatRun
 
 BlockKind = Literal["text", "thinking", "tool"]
 
@@ -102,3 +107,32 @@ class BlockStream:
         self.open = block
         events.append(("start", block, ""))
         return events
+
+
+class ChoiceBlocks:
+    """A streamed chat run's one choice as block events: its text through the chat path's tool
+    and reasoning parsing (`ToolPlan.stream`), then `BlockStream`. After the events, `final`
+    holds the run's last output (an engine failure or an unfinished run raises `APIError`)."""
+
+    def __init__(self, serving: Serving, chat: ChatRun):
+        self.serving, self.run = serving, chat.run
+        self.stream = chat.plan.stream()
+        self.final: RequestOutput | None = None
+
+    async def events(self) -> AsyncGenerator[BlockEvent, None]:
+        blocks = BlockStream()
+        sent = 0
+        async for _, output in self.serving.outputs(self.run):
+            check_failed(output)
+            self.final = output
+            choice = output.outputs[0]
+            text = choice.text[sent:]
+            sent = len(choice.text)
+            deltas = self.stream.feed(text) if text else []
+            if choice.finished():
+                deltas += self.stream.finish()
+            for event in blocks.feed(deltas):
+                yield event
+        for event in blocks.close():
+            yield event
+        self.final = check_finished(self.final)

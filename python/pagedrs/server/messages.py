@@ -29,10 +29,10 @@ from pydantic import Field
 from starlette.requests import Request
 
 from pagedrs.outputs import CompletionOutput, RequestOutput
-from pagedrs.server.blocks import Block, BlockEvent, BlockStream, message_blocks
+from pagedrs.server.blocks import Block, BlockEvent, ChoiceBlocks, message_blocks
 from pagedrs.server.chat import ChatRun, render_chat, start_chat
 from pagedrs.server.protocol import ChatCompletionRequest, _Body
-from pagedrs.server.serving import APIError, Run, Serving, check_failed, event_stream
+from pagedrs.server.serving import APIError, Run, Serving, check_finished, event_stream, warn_unknown_fields
 
 # -- request bodies ------------------------------------------------------------------------------
 
@@ -114,7 +114,8 @@ _ERROR_TYPES = {
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
-    503: "overloaded_error",
+    503: "api_error",
+    529: "overloaded_error",
 }
 
 
@@ -180,7 +181,11 @@ def _chat_tools(body: _Conversation) -> dict[str, Any]:
     tools = [
         {
             "type": "function",
-            "function": {"name": tool.name, "description": tool.description, "parameters": tool.input_schema},
+            "function": {
+                "name": tool.name,
+                **({"description": tool.description} if tool.description is not None else {}),
+                "parameters": tool.input_schema,
+            },
         }
         for tool in body.tools
     ]
@@ -196,12 +201,23 @@ def _chat_tools(body: _Conversation) -> dict[str, Any]:
     return fields
 
 
+def _continues_final_message(messages: list[dict[str, Any]]) -> bool:
+    """Whether the conversation ends with assistant text for the model to continue
+    (Anthropic's prefill): the answer then goes on from that text, in the same turn."""
+    last = messages[-1] if messages else {}
+    return last.get("role") == "assistant" and "tool_calls" not in last
+
+
 def _chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     if body.max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {body.max_tokens}", param="max_tokens")
+    messages = _chat_messages(body)
+    prefill = _continues_final_message(messages)
     fields: dict[str, Any] = {
         "model": body.model,
-        "messages": _chat_messages(body),
+        "messages": messages,
+        "add_generation_prompt": not prefill,
+        "continue_final_message": prefill,
         "max_tokens": body.max_tokens,
         "temperature": body.temperature,
         "stream": body.stream,
@@ -219,11 +235,12 @@ def _chat_request(body: MessagesRequest) -> ChatCompletionRequest:
 
 
 def _stop_reason(choice: CompletionOutput, body: MessagesRequest, called_tools: bool) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence`` of a finished choice."""
-    if called_tools:
-        return "tool_use", None
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` of a finished choice. A tool call cut
+    by the limit is ``max_tokens``: its input is incomplete, so a client must not run it."""
     if choice.finish_reason in ("length", "capacity"):
         return "max_tokens", None
+    if called_tools:
+        return "tool_use", None
     if isinstance(choice.stop_reason, str) and choice.stop_reason in (body.stop_sequences or []):
         return "stop_sequence", choice.stop_reason
     return "end_turn", None
@@ -258,6 +275,7 @@ def _message_id(run: Run) -> str:
 
 
 async def create_message(serving: Serving, body: MessagesRequest, raw_request: Request):
+    warn_unknown_fields(body)
     chat = await start_chat(serving, _chat_request(body), prefix="msg")
     if body.stream:
         return event_stream(chat.run, _events(serving, chat, body), raw_request, error_event=_error_event, done=None)
@@ -295,31 +313,17 @@ async def _events(serving: Serving, chat: ChatRun, body: MessagesRequest) -> Asy
             }
         },
     )
-    stream = plan.stream()
-    blocks = BlockStream()
-    sent = 0
-    final: RequestOutput | None = None
-    async for _, output in serving.outputs(run):
-        check_failed(output)
-        final = output
-        choice = output.outputs[0]
-        text = choice.text[sent:]
-        sent = len(choice.text)
-        deltas = stream.feed(text) if text else []
-        if choice.finished():
-            deltas += stream.finish()
-        for event in blocks.feed(deltas):
-            yield _block_event(event)
-    for event in blocks.close():
+    choice_blocks = ChoiceBlocks(serving, chat)
+    async for event in choice_blocks.events():
         yield _block_event(event)
-    assert final is not None
+    final = check_finished(choice_blocks.final)
     choice = final.outputs[0]
-    stop_reason, stop_sequence = _stop_reason(choice, body, stream.saw_tool_call or plan.mode == "named")
+    stop_reason, stop_sequence = _stop_reason(choice, body, choice_blocks.stream.saw_tool_call or plan.mode == "named")
     yield _event(
         "message_delta",
         {
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            "usage": {"output_tokens": len(choice.token_ids)},
+            "usage": _usage(run, final),  # now with the cached prompt tokens known
         },
     )
     yield _event("message_stop", {})
@@ -350,6 +354,7 @@ def _block_event(event: BlockEvent) -> str:
 async def count_tokens(serving: Serving, body: CountTokensRequest) -> dict[str, int]:
     """The prompt's tokens as `create_message` would render it (the tools shown to the
     template unless ``tool_choice`` is ``none``), whatever the server's tool flags."""
+    warn_unknown_fields(body)
     serving.check_model(body.model)
     tools = _chat_tools(body)
     shown = tools.get("tools") if tools.get("tool_choice") != "none" else None
@@ -357,5 +362,6 @@ async def count_tokens(serving: Serving, body: CountTokensRequest) -> dict[str, 
     if not messages:
         raise APIError(400, "messages hold no content", param="messages")
     conversation = ChatCompletionRequest.model_validate({"messages": messages}).conversation()
-    token_ids = await serving.tokenize(render_chat, conversation, True, False, shown)
+    prefill = _continues_final_message(messages)
+    token_ids = await serving.tokenize(render_chat, conversation, not prefill, prefill, shown)
     return {"input_tokens": len(token_ids)}

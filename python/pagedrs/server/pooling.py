@@ -3,7 +3,7 @@
 
 - Embeddings: OpenAI's shape (floats or base64 of little-endian float32, ``dimensions``,
   ``usage.prompt_tokens``), on any served decoder model: the last token's final hidden state,
-  unit length.
+  unit length unless ``normalize`` is false.
 - Score (vLLM's shape) and rerank (Jina's / Cohere's): each pair scored as `pagedrs.scoring`
   says: by the classifier head when the model has one, else by the cosine of embeddings.
 """
@@ -23,7 +23,7 @@ from pagedrs.outputs import RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.scoring import classifier_score, cosine, pair_token_ids, pairs
 from pagedrs.server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
-from pagedrs.server.serving import APIError, Prompt, Serving, prompts_of
+from pagedrs.server.serving import APIError, Prompt, Serving, prompts_of, warn_unknown_fields
 
 
 def _pooled(final: RequestOutput) -> torch.Tensor:
@@ -64,7 +64,10 @@ async def pool(
 
 
 async def create_embedding(serving: Serving, body: EmbeddingRequest, raw_request: Request) -> dict[str, Any]:
+    warn_unknown_fields(body)
     serving.check_model(body.model)
+    if isinstance(body.input, list) and body.input and not isinstance(body.input[0], int):
+        serving.check_count(len(body.input), "input")
     prompts = await serving.tokenize(prompts_of, body.input, "input")
     try:
         params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
@@ -91,7 +94,11 @@ async def score_pairs(
     serving: Serving, text_pairs: list[tuple[str, str]], raw_request: Request, param: str
 ) -> tuple[list[float], dict[str, int]]:
     """Each pair's score (`pagedrs.scoring`), and the tokens it took."""
-    if serving.engine.pooler.classify is not None:
+    serving.check_count(len(text_pairs), param)
+    pooler = serving.engine.pooler
+    if pooler.classify is not None:
+        if pooler.num_labels != 1:  # refused before any work is queued
+            raise APIError(400, f"scoring needs a classifier with one label; this model's head has {pooler.num_labels}")
 
         def encode_pairs(tokenizer: Any) -> list[Prompt]:
             return [Prompt(pair_token_ids(tokenizer, first, second)) for first, second in text_pairs]
@@ -109,6 +116,7 @@ async def score_pairs(
 
 
 async def create_score(serving: Serving, body: ScoreRequest, raw_request: Request) -> dict[str, Any]:
+    warn_unknown_fields(body)
     serving.check_model(body.model)
     try:
         text_pairs = pairs(body.text_1, body.text_2)
@@ -135,15 +143,16 @@ def _document_text(document: str | dict[str, Any], index: int) -> str:
 
 
 async def create_rerank(serving: Serving, body: RerankRequest, raw_request: Request) -> dict[str, Any]:
+    warn_unknown_fields(body)
     serving.check_model(body.model)
-    if body.top_n is not None and body.top_n < 0:
-        raise APIError(400, f"top_n must be at least 0, got {body.top_n}", param="top_n")
+    if body.top_n is not None and body.top_n < 1:
+        raise APIError(400, f"top_n must be at least 1, got {body.top_n}", param="top_n")
     documents = [_document_text(document, index) for index, document in enumerate(body.documents)]
     if not body.query:
         raise APIError(400, "query must not be empty", param="query")
     scores, usage = await score_pairs(serving, [(body.query, text) for text in documents], raw_request, "documents")
     order = np.argsort(-np.array(scores), kind="stable").tolist()
-    if body.top_n:
+    if body.top_n is not None:
         order = order[: body.top_n]
     results = []
     for index in order:

@@ -21,6 +21,7 @@ structured outputs, sampling and limits) and its output rendered as Responses it
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import uuid
 from collections import OrderedDict
@@ -32,10 +33,12 @@ from pydantic import Field
 from starlette.requests import Request
 
 from pagedrs.outputs import CompletionOutput, RequestOutput
-from pagedrs.server.blocks import Block, BlockStream, message_blocks
+from pagedrs.server.blocks import Block, ChoiceBlocks, message_blocks
 from pagedrs.server.chat import ChatRun, start_chat
 from pagedrs.server.protocol import ChatCompletionRequest, _Body
-from pagedrs.server.serving import APIError, Run, Serving, check_failed, error_body, event_stream
+from pagedrs.server.serving import APIError, Run, Serving, check_finished, error_body, event_stream, warn_unknown_fields
+
+logger = logging.getLogger(__name__)
 
 # -- request bodies ------------------------------------------------------------------------------
 
@@ -92,8 +95,9 @@ class _Stored:
 
 class ResponseStore:
     """Stored responses, least recently used dropped first: at most ``max_responses`` of
-    them, and at most ``max_bytes`` of their JSON together (one larger than that is not
-    stored). Thread-safe."""
+    them, and at most ``max_bytes`` of their JSON together. One response may take at most an
+    eighth of ``max_bytes`` (a larger one is not stored, and logged), so a single client cannot
+    flush everyone else's. Thread-safe."""
 
     def __init__(self, max_responses: int = 1024, max_bytes: int = 64 * 2**20):
         self.max_responses, self.max_bytes = max_responses, max_bytes
@@ -103,7 +107,13 @@ class ResponseStore:
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         size = len(json.dumps(response)) + len(json.dumps(conversation))
-        if size > self.max_bytes:
+        if size > self.max_bytes // 8:
+            logger.warning(
+                "%s: not stored: %d bytes, above the store's limit for one response (%d)",
+                response["id"],
+                size,
+                self.max_bytes // 8,
+            )
             return
         with self._lock:
             self._drop(response["id"])
@@ -224,7 +234,9 @@ def _chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> Chat
     if body.background:
         raise APIError(400, "background responses are not supported", param="background")
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
-        raise APIError(400, f"max_output_tokens must be at least 1, got {body.max_output_tokens}", "max_output_tokens")
+        raise APIError(
+            400, f"max_output_tokens must be at least 1, got {body.max_output_tokens}", param="max_output_tokens"
+        )
     messages = history + _input_messages(body.input)
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}, *messages]
@@ -282,11 +294,17 @@ def _item(block: Block, item_id: str, status: str = "completed") -> dict[str, An
             "arguments": block.text,
             "status": status,
         }
+    content = [_part(block.kind, block.text)] if block.text else []
     if block.kind == "thinking":
-        text = [{"type": "reasoning_text", "text": block.text}] if block.text else []
-        return {"type": "reasoning", "id": item_id, "summary": [], "content": text, "status": status}
-    content = [{"type": "output_text", "text": block.text, "annotations": [], "logprobs": []}] if block.text else []
+        return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    """The content part of a message's text or of a reasoning item's text."""
+    if kind == "thinking":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 _ITEM_PREFIXES = {"tool": "fc", "thinking": "rs", "text": "msg"}
@@ -347,6 +365,7 @@ def _response(
 
 
 async def create_response(serving: Serving, store: ResponseStore, body: ResponsesRequest, raw_request: Request):
+    warn_unknown_fields(body)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id)
@@ -371,8 +390,19 @@ async def create_response(serving: Serving, store: ResponseStore, body: Response
     return response
 
 
+def _error_payload(error: APIError) -> dict[str, Any]:
+    """The fields of the Responses API's ``error`` event (``code`` is a string there)."""
+    body = error_body(error.status, error.message, error.kind, error.param)["error"]
+    return {
+        "code": str(body["code"]) if body.get("code") is not None else None,
+        "message": body["message"],
+        "param": body.get("param"),
+    }
+
+
 def _error_event(error: APIError) -> str:
-    payload = {"type": "error", **error_body(error.status, error.message, error.kind, error.param)["error"]}
+    """An error outside the event sequence (the stream never started its events)."""
+    payload = {"type": "error", **_error_payload(error), "sequence_number": 0}
     return f"event: error\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
@@ -398,28 +428,36 @@ async def _events(
 
     yield event("response.created", response=snapshot("in_progress", [], None))
     yield event("response.in_progress", response=snapshot("in_progress", [], None))
-    stream = chat.plan.stream()
-    blocks = BlockStream()
+    try:
+        async for line in _output_events(serving, store, chat, body, conversation, event, snapshot):
+            yield line
+    except APIError as error:  # the engine failed the request: say so in the stream's own events
+        yield event("error", **_error_payload(error))
+        failed = snapshot("failed", [], None)
+        failed["error"] = {
+            "code": "server_error" if error.status >= 500 else "invalid_prompt",
+            "message": error.message,
+        }
+        yield event("response.failed", response=failed)
+
+
+async def _output_events(
+    serving: Serving,
+    store: ResponseStore,
+    chat: ChatRun,
+    body: ResponsesRequest,
+    conversation: list[dict[str, Any]],
+    event: Any,
+    snapshot: Any,
+) -> AsyncGenerator[str, None]:
     item_ids: dict[int, str] = {}
     done_items: list[dict[str, Any]] = []
-    sent = 0
-    final: RequestOutput | None = None
-    async for _, output in serving.outputs(run):
-        check_failed(output)
-        final = output
-        choice = output.outputs[0]
-        text = choice.text[sent:]
-        sent = len(choice.text)
-        deltas = stream.feed(text) if text else []
-        if choice.finished():
-            deltas += stream.finish()
-        for kind, block, piece in blocks.feed(deltas):
-            for line in _block_events(event, kind, block, piece, item_ids, done_items):
-                yield line
-    for kind, block, piece in blocks.close():
+    choice_blocks = ChoiceBlocks(serving, chat)
+    async for kind, block, piece in choice_blocks.events():
         for line in _block_events(event, kind, block, piece, item_ids, done_items):
             yield line
-    status = "incomplete" if final is not None and _incomplete(final.outputs[0]) else "completed"
+    final = check_finished(choice_blocks.final)
+    status = "incomplete" if _incomplete(final.outputs[0]) else "completed"
     response = snapshot(status, done_items, final)
     if body.store:
         store.put(response, conversation + _output_messages(done_items))
@@ -435,15 +473,14 @@ def _block_events(
         lines = [
             event("response.output_item.added", output_index=block.index, item=_item(block, item_id, "in_progress"))
         ]
-        if block.kind == "text":
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        if block.kind != "tool":  # a message's text or a reasoning item's text: one content part
             lines.append(
                 event(
                     "response.content_part.added",
                     item_id=item_id,
                     output_index=block.index,
                     content_index=0,
-                    part=part,
+                    part=_part(block.kind, ""),
                 )
             )
         return lines
@@ -459,13 +496,12 @@ def _block_events(
     done_items.append(item)
     if block.kind == "tool":
         lines = [event("response.function_call_arguments.done", arguments=block.text, name=block.name, **where)]
-    elif block.kind == "thinking":
-        lines = [event("response.reasoning_text.done", content_index=0, text=block.text, **where)]
     else:
-        lines = [
-            event("response.output_text.done", content_index=0, text=block.text, logprobs=[], **where),
-            event("response.content_part.done", content_index=0, part=item["content"][0], **where),
-        ]
+        if block.kind == "thinking":
+            lines = [event("response.reasoning_text.done", content_index=0, text=block.text, **where)]
+        else:
+            lines = [event("response.output_text.done", content_index=0, text=block.text, logprobs=[], **where)]
+        lines.append(event("response.content_part.done", content_index=0, part=_part(block.kind, block.text), **where))
     lines.append(event("response.output_item.done", output_index=block.index, item=item))
     return lines
 

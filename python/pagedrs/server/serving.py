@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
@@ -209,8 +210,7 @@ class Serving:
         return max_tokens
 
     def sampling_params(self, body: _Generation, max_tokens: int | None, **extra: Any) -> SamplingParams:
-        if body.model_extra:
-            logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
+        warn_unknown_fields(body)
         if body.priority != 0 and self.scheduling_policy != "priority":
             raise APIError(400, "priority needs the server started with --scheduling-policy priority", param="priority")
         max_num_seqs = self.engine.info.config.max_num_seqs
@@ -248,6 +248,18 @@ class Serving:
     def new_run(self, prefix: str, n: int, prompts: list[Prompt]) -> Run:
         return Run(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.served_model_name, n, prompts)
 
+    def check_count(self, count: int, param: str) -> None:
+        """Refuses a request of more prompts than the server queues at once, before any of
+        them is tokenized."""
+        limit = self.engine.max_waiting_requests
+        if limit is not None and count > limit:
+            raise APIError(
+                400,
+                f"this request has {count} prompts; the server queues at most {limit} at a time "
+                "(--max-waiting-requests): send them in smaller requests",
+                param=param,
+            )
+
     async def start(
         self,
         run: Run,
@@ -258,14 +270,7 @@ class Serving:
         refused, none stays queued. ``body``: its priority and cache salt, when it has them."""
         priority = body.priority if body is not None else 0
         cache_salt = body.cache_salt if body is not None else None
-        limit = self.engine.max_waiting_requests
-        if limit is not None and len(run.prompts) > limit:
-            raise APIError(
-                400,
-                f"this request has {len(run.prompts)} prompts; the server queues at most {limit} at a time "
-                "(--max-waiting-requests): send them in smaller requests",
-                param="prompt",
-            )
+        self.check_count(len(run.prompts), "prompt")
         results = await asyncio.gather(
             *(
                 self.engine.add_request(
@@ -353,10 +358,9 @@ class Serving:
         work.result()  # raises what the engine raised
         finals = []
         for final in run.finals:
-            if final is None or not final.finished:
-                raise APIError(500, "the request ended without finishing (aborted)", "InternalServerError")
-            check_failed(final)
-            finals.append(final)
+            ended = check_finished(final)
+            check_failed(ended)
+            finals.append(ended)
         return finals
 
 
@@ -405,6 +409,19 @@ def log_usage(
     raw_request.state.log_extra = (
         f" {request_id} prompt={counts['prompt_tokens']} completion={counts['completion_tokens']} finish={reasons}"
     )
+
+
+def warn_unknown_fields(body: BaseModel) -> None:
+    """Bodies take fields they do not know (clients send newer APIs' fields); each is logged."""
+    if body.model_extra:
+        logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
+
+
+def check_finished(final: RequestOutput | None) -> RequestOutput:
+    """``final``, the last output of a request, if the request finished (not aborted)."""
+    if final is None or not final.finished:
+        raise APIError(500, "the request ended without finishing (aborted)", "InternalServerError")
+    return final
 
 
 def check_failed(output: RequestOutput) -> None:

@@ -29,7 +29,10 @@ class ServerConfig:
         group="server",
     )
     api_key: str | None = knob(
-        None, "require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDRS_API_KEY)", group="server"
+        None,
+        "require 'Authorization: Bearer KEY' on the API's routes (/v1, /v2, /score, /rerank; /v1/messages also "
+        "takes x-api-key) (default: $PAGEDRS_API_KEY)",
+        group="server",
     )
     max_waiting_requests: int = knob(
         512, "answer 503 to new requests while this many wait (0: no limit)", group="server", minimum=0
