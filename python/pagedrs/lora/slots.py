@@ -1,0 +1,112 @@
+"""Adapters in a bounded set of slots on the model's device, and the batched update.
+
+Every patched linear (`LINEARS` of every decoder layer) gets one stack of ``max_loras`` slots:
+``a`` of ``[slots, slices, max_rank, in]`` and, per output slice, ``b[j]`` of
+``[slots, out_j, max_rank]``. An adapter of a smaller rank fills the first rows of its slot and
+leaves the rest zero, and a linear it does not patch stays zero in its slot, so every slot
+multiplies the same shapes.
+
+A step's rows use different adapters (or none): `LoRABatch` groups the rows by slot once per
+step, and `LoRASlots.add` applies each group's update to a linear's output: one shrink
+(``x A^T`` over every slice at once) and one expand per slice, as punica's SGMV does with a
+kernel per group. This is the torch reference; rows without an adapter cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedrs.lora.adapter import LINEARS, LoRAAdapter, _base_shapes
+
+if TYPE_CHECKING:
+    from pagedrs.models.decoder import DecoderForCausalLM
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """The step's rows grouped by slot: ``(slot, row indices on the device)`` for every slot
+    some row uses; rows without an adapter are in no group."""
+
+    groups: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def of(cls, row_slots: np.ndarray, device: torch.device) -> LoRABatch | None:
+        """``row_slots``: each row's slot, -1 for none; ``None`` when no row has an adapter."""
+        slots = np.asarray(row_slots, dtype=np.int64)
+        used = np.unique(slots[slots >= 0])
+        if len(used) == 0:
+            return None
+        return cls([(int(slot), torch.from_numpy(np.flatnonzero(slots == slot)).to(device)) for slot in used])
+
+
+class LoRASlots:
+    """``max_loras`` slots of adapter updates for every patched linear of ``model``."""
+
+    def __init__(
+        self, model: DecoderForCausalLM, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype
+    ):
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {max_loras} and {max_rank}")
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self.output_sizes: dict[tuple[int, str], list[int]] = {}
+        for layer in range(len(model.decoder_layers())):
+            for linear in LINEARS:
+                try:
+                    in_size, output_sizes = _base_shapes(model, layer, linear)
+                except ValueError:
+                    continue  # latent attention, experts: never patched (load_adapter refuses them)
+                key = (layer, linear)
+                self.output_sizes[key] = output_sizes
+                self.a[key] = torch.zeros(max_loras, len(output_sizes), max_rank, in_size, device=device, dtype=dtype)
+                self.b[key] = [
+                    torch.zeros(max_loras, size, max_rank, device=device, dtype=dtype) for size in output_sizes
+                ]
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [*self.a.values(), *(b for parts in self.b.values() for b in parts)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Puts ``adapter`` in ``slot`` (whatever was there is overwritten)."""
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot {slot} is not one of the {self.max_loras} slots")
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, above max_lora_rank ({self.max_rank})")
+        unknown = set(adapter.layers) - set(self.a)
+        if unknown:
+            raise ValueError(f"adapter {adapter.name!r} patches linears this model has no slots for: {sorted(unknown)}")
+        self.clear(slot)
+        for key, weights in adapter.layers.items():
+            for j, (a, b) in enumerate(zip(weights.a, weights.b)):
+                if a is None or b is None:
+                    continue
+                rank = a.shape[0]
+                self.a[key][slot, j, :rank].copy_(a)
+                self.b[key][j][slot, :, :rank].copy_(b)
+
+    def clear(self, slot: int) -> None:
+        for key, a in self.a.items():
+            a[slot].zero_()
+            for b in self.b[key]:
+                b[slot].zero_()
+
+    def add(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        """``y`` (the linear's output for ``x``) plus each row's adapter update, in place."""
+        a_slots, b_slots = self.a[key], self.b[key]
+        sizes = self.output_sizes[key]
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        for slot, rows in batch.groups:
+            xs = x.index_select(0, rows)
+            # One shrink for every slice: [rows, slices * max_rank].
+            shrunk = (xs @ a_slots[slot].reshape(-1, a_slots.shape[-1]).T).view(len(rows), len(sizes), -1)
+            for j, (start, size) in enumerate(zip(starts, sizes)):
+                update = shrunk[:, j] @ b_slots[j][slot].T
+                y[:, start : start + size].index_add_(0, rows, update)
+        return y
