@@ -36,6 +36,7 @@ _LAZY = {
     "LLM": "pagedrs.llm",
     "LLMEngine": "pagedrs.engine.llm_engine",
     "EngineConfig": "pagedrs.config",
+    "LoRARequest": "pagedrs.lora.adapter",
 }
 
 
@@ -52,6 +53,7 @@ __all__ = [
     "EngineConfig",
     "LLM",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

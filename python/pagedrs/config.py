@@ -133,6 +133,14 @@ class EngineConfig:
         'e.g. {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
         '"is_original_qwen3_reranker": true} serves Qwen3-Reranker as a scorer (docs/pooling.md)',
     )
+    enable_lora: bool = knob(
+        False, "serve LoRA adapters over the base model (requests name one with a LoRARequest; docs/lora.md)"
+    )
+    max_loras: int = knob(1, "adapters that run at once (each holds a device slot)", minimum=1)
+    max_lora_rank: int = knob(16, "the largest adapter rank taken (the slots' width)", minimum=1)
+    max_cpu_loras: int | None = knob(
+        None, "adapters kept in host memory, least recently used dropped first (default: max_loras)", minimum=1
+    )
     speculative_config: SpeculativeConfig | None = knob(
         None,
         'speculative decoding as JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 4, '

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from pagedrs.config import EngineConfig
 from pagedrs.engine.llm_engine import LLMEngine
+from pagedrs.lora.adapter import LoRARequest
 from pagedrs.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -103,9 +104,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for each prompt (text, token ids, or vLLM's prompt dicts); outputs come
-        back in the order of the prompts. All prompts are validated before any is queued."""
+        back in the order of the prompts. All prompts are validated before any is queued.
+        ``lora_request``: the adapter every prompt runs with, or one (or ``None``) per prompt
+        (an `LLM` built with ``enable_lora=True``)."""
         engine_prompts = _prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(engine_prompts)
@@ -113,7 +117,13 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(engine_prompts):
                 raise ValueError(f"{len(engine_prompts)} prompts but {len(params)} sampling params")
-        return self._run(self._add_all(engine_prompts, params), use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            adapters: list[LoRARequest | None] = [lora_request] * len(engine_prompts)
+        else:
+            adapters = list(lora_request)
+            if len(adapters) != len(engine_prompts):
+                raise ValueError(f"{len(engine_prompts)} prompts but {len(adapters)} LoRA requests")
+        return self._run(self._add_all(engine_prompts, params, adapters), use_tqdm)
 
     def embed(
         self,
@@ -186,13 +196,19 @@ class LLM:
             raise RuntimeError(f"request {output.request_id} ended without a result: {output.error or 'cut short'}")
         return output.pooled
 
-    def _add_all(self, prompts: list[str | list[int]], params: Sequence[SamplingParams | PoolingParams]) -> list[str]:
+    def _add_all(
+        self,
+        prompts: list[str | list[int]],
+        params: Sequence[SamplingParams | PoolingParams],
+        adapters: Sequence[LoRARequest | None] | None = None,
+    ) -> list[str]:
         """Queues every prompt, or (when one is refused) none."""
         request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, param in zip(request_ids, prompts, params):
-                self.engine.add_request(request_id, prompt, param)
+            for index, (request_id, prompt, param) in enumerate(zip(request_ids, prompts, params)):
+                lora = adapters[index] if adapters is not None else None
+                self.engine.add_request(request_id, prompt, param, lora_request=lora)
                 added.append(request_id)
         except Exception:
             for request_id in added:

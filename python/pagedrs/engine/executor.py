@@ -40,7 +40,8 @@ class SamplingInputs:
     - ``sampled_rows``: the core's logits rows that are sampled, when some are not (they
       belong to pooling requests), in order; ``rows``, ``banned`` and ``constrained`` number
       these; ``None``: every row is sampled;
-    - ``pool_rows``: token rows whose final hidden states pooling requests read.
+    - ``pool_rows``: token rows whose final hidden states pooling requests read;
+    - ``lora_rows``: each token row's LoRA slot (-1: none), when adapters are running.
     """
 
     rows: list[SamplingRow]
@@ -51,6 +52,7 @@ class SamplingInputs:
     prompt_num_top: int = 0
     sampled_rows: np.ndarray | None = None
     pool_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    lora_rows: np.ndarray | None = None
 
 
 @dataclass
@@ -122,7 +124,7 @@ class Executor:
             if self.drafter is not None:  # it writes its proposals into the batch
                 drafts, draft_probs = self.drafter.propose(out, inputs.rows)
             logits, prompt_logits, pooled = self.runner.execute(
-                out, inputs.prompt_rows, inputs.pool_rows, inputs.sampled_rows
+                out, inputs.prompt_rows, inputs.pool_rows, inputs.sampled_rows, inputs.lora_rows
             )
             prompt_columns = self._prompt_logprobs(inputs, prompt_logits)
             pooled = None if pooled is None else pooled.cpu()

@@ -16,8 +16,11 @@ from pagedrs.config import EngineConfig
 from pagedrs.engine.builder import EngineInfo, load_engine_parts
 from pagedrs.engine.executor import Executor
 from pagedrs.engine.host_memory import retain_freed_host_memory
+from pagedrs.engine.model_runner import ModelRunner
 from pagedrs.engine.output_processor import OutputProcessor, Pooler
 from pagedrs.engine.request_state import StructuredOutputStats, _Request
+from pagedrs.lora.adapter import LoRARequest
+from pagedrs.lora.manager import LoRAManager
 from pagedrs.outputs import RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sample import Sampler
@@ -44,6 +47,21 @@ class LLMEngine:
         self.parallel = parts.parallel
         """The other tensor-parallel ranks (this engine is rank 0), when there are any."""
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.lora: LoRAManager | None = None
+        """The adapters (``enable_lora``), else ``None``."""
+        if config.enable_lora:
+            if self.parallel is not None:
+                raise ValueError("enable_lora does not run with tensor parallelism yet")
+            self.lora = LoRAManager(
+                self.model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras,
+                self.info.device,
+                next(self.model.parameters()).dtype,
+            )
+            assert isinstance(self.runner, ModelRunner)  # (no tensor parallelism, checked above)
+            self.runner.lora = self.lora
         self.processor = OutputProcessor(
             parts.scheduler,
             self.tokenizer,
@@ -60,6 +78,7 @@ class LLMEngine:
                 generates=not self.model.sequence_classifier,
                 num_labels=self.model.score.out_features if self.model.score is not None else 0,
             ),
+            lora=self.lora,
         )
         self.executor = Executor(
             self.runner,
@@ -117,24 +136,29 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queues a request: one to generate (`SamplingParams`), or one that pools its prompt's
         hidden states into an embedding or scores (`PoolingParams`; its output's ``pooled``).
-        Bad input raises ``ValueError`` and queues nothing.
+        ``lora_request``: the adapter it generates with (an engine built with ``enable_lora``;
+        while every slot is held by other adapters it waits). Bad input raises ``ValueError``
+        and queues nothing.
 
         Admission is atomic: everything the request needs (token ids, generators, penalty
         slots, detokenizers) is checked and built before the core sees it, and if the core
         refuses it, what was built is released. A refused request leaves no trace.
         """
-        self.processor.add(request_id, prompt, params or SamplingParams(), priority, cache_salt)
+        self.processor.add(request_id, prompt, params or SamplingParams(), priority, cache_salt, lora_request)
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; unknown ids are ignored."""
         request = self.processor.requests.get(request_id)
         if request is None:
             return
+        waiting = request.waiting_for_slot  # (never reached the scheduler)
         self.processor.forget(request)
-        self.scheduler.abort_request(request_id)
+        if not waiting:
+            self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.processor.requests)
@@ -167,6 +191,8 @@ class LLMEngine:
         freed and the engine goes on with the others.
         """
         self.check_health()
+        if self.lora is not None:
+            self.processor.admit_waiting()
         out = self.scheduler.schedule()
         self.last_schedule = out
         result = self.executor.execute(out, self.processor.sampling_inputs)

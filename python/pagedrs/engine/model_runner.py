@@ -28,6 +28,7 @@ from pagedrs.quant.loading import load_weights
 
 if TYPE_CHECKING:
     from pagedrs.config import EngineConfig
+    from pagedrs.lora.manager import LoRAManager
 
 
 def _run_eagerly(forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -110,6 +111,8 @@ class ModelRunner:
         )
         """Builds each step's attention metadata and copies blocks; on the GPU kernels it holds
         their `KernelPlan` (which of CUDA and Triton runs decode and prefill)."""
+        self.lora: LoRAManager | None = None
+        """The engine's adapters, when it was built with ``enable_lora`` (set by the builder)."""
         self.cpu_stack: CpuDecoderStack | None = None
         """How the layers run: as one compiled call per step on the CPU where the stack takes
         the model (`pagedrs.models.cpu_stack`), else (``None``) as the model's Python layers."""
@@ -175,6 +178,7 @@ class ModelRunner:
         extra_rows: np.ndarray | None = None,
         pool_rows: np.ndarray | None = None,
         sampled_rows: np.ndarray | None = None,
+        lora_rows: np.ndarray | None = None,
     ) -> StepLogits:
         """Copy-on-write copies, then the forward pass. Returns float32 logits of the rows to
         sample (``out.logits_indices``, or those of them ``sampled_rows`` picks) and of
@@ -182,7 +186,12 @@ class ModelRunner:
         tokens (float32; pooling requests). (With tensor parallelism
         `pagedrs.engine.parallel.TensorParallelRunner` sends the step to the other ranks first.)"""
         arrays = StepArrays.of(out, extra_rows, sampled_rows)
-        logits, pooled = self.forward_pooled(arrays, pool_rows)
+        adapters = self.lora is not None and self.lora.set_step(lora_rows, self.device)
+        try:
+            logits, pooled = self.forward_pooled(arrays, pool_rows, adapters)
+        finally:
+            if self.lora is not None:
+                self.lora.set_step(None, self.device)
         return StepLogits.split(logits, out, sampled_rows, pooled)
 
     def forward(self, out: StepArrays) -> torch.Tensor:
@@ -192,15 +201,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_pooled(
-        self, out: StepArrays, pool_rows: np.ndarray | None = None
+        self, out: StepArrays, pool_rows: np.ndarray | None = None, adapters: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, and the final hidden states (float32) of the ``pool_rows`` tokens when
-        there are any (rank 0 only: the other ranks compute the same logits rows)."""
+        there are any (rank 0 only: the other ranks compute the same logits rows).
+        ``adapters``: some rows run LoRA adapters (`pagedrs.lora`): the Python layers run the
+        step, their hooks add the updates (neither the compiled stack nor a graph has them)."""
         pooling = pool_rows is not None and len(pool_rows) > 0
         graphs = self.graphs
         if (
             graphs is not None
             and not pooling
+            and not adapters
             and graphs.can_run(out.query_start_loc, out.logits_rows, out.block_tables[0], len(out.block_copies))
         ):
             with _on_device(self.device):
@@ -235,13 +247,10 @@ class ModelRunner:
         meta = metas[0] if len(metas) == 1 else StepViews(metas, self.layout.layer_views)
         model = self.model
         num_logits = len(out.logits_rows)
+        stack = None if adapters else self.cpu_stack
         if not pooling and num_logits:
-            return model(
-                input_token_ids, positions, self.kv_caches, meta, rows_on_device, self.cpu_stack, lengths
-            ), None
-        hidden = model.final_hidden(
-            input_token_ids, positions, self.kv_caches, meta, rows_on_device, self.cpu_stack, lengths
-        )
+            return model(input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths), None
+        hidden = model.final_hidden(input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths)
         if num_logits:  # (a sequence classifier has no head: its steps have no rows to sample)
             logits = model.compute_logits(hidden[:num_logits])
         else:

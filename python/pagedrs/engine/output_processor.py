@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,12 +24,16 @@ from pagedrs.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pagedrs.engine.executor import SamplingInputs, StepResult
 from pagedrs.engine.request_state import StructuredOutputStats, _Choice, _Pooling, _Request
 from pagedrs.errors import DuplicateRequestError
+from pagedrs.lora.adapter import LoRARequest
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sample import Sampler, SamplingRow
 from pagedrs.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pagedrs.spec_decode.verify import speculates
 from pagedrs.structured_vocab import token_bytes
+
+if TYPE_CHECKING:
+    from pagedrs.lora.manager import LoRAManager
 
 logger = logging.getLogger("pagedrs")
 
@@ -65,12 +69,16 @@ class OutputProcessor:
         speculative: bool,
         rope_salt: Callable[[int], str | None] | None = None,
         pooler: Pooler | None = None,
+        lora: LoRAManager | None = None,
     ):
         """``rope_salt``: what a prompt of this length adds to its cache salt (the model's
         `cache_salt`: length-dependent rotary embeddings rotate its keys by its length).
         ``pooler``: what pooling requests may ask of the model (default: embeddings without
         ``dimensions``, no classifier)."""
         self.pooler = pooler or Pooler(0, None, generates=True)
+        self.lora = lora
+        """The adapters (`LLMEngine` built with ``enable_lora``), else ``None``."""
+        self._waiting_for_slots: list[tuple[_Request, Callable[[], None]]] = []
         self.scheduler = scheduler
         self._rope_salt = rope_salt
         self.tokenizer = tokenizer
@@ -105,12 +113,22 @@ class OutputProcessor:
         params: SamplingParams | PoolingParams,
         priority: int,
         cache_salt: str | None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Checks and queues a request (see `LLMEngine.add_request`)."""
         if request_id in self.requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already live")
         if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("this engine was started without LoRA: create it with enable_lora=True")
+            if isinstance(params, PoolingParams):
+                raise ValueError("pooling requests do not run with LoRA adapters yet")
+            self.lora.register(lora_request)  # reads and checks a new adapter
+            # The same prompt under two adapters has different keys and values: never shared.
+            adapter_salt = f"lora:{lora_request.lora_int_id}"
+            cache_salt = adapter_salt if cache_salt is None else f"{cache_salt}|{adapter_salt}"
         if isinstance(params, PoolingParams):
             self._add_pooling(request_id, prompt, params, priority, cache_salt)
             return
@@ -135,7 +153,14 @@ class OutputProcessor:
             grammar_id = self.grammars.compile(*params.structured_outputs.kind_and_spec())
         request = self._new_request(request_id, text, token_ids, params, stop_token_ids, grammar_id)
         cache_salt = self._cache_salt(cache_salt, len(token_ids))
-        try:
+        if lora_request is not None and len(token_ids) >= self.max_model_len:
+            # What the core would say at once, said now for a request that may wait for a slot.
+            self._release(request)
+            raise ValueError(
+                f"the prompt ({len(token_ids)} tokens) leaves no room for output (max_model_len {self.max_model_len})"
+            )
+
+        def enqueue() -> None:
             self.scheduler.add_request(
                 request_id,
                 token_ids,
@@ -147,15 +172,56 @@ class OutputProcessor:
                 n=params.n,
                 priority=priority,
                 cache_salt=cache_salt,
-                speculate=speculates(params),
+                # Speculation steps aside for adapters (the draft and the n-gram tables know none).
+                speculate=speculates(params) and lora_request is None,
                 # Every prompt position's logits are needed: the core computes its whole prompt.
                 prompt_logprobs=params.prompt_logprobs is not None,
             )
+
+        if lora_request is not None:
+            request.lora_id = lora_request.lora_int_id
+            request.waiting_for_slot = not self._acquire_slot(request)
+        try:
+            if request.waiting_for_slot:
+                self._waiting_for_slots.append((request, enqueue))
+            else:
+                enqueue()
         except BaseException:
+            if request.lora_id is not None and self.lora is not None:
+                self.lora.release(request.lora_id)
             self._release(request)
             raise
         self.requests[request_id] = request
         self._num_constrained_requests += grammar_id is not None
+
+    def _acquire_slot(self, request: _Request) -> bool:
+        assert self.lora is not None and request.lora_id is not None
+        return self.lora.acquire(request.lora_id)
+
+    def admit_waiting(self) -> None:
+        """Moves requests whose adapters now find a slot into the scheduler, in arrival order
+        (one whose adapter is already in a slot may pass one still waiting)."""
+        still: list[tuple[_Request, Callable[[], None]]] = []
+        for request, enqueue in self._waiting_for_slots:
+            if self.requests.get(request.request_id) is not request:
+                continue  # aborted while it waited
+            if not self._acquire_slot(request):
+                still.append((request, enqueue))
+                continue
+            request.waiting_for_slot = False
+            try:
+                enqueue()
+            except Exception as error:  # the core refused it: this request fails alone
+                logger.exception("request %s failed on leaving the LoRA queue", request.request_id)
+                assert self.lora is not None and request.lora_id is not None
+                self.lora.release(request.lora_id)
+                request.waiting_for_slot = True  # (never in the scheduler)
+                self._fail(request.request_id, error)
+        self._waiting_for_slots = still
+
+    @property
+    def num_waiting_for_slots(self) -> int:
+        return len(self._waiting_for_slots)
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """The prompt's text (``None`` for token ids) and its checked token ids."""
@@ -281,9 +347,12 @@ class OutputProcessor:
         )
 
     def forget(self, request: _Request) -> None:
-        """The one place a request leaves the engine: its sampler state goes with it."""
+        """The one place a request leaves the engine: its sampler state goes with it (and its
+        hold on a LoRA slot)."""
         del self.requests[request.request_id]
         self._num_pooling -= request.pooling is not None
+        if request.lora_id is not None and self.lora is not None and not request.waiting_for_slot:
+            self.lora.release(request.lora_id)
         self._release(request)
 
     def _release(self, request: _Request) -> None:
@@ -325,6 +394,14 @@ class OutputProcessor:
                     banned.append((sampled, choice.banned_token_ids))
         sampled_rows = np.delete(np.arange(len(out.logits_indices)), unsampled) if unsampled else None
         pool_rows = self._pool_rows(out) if self._num_pooling else np.zeros(0, np.int64)
+        lora_rows = None
+        if self.lora is not None and self.lora.num_running:
+            lora = self.lora
+            seq_slots = [
+                -1 if (lora_id := self.requests[request_id].lora_id) is None else lora.slot(lora_id)
+                for request_id in request_ids
+            ]
+            lora_rows = np.repeat(np.array(seq_slots, dtype=np.int64), out.num_scheduled_tokens)
         prompt_rows = self._prompt_logprob_rows(out)
         self._prompt_owners = [(request, position) for _, request, position in prompt_rows]
         return SamplingInputs(
@@ -336,6 +413,7 @@ class OutputProcessor:
             prompt_num_top=max((request.params.prompt_logprobs or 0 for _, request, _ in prompt_rows), default=0),
             sampled_rows=sampled_rows,
             pool_rows=pool_rows,
+            lora_rows=lora_rows,
         )
 
     def _pool_rows(self, out: SchedulerOutput) -> np.ndarray:

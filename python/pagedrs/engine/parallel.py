@@ -251,6 +251,7 @@ class TensorParallelRunner:
         extra_rows: np.ndarray | None = None,
         pool_rows: np.ndarray | None = None,
         sampled_rows: np.ndarray | None = None,
+        lora_rows: np.ndarray | None = None,
     ) -> StepLogits:
         """As `ModelRunner.execute`, on every rank (the pooled rows' hidden states are rank
         0's: every rank ends the layers with the same hidden states)."""

@@ -73,6 +73,10 @@ class _Request:
     error: str | None = None
     pooling: _Pooling | None = None
     """A pooling request's state (it has no choices: its one core choice is never sampled)."""
+    lora_id: int | None = None
+    """Its adapter's ``lora_int_id`` (`pagedrs.lora`), if it runs with one."""
+    waiting_for_slot: bool = False
+    """Not yet in the scheduler: its adapter waits for a LoRA slot."""
 
     def finished(self) -> bool:
         if self.pooling is not None:

@@ -110,3 +110,36 @@ class LoRASlots:
                 update = shrunk[:, j] @ b_slots[j][slot].T
                 y[:, start : start + size].index_add_(0, rows, update)
         return y
+
+
+class LoRAState:
+    """The model's adapter slots and the current step's `LoRABatch` (``None``: no row of the
+    step has an adapter, and every hook returns at once)."""
+
+    def __init__(self, slots: LoRASlots):
+        self.slots = slots
+        self.batch: LoRABatch | None = None
+
+    def attach(self, model: DecoderForCausalLM) -> None:
+        """Gives each decoder layer's attention and MLP its `LoRAHook`."""
+        from pagedrs.models.decoder import MLP, Attention
+
+        for index, layer in enumerate(model.decoder_layers()):
+            for module in (layer.self_attn, layer.mlp):
+                if isinstance(module, (Attention, MLP)):
+                    module.lora = LoRAHook(self, index)
+
+
+class LoRAHook:
+    """What a layer's module calls after each linear an adapter may patch: the linear's output
+    plus the step's updates for the rows that have adapters."""
+
+    def __init__(self, state: LoRAState, layer: int):
+        self.state, self.layer = state, layer
+
+    def __call__(self, linear: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        batch = self.state.batch
+        key = (self.layer, linear)
+        if batch is None or key not in self.state.slots.a:
+            return y
+        return self.state.slots.add(key, x, y, batch)

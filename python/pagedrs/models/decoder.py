@@ -33,6 +33,7 @@ from pagedrs.quant.mxfp4 import Mxfp4Joiner
 
 if TYPE_CHECKING:
     from pagedrs.attention.cpu_backend import CpuAttentionMetadata
+    from pagedrs.lora.slots import LoRAHook
     from pagedrs.models.cpu_stack import CpuDecoderStack
 
     StepCpuAttention = CpuAttentionMetadata | StepViews[CpuAttentionMetadata]
@@ -135,6 +136,8 @@ class Attention(nn.Module):
         # gpt-oss: a logit per query head in its softmax; each rank holds its heads'.
         self.heads = slice(tp.rank * self.num_heads, (tp.rank + 1) * self.num_heads)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), False) if family.attention_sinks else None
+        self.lora: LoRAHook | None = None
+        """Adds the step's LoRA updates to ``qkv_proj`` and ``o_proj`` (`pagedrs.lora`)."""
 
     @property
     def scale(self) -> float:
@@ -142,7 +145,10 @@ class Attention(nn.Module):
 
     def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.lora is not None:
+            qkv = self.lora("qkv_proj", hidden, qkv)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         # OLMo 2 normalizes q and k over all heads at once, Qwen3 and Gemma 3 head by head.
         norms = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
         if norms is not None and self.full_qk_norm:
@@ -156,7 +162,10 @@ class Attention(nn.Module):
         out = meta.attend(
             q, k, v, kv_cache[0], kv_cache[1], self.spec.scale, softcap=self.spec.softcap, sinks=self.sinks
         )
-        return self.o_proj(out.reshape(-1, q_size))
+        out = out.reshape(-1, q_size)
+        if self.lora is not None:
+            return self.lora("o_proj", out, self.o_proj(out))
+        return self.o_proj(out)
 
 
 def _activation(config: Any, family: Family) -> str:
@@ -178,13 +187,21 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [intermediate, intermediate], bias, tp, dtype)
         self.down_proj = RowParallelLinear(intermediate, config.hidden_size, bias, tp, dtype)
+        self.lora: LoRAHook | None = None
+        """Adds the step's LoRA updates to ``gate_up_proj`` and ``down_proj`` (`pagedrs.lora`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.lora is not None:
+            gate_up = self.lora("gate_up_proj", x, gate_up)
         if self.activation == "silu" and fused.enabled(gate_up):
-            return self.down_proj(fused.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self._act(gate) * up)
+            h = fused.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = self._act(gate) * up
+        if self.lora is not None:
+            return self.lora("down_proj", h, self.down_proj(h))
+        return self.down_proj(h)
 
 
 def is_sparse_layer(config: Any, family: Family, index: int) -> bool:
