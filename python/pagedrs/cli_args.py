@@ -2,7 +2,8 @@
 
 - A field ``max_num_seqs`` is the flag ``--max-num-seqs`` (plus the knob's extra ``flags``),
   with the field's default and help; ``Literal`` values become ``choices``; a bool is a
-  ``--x / --no-x`` pair; a ``positional`` knob is a positional argument.
+  ``--x / --no-x`` pair; a ``list`` takes one or more values; a ``positional`` knob is a
+  positional argument.
 - `config_from_args` builds the dataclass back from the parsed namespace, so a value takes
   one trip: flag -> field -> its validation (a bad value is a usage error, not a traceback).
 """
@@ -57,6 +58,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_class: type) ->
         names = [*meta.get("flags", ()), "--" + spec.name.replace("_", "-")]
         if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
+        elif _is_list(hints[spec.name]):  # one or more values after the flag
+            options["nargs"] = "+"
         else:
             options["type"] = kind
             if choices:
@@ -70,6 +73,10 @@ def config_from_args(config_class: type[T], args: argparse.Namespace) -> T:
     specs = dataclasses.fields(config_class)  # type: ignore[arg-type]  # any dataclass
     values = {spec.name: getattr(args, spec.name) for spec in specs if spec.init}
     return config_class(**values)
+
+
+def _is_list(hint: Any) -> bool:
+    return list in (get_args(hint) or (hint,))
 
 
 def _flag_kind(hint: Any) -> tuple[Any, list[str] | None]:

@@ -33,6 +33,8 @@ from pagedrs.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pagedrs.lora.adapter import LoRARequest
+
 logger = logging.getLogger("pagedrs")
 
 
@@ -285,6 +287,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         delta: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queues a request; returns once the engine has taken it. Bad input raises
         ``ValueError`` (nothing is queued), a full waiting queue `QueueFullError`. The caller
@@ -304,7 +307,7 @@ class AsyncLLMEngine:
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_waiting_requests})")
             self._pending_adds += 1
-        self._commands.put(("add", request_id, prompt, params, priority, cache_salt, stream, added))
+        self._commands.put(("add", request_id, prompt, params, priority, cache_salt, lora_request, stream, added))
         if not self.is_alive():  # stopped after the check above: nobody will read the command
             self._fail_pending_commands(EngineDeadError("the engine has stopped"))
         try:
@@ -393,9 +396,11 @@ class AsyncLLMEngine:
             elif kind == "abort":
                 self._abort(command[1])
 
-    def _add(self, request_id, prompt, params, priority, cache_salt, stream: _Stream, added) -> None:
+    def _add(self, request_id, prompt, params, priority, cache_salt, lora_request, stream: _Stream, added) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+            self.engine.add_request(
+                request_id, prompt, params, priority=priority, cache_salt=cache_salt, lora_request=lora_request
+            )
         except Exception as error:  # noqa: BLE001 - handed to the caller
             _call_soon(stream.loop, _set_exception, added, error)
         else:
@@ -451,7 +456,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                stream, added = command[6], command[7]
+                stream, added = command[7], command[8]
                 _call_soon(stream.loop, _set_exception, added, reason)
 
 

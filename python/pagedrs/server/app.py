@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedrs import __version__
@@ -33,9 +33,11 @@ from pagedrs.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagedrs.server.responses import (
     ResponsesRequest,
@@ -44,7 +46,14 @@ from pagedrs.server.responses import (
     delete_response,
     get_response,
 )
-from pagedrs.server.serving import APIError, ClientDisconnected, Serving, ToolSettings, error_body
+from pagedrs.server.serving import (
+    APIError,
+    ClientDisconnected,
+    Serving,
+    ToolSettings,
+    error_body,
+    warn_unknown_fields,
+)
 from pagedrs.server.settings import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 from pagedrs.spec_decode import SpeculativeConfig
 
@@ -208,6 +217,11 @@ def build_app(
     """The ASGI application serving `engine` (started by the caller); ``server_config``, when
     given, is reported by ``/server_info``."""
     serving = Serving(engine, served_model_name, tool_settings)
+    for name, path in (server_config.lora_paths if server_config is not None else {}).items():
+        try:
+            serving.add_adapter(name, path)
+        except APIError as error:  # a bad --lora-modules entry stops the start
+            raise ValueError(f"--lora-modules {name}={path}: {error.message}") from None
     app = FastAPI(title="pagedrs", version=__version__)
     app.state.serving = serving
     max_stored = server_config.max_stored_responses if server_config is not None else 1024
@@ -292,20 +306,33 @@ def build_app(
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served_model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "pagedrs",
-                    "root": engine.info.model_name,
-                    "parent": None,
-                    "max_model_len": serving.max_model_len,
-                }
-            ],
+        created = int(time.time())
+        base = {
+            "id": served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pagedrs",
+            "root": engine.info.model_name,
+            "parent": None,
+            "max_model_len": serving.max_model_len,
         }
+        adapters = [
+            base | {"id": name, "root": str(request.lora_path), "parent": served_model_name}
+            for name, request in serving.adapters.items()
+        ]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        warn_unknown_fields(body)
+        await serving.load_adapter(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        warn_unknown_fields(body)
+        serving.unload_adapter(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health():

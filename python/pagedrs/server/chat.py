@@ -106,7 +106,7 @@ async def start_chat(serving: Serving, body: ChatCompletionRequest, prefix: str 
     if plan.parser is not None and plan.parser.needs_special_tokens:
         extra["skip_special_tokens"] = False  # its markers are special tokens
     params = serving.sampling_params(body, max_tokens, **extra)
-    run = serving.new_run(prefix, body.n, [prompt])
+    run = serving.new_run(prefix, body.n, [prompt], body.model)
     # vLLM's echo for chat: an unfinished assistant message is repeated before its continuation.
     echo = ""
     if body.echo and conversation and conversation[-1]["role"] == "assistant":

@@ -84,7 +84,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, raw_reque
     # how many tokens they may still generate.
     base = serving.sampling_params(body, max_tokens[0], **extra)
     params = [base if limit == base.max_tokens else dataclasses.replace(base, max_tokens=limit) for limit in max_tokens]
-    run = serving.new_run("cmpl", body.n, prompts)
+    run = serving.new_run("cmpl", body.n, prompts, body.model)
     await serving.start(run, params, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

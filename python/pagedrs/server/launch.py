@@ -64,15 +64,19 @@ def build_server(args: argparse.Namespace, start_engine_thread: bool = True):
         start_thread=start_engine_thread,
     )
     metrics.attach(engine)
-    app = build_app(
-        engine,
-        served_model_name=name,
-        metrics=metrics,
-        api_key=server.api_key,
-        max_request_bytes=server.max_request_bytes,
-        tool_settings=tool_settings,
-        server_config=server,
-    )
+    try:
+        app = build_app(
+            engine,
+            served_model_name=name,
+            metrics=metrics,
+            api_key=server.api_key,
+            max_request_bytes=server.max_request_bytes,
+            tool_settings=tool_settings,
+            server_config=server,
+        )
+    except BaseException:  # (a bad --lora-modules entry): no engine thread left behind
+        engine.shutdown()
+        raise
     return app, engine
 
 

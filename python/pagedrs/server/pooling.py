@@ -65,7 +65,7 @@ async def pool(
 
 async def create_embedding(serving: Serving, body: EmbeddingRequest, raw_request: Request) -> dict[str, Any]:
     warn_unknown_fields(body)
-    serving.check_model(body.model)
+    serving.check_model(body.model, adapters=False)
     if isinstance(body.input, list) and body.input and not isinstance(body.input[0], int):
         serving.check_count(len(body.input), "input")
     prompts = await serving.tokenize(prompts_of, body.input, "input")
@@ -117,7 +117,7 @@ async def score_pairs(
 
 async def create_score(serving: Serving, body: ScoreRequest, raw_request: Request) -> dict[str, Any]:
     warn_unknown_fields(body)
-    serving.check_model(body.model)
+    serving.check_model(body.model, adapters=False)
     try:
         text_pairs = pairs(body.text_1, body.text_2)
     except ValueError as error:
@@ -144,7 +144,7 @@ def _document_text(document: str | dict[str, Any], index: int) -> str:
 
 async def create_rerank(serving: Serving, body: RerankRequest, raw_request: Request) -> dict[str, Any]:
     warn_unknown_fields(body)
-    serving.check_model(body.model)
+    serving.check_model(body.model, adapters=False)
     if body.top_n is not None and body.top_n < 1:
         raise APIError(400, f"top_n must be at least 1, got {body.top_n}", param="top_n")
     documents = [_document_text(document, index) for index, document in enumerate(body.documents)]

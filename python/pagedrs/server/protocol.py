@@ -245,3 +245,16 @@ class RerankRequest(_Body):
     top_n: int | None = None
     """Keep the best ``top_n`` (default: all)."""
     return_documents: bool = True
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's ``/v1/load_lora_adapter`` body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's ``/v1/unload_lora_adapter`` body."""
+
+    lora_name: str

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import itertools
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream, add_delta
+from pagedrs.lora.adapter import LoRARequest, load_adapter
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams, StructuredOutputsParams
@@ -118,6 +120,8 @@ class Run:
     prompts: list[Prompt]
     streams: list[RequestStream] = field(default_factory=list)
     finals: list[RequestOutput | None] = field(default_factory=list)
+    lora: LoRARequest | None = None
+    """The adapter the request's ``model`` names, if it names one (``model`` is then its name)."""
 
     def choice_index(self, prompt_index: int, choice_index: int) -> int:
         return prompt_index * self.n + choice_index
@@ -165,6 +169,9 @@ class Serving:
         # tokens for streams and logprobs), and one per tokenizer thread.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self._tokenizer_pool = ThreadPoolExecutor(self.TOKENIZER_THREADS, thread_name_prefix="pagedrs-tokenizer")
+        self.adapters: dict[str, LoRARequest] = {}
+        """LoRA adapters served by name (``--lora-modules``, ``/v1/load_lora_adapter``)."""
+        self._lora_ids = itertools.count(1)
         self._thread_tokenizers = threading.local()
 
     def _thread_tokenizer(self) -> Any:
@@ -183,7 +190,12 @@ class Serving:
 
     # -- checks --------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None, adapters: bool = True) -> None:
+        """``model`` is the served model or (where ``adapters``) a loaded LoRA adapter's name."""
+        if model is not None and model in self.adapters:
+            if not adapters:
+                raise APIError(400, f"`{model}` is a LoRA adapter: this route runs the base model only", param="model")
+            return
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
@@ -245,8 +257,41 @@ class Serving:
 
     # -- running -------------------------------------------------------------------------
 
-    def new_run(self, prefix: str, n: int, prompts: list[Prompt]) -> Run:
-        return Run(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.served_model_name, n, prompts)
+    def new_run(self, prefix: str, n: int, prompts: list[Prompt], model: str | None = None) -> Run:
+        """``model``: the request's, when it may name a LoRA adapter (resolved now: an adapter
+        unloaded later does not change what this request runs)."""
+        lora = self.adapters.get(model) if model is not None else None
+        name = model if lora is not None and model is not None else self.served_model_name
+        return Run(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), name, n, prompts, lora=lora)
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serves the peft adapter at ``path`` as model ``name``; it is read and checked
+        against the model on a worker thread first."""
+        await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.add_adapter, name, path)
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """`load_adapter`'s work, on the calling thread (``--lora-modules`` at start)."""
+        config = self.engine.info.config
+        if not config.enable_lora:
+            raise APIError(400, "the server was started without --enable-lora", param="lora_name")
+        if not isinstance(name, str) or not name or name == self.served_model_name or name in self.adapters:
+            raise APIError(400, f"the model name {name!r} is taken (or empty)", param="lora_name")
+        if not isinstance(path, str) or not path:
+            raise APIError(400, "lora_path must be a non-empty string", param="lora_path")
+        request = LoRARequest(name, next(self._lora_ids), path)
+        try:
+            # Reads the model's shapes only (the engine thread may be stepping meanwhile).
+            load_adapter(request, self.engine.engine.model, config.max_lora_rank)
+        except ValueError as error:
+            raise APIError(400, str(error), param="lora_path") from error
+        self.adapters[name] = request
+
+    def unload_adapter(self, name: str) -> None:
+        """Stops serving adapter ``name`` (requests already running finish with it)."""
+        if self.adapters.pop(name, None) is None:
+            raise APIError(404, f"no LoRA adapter named {name!r} is loaded", "NotFoundError", "lora_name")
 
     def check_count(self, count: int, param: str) -> None:
         """Refuses a request of more prompts than the server queues at once, before any of
@@ -280,6 +325,7 @@ class Serving:
                     priority=priority,
                     cache_salt=cache_salt,
                     delta=True,
+                    lora_request=run.lora,
                 )
                 for index, (prompt, param) in enumerate(zip(run.prompts, params))
             ),

@@ -3,6 +3,7 @@ declared once; ``pagedrs serve``'s flags derive from both (`pagedrs.cli_args`)."
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -47,6 +48,12 @@ class ServerConfig:
         group="server",
         minimum=0,
     )
+    lora_modules: list | None = knob(
+        None,
+        'LoRA adapters served from the start, as NAME=PATH (or vLLM\'s JSON {"name": ..., "path": ...}); '
+        "a request selects one with model: NAME (needs --enable-lora; docs/lora.md)",
+        group="server",
+    )
     log_level: LogLevel = knob("info", "log level", group="server")
     enable_auto_tool_choice: bool = knob(
         False,
@@ -72,9 +79,33 @@ class ServerConfig:
         check_fields(self)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.lora_paths = _lora_paths(self.lora_modules or [])
+        """``--lora-modules`` as name -> path."""
 
     def served_name(self, model: str | None) -> str:
         """The name clients send for ``model`` (the engine's ``model`` setting)."""
         if self.served_model_name:
             return self.served_model_name
         return DEFAULT_SERVED_NAME if model is None else model
+
+
+def _lora_paths(modules: list) -> dict[str, str]:
+    paths: dict[str, str] = {}
+    for module in modules:
+        if isinstance(module, str) and module.lstrip().startswith("{"):
+            try:
+                module = json.loads(module)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"lora_modules: {module!r} is not JSON: {error}") from None
+        if isinstance(module, dict):
+            name, path = module.get("name"), module.get("path")
+        elif isinstance(module, str) and "=" in module:
+            name, path = module.split("=", 1)
+        else:
+            name = path = None
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f'lora_modules entries are NAME=PATH or {{"name": ..., "path": ...}}, got {module!r}')
+        if name in paths:
+            raise ValueError(f"lora_modules names {name!r} twice")
+        paths[name] = path
+    return paths
