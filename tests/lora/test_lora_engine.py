@@ -146,3 +146,27 @@ def test_bad_adapters_are_refused_and_leave_the_engine_idle(llm, checkpoint, tmp
     with pytest.raises(ValueError, match="enable_lora=True"):
         plain.generate(PROMPTS, GREEDY, lora_request=_request(checkpoint, "a", 1), use_tqdm=False)
     assert _idle(llm) and _idle(plain)
+
+
+def test_an_adapter_over_the_packed_default_model_generates_what_peft_does(tmp_path):
+    """The GGUF's packed weights (bytes, not floats) under a float adapter: the update is added
+    to the packed linears' outputs; peft runs the same weights dequantized."""
+    import peft
+
+    from pagedrs.bench.hf_baseline import load_hf_model
+
+    hf, _ = load_hf_model()
+    torch.manual_seed(5)
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
+    oracle = peft.get_peft_model(
+        hf, peft.LoraConfig(r=4, lora_alpha=32, target_modules=targets, init_lora_weights=False)
+    )
+    oracle.eval().save_pretrained(tmp_path)
+    llm = LLM(enable_lora=True, max_lora_rank=4, kv_cache_memory="64MiB")
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Name a colour."}])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ours = llm.generate([prompt], params, lora_request=LoRARequest("p", 1, str(tmp_path)), use_tqdm=False)
+    base = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    theirs = hf_greedy(oracle, prompt, 8)
+    assert_same_or_near_tie(oracle, prompt, ours[0].outputs[0].token_ids, theirs)
+    assert theirs != base  # the adapter matters here

@@ -58,7 +58,7 @@ class LLMEngine:
                 config.max_lora_rank,
                 config.max_cpu_loras,
                 self.info.device,
-                next(self.model.parameters()).dtype,
+                self.info.dtype,  # the activations' (a packed model's first parameters are bytes)
             )
             assert isinstance(self.runner, ModelRunner)  # (no tensor parallelism, checked above)
             self.runner.lora = self.lora

@@ -168,23 +168,24 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def _base_shapes(model: DecoderForCausalLM, layer: int, linear: str) -> tuple[int, list[int]]:
-    """The base linear's input size and output slices, or a ValueError when we do not patch it."""
+    """The base linear's input size and output slices (whatever its weights' format: dense or
+    packed), or a ValueError when we do not patch it."""
     from pagedrs.models.decoder import MLP, Attention
 
     decoder_layer = model.decoder_layers()[layer]
+    hidden = int(model.config.hidden_size)
     if linear in ("qkv_proj", "o_proj"):
         attn = decoder_layer.self_attn
         if not isinstance(attn, Attention):
             raise ValueError(f"layer {layer}'s attention is not patched by LoRA (latent attention)")
-        if linear == "qkv_proj":
-            return attn.qkv_proj.weight.shape[1], list(attn.qkv_proj.output_sizes)
-        return attn.o_proj.input_size, [attn.o_proj.weight.shape[0]]
+        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        return (hidden, [q_size, kv_size, kv_size]) if linear == "qkv_proj" else (q_size, [hidden])
     mlp = decoder_layer.mlp
     if not isinstance(mlp, MLP):
         raise ValueError(f"layer {layer}'s MLP is a mixture of experts, which LoRA does not patch")
-    if linear == "gate_up_proj":
-        return mlp.gate_up_proj.weight.shape[1], list(mlp.gate_up_proj.output_sizes)
-    return mlp.down_proj.input_size, [mlp.down_proj.weight.shape[0]]
+    down = mlp.down_proj
+    intermediate = int(getattr(down, "input_size", None) or getattr(down, "in_features"))
+    return (hidden, [intermediate, intermediate]) if linear == "gate_up_proj" else (intermediate, [hidden])
 
 
 def load_adapter(request: LoRARequest, model: DecoderForCausalLM, max_lora_rank: int) -> LoRAAdapter:
@@ -210,7 +211,7 @@ def load_adapter(request: LoRARequest, model: DecoderForCausalLM, max_lora_rank:
             raise ValueError(f"LoRA adapter {path!r}: layer {layer} does not exist (the model has {num_layers})")
         found.setdefault((layer, module), {})[side] = tensor
     adapter = LoRAAdapter(request.lora_name, path, rank=0)
-    dtype = next(model.parameters()).dtype
+    dtype = model.norm.weight.dtype  # the activations' (packed weights are bytes)
     for (layer, module), sides in sorted(found.items()):
         if set(sides) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {path!r}: layers.{layer}.{module} has lora_A or lora_B but not both")
