@@ -138,6 +138,13 @@ class InProcessServer:
         self.engine.shutdown()
 
 
+def engine_idle(server: InProcessServer) -> bool:
+    """No request left in the server's engine and no KV block held: what every bad input must
+    leave behind."""
+    engine = server.engine.engine
+    return engine.scheduler.stats().num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
 def send_raw(
     port: int,
     method: str,

@@ -11,7 +11,7 @@ import pytest
 
 from pagedrs import LLM, SamplingParams
 from pagedrs.lora import LoRARequest
-from tests.helpers.servers import InProcessServer, wait_for
+from tests.helpers.servers import InProcessServer, engine_idle, wait_for
 from tests.lora.test_lora_engine import checkpoint  # noqa: F401 - a fixture
 
 PROMPT = [5, 17, 33, 2, 9]
@@ -31,11 +31,6 @@ def server(checkpoint):  # noqa: F811 - the imported fixture
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
-
-
-def _idle(server) -> bool:
-    engine = server.engine.engine
-    return engine.scheduler.stats().num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
 def _offline(checkpoint, name: str | None) -> list[int]:  # noqa: F811
@@ -67,7 +62,7 @@ def test_model_selects_the_adapter(client, checkpoint, server):  # noqa: F811
         model="a", messages=[{"role": "user", "content": "w5 w6"}], max_tokens=4, temperature=0
     )
     assert chat.model == "a"
-    assert wait_for(lambda: _idle(server))
+    assert wait_for(lambda: engine_idle(server))
 
 
 def test_adapters_load_and_unload_at_run_time(client, checkpoint, server):  # noqa: F811
@@ -82,7 +77,7 @@ def test_adapters_load_and_unload_at_run_time(client, checkpoint, server):  # no
         client.completions.create(model="b", prompt=PROMPT, max_tokens=2)
     status, reply = server.http.request("POST", "/v1/unload_lora_adapter", {"lora_name": "b"})
     assert status == 404 and reply["error"]["param"] == "lora_name"
-    assert wait_for(lambda: _idle(server))
+    assert wait_for(lambda: engine_idle(server))
 
 
 def test_bad_adapters_are_4xx_and_leave_the_engine_idle(server, checkpoint, tmp_path):  # noqa: F811
@@ -103,4 +98,4 @@ def test_bad_adapters_are_4xx_and_leave_the_engine_idle(server, checkpoint, tmp_
         assert 400 <= status < 500 and message in reply["error"]["message"], (body, reply)
     status, reply = server.http.request("POST", "/v1/embeddings", {"model": "a", "input": "w5"})
     assert status == 400 and "LoRA adapter" in reply["error"]["message"]
-    assert wait_for(lambda: _idle(server))
+    assert wait_for(lambda: engine_idle(server))

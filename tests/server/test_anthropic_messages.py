@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers.servers import InProcessServer, wait_for
+from tests.helpers.servers import InProcessServer, engine_idle, wait_for
 from tests.server.test_server_tools import PARAMETERS, WEATHER, tool_model  # noqa: F401 - a fixture
 
 SYSTEM = "You answer briefly."
@@ -51,11 +51,6 @@ def model(chat) -> str:
     return chat.models.list().data[0].id
 
 
-def _idle(server) -> bool:
-    engine = server.engine.engine
-    return engine.scheduler.stats().num_used_blocks == 0 and not engine.has_unfinished_requests()
-
-
 def _greedy_chat(chat, model: str, messages: list[dict], max_tokens: int, **extra):
     return chat.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0, **extra)
 
@@ -71,7 +66,7 @@ def test_a_message_equals_the_greedy_chat_completion(client, chat, model, server
     usage = message.usage
     assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == expected.usage.prompt_tokens
     assert usage.output_tokens == expected.usage.completion_tokens
-    assert wait_for(lambda: _idle(server))
+    assert wait_for(lambda: engine_idle(server))
 
 
 def test_a_stream_carries_anthropics_events_and_the_same_text(client, model):
@@ -209,7 +204,7 @@ def test_bad_bodies_are_anthropic_errors_and_leave_the_engine_idle(server, model
     assert got == status, reply
     assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error"
     assert message in reply["error"]["message"]
-    assert wait_for(lambda: _idle(server))
+    assert wait_for(lambda: engine_idle(server))
 
 
 def test_the_client_sees_its_own_error_types(client, model):

@@ -15,14 +15,9 @@ import pytest
 import torch
 
 from tests.helpers.checkpoints import TINY, save_word_tokenizer, tiny_config
-from tests.helpers.servers import InProcessServer, wait_for
+from tests.helpers.servers import InProcessServer, engine_idle, wait_for
 
 TEXTS = ["The quick brown fox", "jumps over the lazy dog.", "Paged attention keeps the KV cache in blocks."]
-
-
-def _idle(server) -> bool:
-    engine = server.engine.engine
-    return engine.scheduler.stats().num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +68,7 @@ def test_embeddings_equal_the_last_hidden_state(client, hf_model, server, encodi
         assert len(embedding) == TINY["hidden_size"]
         _assert_same_direction(embedding, _hf_embedding(hf_model, ids))
     assert response.usage.prompt_tokens == response.usage.total_tokens == sum(map(len, token_ids))
-    assert wait_for(lambda: _idle(server))
+    assert wait_for(lambda: engine_idle(server))
 
 
 def test_embeddings_of_token_ids_and_the_client_default(client, hf_model):
@@ -114,7 +109,7 @@ def test_embeddings_and_generation_on_one_instance_match_alone(client, server):
             assert future.result() == alone_text[i % 3]
         for i, future in enumerate(vectors):
             assert np.allclose(future.result(), alone_vectors[i % 3], atol=1e-5)
-    assert wait_for(lambda: _idle(server))
+    assert wait_for(lambda: engine_idle(server))
 
 
 def test_scoring_an_embedding_model_is_the_cosine_of_embeddings(server, client):
@@ -147,7 +142,7 @@ def test_bad_embedding_bodies_are_4xx_and_leave_the_engine_idle(server, body, me
     status, reply = server.http.request("POST", "/v1/embeddings", body)
     assert 400 <= status < 500, reply
     assert message in reply["error"]["message"]
-    assert wait_for(lambda: _idle(server))
+    assert wait_for(lambda: engine_idle(server))
 
 
 def test_pooling_routes_are_counted_in_the_metrics(server, client):
@@ -258,7 +253,7 @@ def test_bad_score_bodies_are_4xx_and_leave_the_engine_idle(score_server, path, 
     status, reply = score_server.http.request("POST", path, body)
     assert 400 <= status < 500, reply
     assert message in reply["error"]["message"]
-    assert wait_for(lambda: _idle(score_server))
+    assert wait_for(lambda: engine_idle(score_server))
 
 
 def test_a_keyed_server_guards_the_aliases_and_refuses_multi_label_scores_up_front(tmp_path):

@@ -15,7 +15,7 @@ import pydantic
 import pytest
 
 from pagedrs.server.responses import ResponseStore
-from tests.helpers.servers import InProcessServer, wait_for
+from tests.helpers.servers import InProcessServer, engine_idle, wait_for
 from tests.server.test_server_tools import PARAMETERS, WEATHER, tool_model  # noqa: F401 - a fixture
 
 CITY = {
@@ -47,11 +47,6 @@ def model(client) -> str:
     return client.models.list().data[0].id
 
 
-def _idle(server) -> bool:
-    engine = server.engine.engine
-    return engine.scheduler.stats().num_used_blocks == 0 and not engine.has_unfinished_requests()
-
-
 def _greedy_chat(client, model: str, messages: list[dict], max_tokens: int):
     return client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
 
@@ -68,7 +63,7 @@ def test_a_response_equals_the_greedy_chat_completion(client, model, server):
     assert response.status == ("incomplete" if expected.choices[0].finish_reason == "length" else "completed")
     assert response.usage.input_tokens == expected.usage.prompt_tokens
     assert response.usage.output_tokens == expected.usage.completion_tokens
-    assert wait_for(lambda: _idle(server))
+    assert wait_for(lambda: engine_idle(server))
 
 
 def test_message_items_with_parts_and_a_developer_role(client, model):
@@ -188,7 +183,7 @@ def test_previous_response_id_continues_and_stored_responses_are_read_and_delete
     unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
-    assert wait_for(lambda: _idle(server))
+    assert wait_for(lambda: engine_idle(server))
 
 
 def test_the_store_drops_the_least_recently_used_by_count_and_bytes():
@@ -229,4 +224,4 @@ def test_bad_bodies_are_400s_and_leave_the_engine_idle(server, body, message):
     status, reply = server.http.request("POST", "/v1/responses", body)
     assert status == 400, reply
     assert message in reply["error"]["message"]
-    assert wait_for(lambda: _idle(server))
+    assert wait_for(lambda: engine_idle(server))
