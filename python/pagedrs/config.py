@@ -184,6 +184,10 @@ class EngineConfig:
             parse_bytes(self.kv_cache_memory)
         if self.device is not None:
             _check_device(self.device)
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not run with tensor parallelism yet (tensor_parallel_size 1)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.tensor_parallel_size % self.nnodes != 0:
             raise ValueError(
                 f"nnodes must be a positive divisor of tensor_parallel_size ({self.tensor_parallel_size}), "

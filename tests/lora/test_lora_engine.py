@@ -170,3 +170,18 @@ def test_an_adapter_over_the_packed_default_model_generates_what_peft_does(tmp_p
     theirs = hf_greedy(oracle, prompt, 8)
     assert_same_or_near_tie(oracle, prompt, ours[0].outputs[0].token_ids, theirs)
     assert theirs != base  # the adapter matters here
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(enable_lora=True, tensor_parallel_size=2), "tensor parallelism"),
+        (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
+        (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank"),
+    ],
+)
+def test_lora_settings_that_cannot_work_are_refused_before_loading(settings, message):
+    from pagedrs import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**settings)
