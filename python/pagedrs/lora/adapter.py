@@ -184,7 +184,7 @@ def _base_shapes(model: DecoderForCausalLM, layer: int, linear: str) -> tuple[in
     if not isinstance(mlp, MLP):
         raise ValueError(f"layer {layer}'s MLP is a mixture of experts, which LoRA does not patch")
     down = mlp.down_proj
-    intermediate = int(getattr(down, "input_size", None) or getattr(down, "in_features"))
+    intermediate = int(getattr(down, "input_size", None) or down.in_features)
     return (hidden, [intermediate, intermediate]) if linear == "gate_up_proj" else (intermediate, [hidden])
 
 
