@@ -183,8 +183,7 @@ def _base_shapes(model: DecoderForCausalLM, layer: int, linear: str) -> tuple[in
     mlp = decoder_layer.mlp
     if not isinstance(mlp, MLP):
         raise ValueError(f"layer {layer}'s MLP is a mixture of experts, which LoRA does not patch")
-    down = mlp.down_proj
-    intermediate = int(getattr(down, "input_size", None) or down.in_features)
+    intermediate = mlp.intermediate_size
     return (hidden, [intermediate, intermediate]) if linear == "gate_up_proj" else (intermediate, [hidden])
 
 

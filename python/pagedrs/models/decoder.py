@@ -184,6 +184,8 @@ class MLP(nn.Module):
         self.activation = _activation(config, family)
         self._act = _ACTIVATIONS[self.activation]
         intermediate = intermediate or config.intermediate_size
+        self.intermediate_size = tp.split(intermediate, "intermediate_size")
+        """This rank's width of the intermediate features."""
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [intermediate, intermediate], bias, tp, dtype)
         self.down_proj = RowParallelLinear(intermediate, config.hidden_size, bias, tp, dtype)
