@@ -72,9 +72,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         paths = write_adapters(directory, args.adapters, args.rank)
         plain = LLM(kv_cache_memory="1GiB")
-        lora = LLM(
-            kv_cache_memory="1GiB", enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank
-        )
+        lora = LLM(kv_cache_memory="1GiB", enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
         prompts = [
             plain.apply_chat_template([{"role": "user", "content": f"Tell me a story about the number {i}."}])
             for i in range(args.streams)

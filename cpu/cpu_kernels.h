@@ -100,6 +100,15 @@ class DecoderStack : public torch::CustomClassHolder {
                        std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
                        std::vector<at::Tensor> chunk_blocks,
                        c10::List<std::optional<at::Tensor>> chunk_masks) const = 0;
+
+  // LoRA (pagedrs/lora/slots.py's layout): the adapter slots of layer `layer`'s linear `linear`
+  // (0 qkv, 1 o, 2 gate_up, 3 down): a float32 [slots, slices, rank, in_features] and, per output
+  // slice, b[j] float32 [slots, out_j, rank]. Held by reference: slots are filled in place.
+  virtual void set_lora(int64_t layer, int64_t linear, at::Tensor a, std::vector<at::Tensor> b) = 0;
+
+  // Each row's LoRA slot for the forward passes that follow (int64 [num_tokens], -1: none), or
+  // none (no row has an adapter).
+  virtual void set_lora_rows(std::optional<at::Tensor> row_slots) = 0;
 };
 
 // decoder_stack.cpp: an empty stack for a model of these sizes (fails loudly on sizes it cannot run).

@@ -59,6 +59,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -259,6 +260,21 @@ inline void add_rows(float* __restrict__ x, const float* __restrict__ y, float m
   for (int64_t j = 0; j < n; ++j) x[j] += y[j] * multiplier;
 }
 
+// One patched linear's LoRA slots (see the header): y[t] += B_s (A_s x[t]) for a row t in slot s.
+struct LoRALinear {
+  at::Tensor a;               // float32 [slots, slices, rank, in_features]
+  std::vector<at::Tensor> b;  // per output slice, float32 [slots, out_j, rank]
+};
+
+constexpr int64_t kMaxLoRAWidth = 3 * 512;  // slices x rank of one linear (a stack buffer per row)
+
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
 // Runs f(row) for rows [0, num_rows) over torch's threads (one thread for a decode's few rows).
 template <class F>
 void for_rows(int64_t num_rows, const F& f) {
@@ -397,6 +413,48 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   //     attends; chunk_blocks and chunk_masks: for each view, each chunk's blocks (int64 [W])
   //     and bool [L, C] mask of the keys each row sees (absent for a whole prompt without a
   //     window: plain causal).
+  void set_lora(int64_t layer, int64_t linear, at::Tensor a, std::vector<at::Tensor> b) override {
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && linear >= 0 && linear < 4,
+                "pagedrs_cpu: set_lora takes a layer in [0, ", num_layers(), ") and a linear in [0, 4)");
+    const Layer& target = layers_[layer];
+    const Linear* base = linear == 0 ? &target.qkv
+                         : linear == 1 ? &target.o
+                         : linear == 2 ? (target.gate_up ? &*target.gate_up : nullptr)
+                                       : (target.down ? &*target.down : nullptr);
+    TORCH_CHECK(base != nullptr, "pagedrs_cpu: layer ", layer, " has no dense MLP for LoRA to patch");
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.dim() == 4 &&
+                    a.size(3) == base->in_features && a.size(1) == static_cast<int64_t>(b.size()),
+                "pagedrs_cpu: LoRA a must be contiguous float32 [slots, ", b.size(), ", rank, ", base->in_features,
+                "], got ", a.sizes());
+    TORCH_CHECK(a.size(1) * a.size(2) <= kMaxLoRAWidth, "pagedrs_cpu: LoRA slices x rank above ", kMaxLoRAWidth);
+    int64_t outputs = 0;
+    for (const at::Tensor& slice : b) {
+      TORCH_CHECK(slice.scalar_type() == at::kFloat && slice.is_contiguous() && slice.dim() == 3 &&
+                      slice.size(0) == a.size(0) && slice.size(2) == a.size(2),
+                  "pagedrs_cpu: LoRA b slices must be contiguous float32 [", a.size(0), ", out, ", a.size(2),
+                  "], got ", slice.sizes());
+      outputs += slice.size(1);
+    }
+    TORCH_CHECK(outputs == base->out_features, "pagedrs_cpu: LoRA b slices give ", outputs, " outputs, the linear ",
+                base->out_features);
+    if (lora_.size() < layers_.size()) lora_.resize(layers_.size());
+    lora_[layer][linear] = LoRALinear{a, b};
+    lora_slots_ = a.size(0);
+  }
+
+  void set_lora_rows(std::optional<at::Tensor> row_slots) override {
+    if (row_slots) {
+      TORCH_CHECK(row_slots->scalar_type() == at::kLong && row_slots->dim() == 1 && row_slots->is_contiguous(),
+                  "pagedrs_cpu: LoRA row slots must be contiguous int64 [num_tokens]");
+      const int64_t* slots = row_slots->data_ptr<int64_t>();
+      for (int64_t t = 0; t < row_slots->size(0); ++t) {
+        TORCH_CHECK(slots[t] >= -1 && slots[t] < lora_slots_, "pagedrs_cpu: LoRA slot ", slots[t], " of row ", t,
+                    " is not -1 or one of the ", lora_slots_, " slots");
+      }
+    }
+    lora_rows_ = std::move(row_slots);
+  }
+
   void forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
                std::vector<at::Tensor> slot_mappings, std::optional<at::Tensor> kernel_rows,
@@ -422,6 +480,9 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                   "pagedrs_cpu: a layer without gate_up and down needs its experts (set_experts)");
     }
     check_chunks(num_tokens, key_caches.empty() ? 0 : key_caches[0].size(1), chunk_bounds, chunk_blocks, chunk_masks);
+    TORCH_CHECK(!lora_rows_ || lora_rows_->size(0) == num_tokens, "pagedrs_cpu: LoRA row slots for ",
+                lora_rows_ ? lora_rows_->size(0) : 0, " rows, the step has ", num_tokens);
+    const int64_t* lora_rows = lora_rows_ ? lora_rows_->data_ptr<int64_t>() : nullptr;
     if (num_tokens == 0) return;
     const int64_t H = hidden_size_, D = head_size_, q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
     const int64_t qkv_size = q_size + 2 * kv_size, I = intermediate_size_;  // H, D, I: the header's names
@@ -450,6 +511,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         });
       }
       layer.qkv.apply(input_norm != nullptr ? normed : hidden, qkv);
+      add_lora(layer_index, 0, input_norm != nullptr ? normed : hidden, qkv, lora_rows);
       // Per row: q/k norms, rotary on q and k, then k and v into their cache slot.
       const at::Tensor& key_cache = key_caches[layer_index];
       const at::Tensor& value_cache = value_caches[layer_index];
@@ -480,6 +542,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       attend(layer, query, key_caches[layer_index], value_caches[layer_index], kernel_rows, view_tables,
              cu_seqlens_q, context_lens, chunk_bounds, chunk_blocks, chunk_masks, attended);
       layer.o.apply(attended.view({num_tokens, q_size}), projected);
+      add_lora(layer_index, 1, attended.view({num_tokens, q_size}), projected, lora_rows);
       const float* attn_out_norm = data(layer.attn_out_norm);
       const float* pre_mlp_norm = data(layer.pre_mlp_norm);
       const float multiplier = layer.residual_multiplier;
@@ -494,11 +557,13 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         mixture(*layer.experts, mlp_input, projected);
       } else {
         layer.gate_up->apply(mlp_input, gate_up);
+        add_lora(layer_index, 2, mlp_input, gate_up, lora_rows);
         for_rows(num_tokens, [&](int64_t t) {
           const float* gate = gate_up_rows + t * 2 * I;
           pagedrs_cpu::activate_mul(layer.activation, gate, gate + I, I, activated_rows + t * I);
         });
         layer.down->apply(activated, projected);
+        add_lora(layer_index, 3, activated, projected, lora_rows);
       }
       const float* mlp_out_norm = data(layer.mlp_out_norm);
       for_rows(num_tokens, [&](int64_t t) {
@@ -510,6 +575,35 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   }
 
  private:
+  // out[t] += B_s (A_s x[t]) for the rows t with a LoRA slot s (rows: -1 for none), when the
+  // layer's linear has LoRA slots. One row per task: a decode has few rows, each a few dot products.
+  void add_lora(int64_t layer, int linear, const at::Tensor& x, at::Tensor& out, const int64_t* rows) const {
+    if (rows == nullptr || static_cast<size_t>(layer) >= lora_.size() || !lora_[layer][linear]) return;
+    const LoRALinear& lora = *lora_[layer][linear];
+    const int64_t slices = lora.a.size(1), rank = lora.a.size(2), in = lora.a.size(3), width = out.size(1);
+    TORCH_CHECK(x.is_contiguous() && x.size(1) == in && out.is_contiguous(), "pagedrs_cpu: LoRA rows mismatch");
+    const float* a = lora.a.data_ptr<float>();
+    const float* xs = x.data_ptr<float>();
+    float* ys = out.data_ptr<float>();
+    std::vector<const float*> b(slices);
+    std::vector<int64_t> sizes(slices);
+    for (int64_t j = 0; j < slices; ++j) b[j] = lora.b[j].data_ptr<float>(), sizes[j] = lora.b[j].size(1);
+    at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+      float shrunk[kMaxLoRAWidth];
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t slot = rows[t];
+        if (slot < 0) continue;
+        const float* as = a + slot * slices * rank * in;
+        for (int64_t i = 0; i < slices * rank; ++i) shrunk[i] = dot(as + i * in, xs + t * in, in);
+        float* y = ys + t * width;
+        for (int64_t j = 0, start = 0; j < slices; start += sizes[j], ++j) {
+          const float* bs = b[j] + slot * sizes[j] * rank;
+          for (int64_t o = 0; o < sizes[j]; ++o) y[start + o] += dot(bs + o * rank, shrunk + j * rank, rank);
+        }
+      }
+    });
+  }
+
   // out [num_tokens, H] = the mixture's output for x [num_tokens, H]: the router, the routed
   // experts (moe.cpp), plus the gated shared expert.
   void mixture(const Experts& experts, const at::Tensor& x, at::Tensor& out) const {
@@ -691,6 +785,9 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   int64_t intermediate_size_;
   float eps_;
   std::vector<Layer> layers_;
+  std::vector<std::array<std::optional<LoRALinear>, 4>> lora_;  // per layer: qkv, o, gate_up, down
+  int64_t lora_slots_ = 0;
+  std::optional<at::Tensor> lora_rows_;  // this step's row slots (set_lora_rows)
 };
 
 }  // namespace

@@ -29,7 +29,9 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
       .def("add_layer", &pagedrs_cpu::DecoderStack::add_layer)
       .def("set_experts", &pagedrs_cpu::DecoderStack::set_experts)
       .def("num_layers", &pagedrs_cpu::DecoderStack::num_layers)
-      .def("forward", &pagedrs_cpu::DecoderStack::forward);
+      .def("forward", &pagedrs_cpu::DecoderStack::forward)
+      .def("set_lora", &pagedrs_cpu::DecoderStack::set_lora)
+      .def("set_lora_rows", &pagedrs_cpu::DecoderStack::set_lora_rows);
 }
 
 TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) {

@@ -185,3 +185,24 @@ def test_lora_settings_that_cannot_work_are_refused_before_loading(settings, mes
 
     with pytest.raises(ValueError, match=message):
         EngineConfig(**settings)
+
+
+def test_the_python_layers_add_the_same_updates_as_the_stack(llm, checkpoint):
+    """Adapter steps run in the compiled CPU stack where it runs, else in the Python layers'
+    hooks (GPU, tensor parallelism...): both give peft's tokens and the same logprobs."""
+    runner = llm.engine.runner
+    assert runner.cpu_stack is not None and runner.cpu_stack.has_lora
+    a, b = _request(checkpoint, "a", 1), _request(checkpoint, "b", 2)
+    adapters = [a, None, b]
+    in_stack = llm.generate(PROMPTS, GREEDY, lora_request=adapters, use_tqdm=False)
+    stack, runner.cpu_stack = runner.cpu_stack, None
+    try:
+        in_python = llm.generate(PROMPTS, GREEDY, lora_request=adapters, use_tqdm=False)
+    finally:
+        runner.cpu_stack = stack
+    assert _tokens(in_stack) == _tokens(in_python)
+    for one, other in zip(in_stack, in_python):
+        for first, second in zip(one.outputs[0].logprobs, other.outputs[0].logprobs):
+            assert {t: round(v.logprob, 4) for t, v in first.items()} == pytest.approx(
+                {t: round(v.logprob, 4) for t, v in second.items()}, abs=2e-4
+            )

@@ -62,6 +62,8 @@ class LLMEngine:
             )
             assert isinstance(self.runner, ModelRunner)  # (no tensor parallelism, checked above)
             self.runner.lora = self.lora
+            if self.runner.cpu_stack is not None:  # adapter steps stay one compiled call
+                self.runner.cpu_stack.attach_lora(self.lora.slots)
         self.processor = OutputProcessor(
             parts.scheduler,
             self.tokenizer,

@@ -188,7 +188,7 @@ class ModelRunner:
         arrays = StepArrays.of(out, extra_rows, sampled_rows)
         adapters = self.lora is not None and self.lora.set_step(lora_rows, self.device)
         try:
-            logits, pooled = self.forward_pooled(arrays, pool_rows, adapters)
+            logits, pooled = self.forward_pooled(arrays, pool_rows, lora_rows if adapters else None)
         finally:
             if self.lora is not None:
                 self.lora.set_step(None, self.device)
@@ -201,13 +201,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_pooled(
-        self, out: StepArrays, pool_rows: np.ndarray | None = None, adapters: bool = False
+        self, out: StepArrays, pool_rows: np.ndarray | None = None, lora_rows: np.ndarray | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, and the final hidden states (float32) of the ``pool_rows`` tokens when
         there are any (rank 0 only: the other ranks compute the same logits rows).
-        ``adapters``: some rows run LoRA adapters (`pagedrs.lora`): the Python layers run the
-        step, their hooks add the updates (neither the compiled stack nor a graph has them)."""
+        ``lora_rows``: each token row's LoRA slot (-1: none) when some rows run adapters
+        (`pagedrs.lora`): the compiled stack adds their updates where it runs, else the Python
+        layers' hooks do (a captured graph has none: such steps run eagerly)."""
         pooling = pool_rows is not None and len(pool_rows) > 0
+        adapters = lora_rows is not None
         graphs = self.graphs
         if (
             graphs is not None
@@ -247,10 +249,18 @@ class ModelRunner:
         meta = metas[0] if len(metas) == 1 else StepViews(metas, self.layout.layer_views)
         model = self.model
         num_logits = len(out.logits_rows)
-        stack = None if adapters else self.cpu_stack
-        if not pooling and num_logits:
-            return model(input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths), None
-        hidden = model.final_hidden(input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths)
+        stack = self.cpu_stack if not adapters or (self.cpu_stack is not None and self.cpu_stack.has_lora) else None
+        if stack is not None and adapters:
+            stack.set_lora_rows(torch.from_numpy(np.ascontiguousarray(lora_rows, dtype=np.int64)))
+        try:
+            if not pooling and num_logits:
+                return model(input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths), None
+            hidden = model.final_hidden(
+                input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths
+            )
+        finally:
+            if stack is not None and adapters:
+                stack.set_lora_rows(None)
         if num_logits:  # (a sequence classifier has no head: its steps have no rows to sample)
             logits = model.compute_logits(hidden[:num_logits])
         else:

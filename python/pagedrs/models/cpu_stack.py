@@ -28,8 +28,10 @@ from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedrs.layers.moe import ACTIVATION_IDS, SparseMoe
 from pagedrs.layers.norm import RMSNorm
+from pagedrs.lora.adapter import LINEARS
 
 if TYPE_CHECKING:
+    from pagedrs.lora.slots import LoRASlots
     from pagedrs.models.decoder import Attention, DecoderForCausalLM
 
 F32 = 0
@@ -108,6 +110,8 @@ class CpuDecoderStack:
         rope_keys = list(model.ropes)
         self._held: list[torch.Tensor] = []
         """Weights the stack reads that the model does not hold (Gemma's ``1 + w`` norms)."""
+        self.has_lora = False
+        """Whether the stack adds LoRA updates (`attach_lora`)."""
         self._stack: Any = torch.classes.pagedrs_cpu.DecoderStack(
             config.hidden_size,
             model.num_heads,
@@ -173,6 +177,17 @@ class CpuDecoderStack:
             moe.shared_expert_gate,
             moe.expert_tokens,
         )
+
+    def attach_lora(self, slots: LoRASlots) -> None:
+        """Gives the stack the adapters' slots of every patched linear (held by reference, so
+        adapters loaded into the slots later are seen)."""
+        for (layer, linear), a in slots.a.items():
+            self._stack.set_lora(layer, LINEARS.index(linear), a, slots.b[(layer, linear)])
+        self.has_lora = True
+
+    def set_lora_rows(self, row_slots: torch.Tensor | None) -> None:
+        """Each row's slot (int64, -1: none) for the next calls, or ``None``."""
+        self._stack.set_lora_rows(row_slots)
 
     def _weight_of(self, norm: RMSNorm) -> torch.Tensor:
         """What the stack multiplies a norm's output by: its weight, or Gemma's ``1 + w``."""
