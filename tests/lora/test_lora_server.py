@@ -99,3 +99,25 @@ def test_bad_adapters_are_4xx_and_leave_the_engine_idle(server, checkpoint, tmp_
     status, reply = server.http.request("POST", "/v1/embeddings", {"model": "a", "input": "w5"})
     assert status == 400 and "LoRA adapter" in reply["error"]["message"]
     assert wait_for(lambda: engine_idle(server))
+
+
+def _lora_info(server) -> dict[str, str]:
+    import re
+
+    status, text = server.http.request("GET", "/metrics")
+    assert status == 200
+    lines = [line for line in text.splitlines() if line.startswith("pagedrs:lora_requests_info{")]
+    assert len(lines) == 1, lines  # one series at a time
+    return dict(re.findall(r'(\w+)="([^"]*)"', lines[0]))
+
+
+def test_the_lora_metric_names_running_adapters(client, server):
+    stream = client.completions.create(
+        model="a", prompt=PROMPT, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))  # the request is running
+    assert wait_for(lambda: _lora_info(server)["running_lora_adapters"] == "a")
+    assert _lora_info(server)["max_lora"] == "2"
+    stream.close()
+    assert wait_for(lambda: _lora_info(server)["running_lora_adapters"] == "")
+    assert wait_for(lambda: engine_idle(server))

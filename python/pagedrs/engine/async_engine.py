@@ -46,6 +46,15 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+@dataclass(frozen=True)
+class LoRAAdapters:
+    """What ``pagedrs:lora_requests_info`` reports: ``(max_loras, running names, waiting
+    names)`` (comma-separated), and when that last changed (Unix time)."""
+
+    labels: tuple[str, str, str]
+    since: float
+
+
 class StatLogger(Protocol):
     """What the engine thread reports, for metrics. Called on the engine thread."""
 
@@ -227,6 +236,9 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self.stats = engine.scheduler.stats()
         """The scheduler's counters after the last step (published by the engine thread)."""
+        self.lora_adapters: LoRAAdapters | None = None
+        """With ``enable_lora``: the adapters running and waiting, as last published (engine thread)."""
+        self._publish_lora()
         self._core_waiting = self.stats.num_waiting
         """The core's waiting count as last published (after a step, an add or an abort)."""
         self.structured_output_stats = engine.structured_output_stats()
@@ -426,6 +438,19 @@ class AsyncLLMEngine:
         stats = self.engine.scheduler.stats()
         with self._pending_lock:
             self.stats, self._core_waiting = stats, stats.num_waiting
+        self._publish_lora()
+
+    def _publish_lora(self) -> None:
+        lora = self.engine.lora
+        if lora is not None:
+            processor = self.engine.processor
+            labels = (
+                str(lora.slots.max_loras),
+                ",".join(lora.names(lora.running_ids())),
+                ",".join(lora.names(processor.waiting_adapter_ids())),
+            )
+            if self.lora_adapters is None or labels != self.lora_adapters.labels:
+                self.lora_adapters = LoRAAdapters(labels, time.time())
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -223,6 +223,10 @@ class OutputProcessor:
     def num_waiting_for_slots(self) -> int:
         return len(self._waiting_for_slots)
 
+    def waiting_adapter_ids(self) -> set[int]:
+        """Adapters whose requests wait for a slot."""
+        return {request.lora_id for request, _ in self._waiting_for_slots if request.lora_id is not None}
+
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """The prompt's text (``None`` for token ids) and its checked token ids."""
         if isinstance(prompt, str):

@@ -112,6 +112,14 @@ class LoRAManager:
         self.state.batch = None if row_slots is None else LoRABatch.of(row_slots, device)
         return self.state.batch is not None
 
+    def names(self, lora_ids: set[int] | list[int]) -> list[str]:
+        """The adapters' names, sorted."""
+        return sorted(self._requests[lora_id].lora_name for lora_id in lora_ids if lora_id in self._requests)
+
+    def running_ids(self) -> list[int]:
+        """Adapters with requests in the scheduler."""
+        return list(self._users)
+
     @property
     def num_running(self) -> int:
         """Adapters with requests in the scheduler."""

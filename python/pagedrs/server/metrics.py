@@ -65,6 +65,16 @@ class _SchedulerCollector:
     def collect(self):
         stats = self.engine.stats
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        adapters = self.engine.lora_adapters
+        if adapters is not None:  # as vLLM's lora_requests_info: one series, valued at its last change
+            names = ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+            family = GaugeMetricFamily(
+                "pagedrs:lora_requests_info",
+                "LoRA adapters with requests running and with requests waiting for a slot.",
+                labels=names,
+            )
+            family.add_metric([self.labels["model_name"], *adapters.labels], adapters.since)
+            yield family
         yield self._family(gauge, "pagedrs:num_requests_running", "Sequences in the running batch.", stats.num_running)
         yield self._family(
             gauge, "pagedrs:num_requests_waiting", "Sequences waiting (preempted ones included).", stats.num_waiting
