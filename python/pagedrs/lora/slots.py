@@ -14,12 +14,14 @@ kernel per group. This is the torch reference; rows without an adapter cost noth
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from pagedrs.layers import fused
 from pagedrs.lora.adapter import LINEARS, LoRAAdapter, _base_shapes
 
 if TYPE_CHECKING:
@@ -32,15 +34,18 @@ class LoRABatch:
     some row uses; rows without an adapter are in no group."""
 
     groups: list[tuple[int, torch.Tensor]]
+    row_slots: torch.Tensor
+    """Each row's slot (-1: none), int64 on the device: what the Triton kernels read."""
 
     @classmethod
     def of(cls, row_slots: np.ndarray, device: torch.device) -> LoRABatch | None:
         """``row_slots``: each row's slot, -1 for none; ``None`` when no row has an adapter."""
-        slots = np.asarray(row_slots, dtype=np.int64)
+        slots = np.ascontiguousarray(row_slots, dtype=np.int64)
         used = np.unique(slots[slots >= 0])
         if len(used) == 0:
             return None
-        return cls([(int(slot), torch.from_numpy(np.flatnonzero(slots == slot)).to(device)) for slot in used])
+        groups = [(int(slot), torch.from_numpy(np.flatnonzero(slots == slot)).to(device)) for slot in used]
+        return cls(groups, torch.from_numpy(slots).to(device))
 
 
 class LoRASlots:
@@ -98,7 +103,10 @@ class LoRASlots:
                 b[slot].zero_()
 
     def add(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-        """``y`` (the linear's output for ``x``) plus each row's adapter update, in place."""
+        """``y`` (the linear's output for ``x``) plus each row's adapter update, in place: Triton
+        kernels on a GPU (`pagedrs.layers.fused.enabled`), else torch ops per adapter group."""
+        if fused.enabled(y) and y.is_contiguous():
+            return self._add_triton(key, x, y, batch)
         a_slots, b_slots = self.a[key], self.b[key]
         sizes = self.output_sizes[key]
         starts = [sum(sizes[:j]) for j in range(len(sizes))]
@@ -109,6 +117,28 @@ class LoRASlots:
             for j, (start, size) in enumerate(zip(starts, sizes)):
                 update = shrunk[:, j] @ b_slots[j][slot].T
                 y[:, start : start + size].index_add_(0, rows, update)
+        return y
+
+    def _add_triton(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        from pagedrs.lora import triton_kernels
+
+        x = x.contiguous()
+        num_tokens, in_size = x.shape
+        sizes = self.output_sizes[key]
+        rank, slices = self.max_rank, len(sizes)
+        block_r = max(16, 1 << (rank - 1).bit_length())
+        shrunk = torch.zeros(num_tokens, slices, rank, dtype=torch.float32, device=x.device)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            triton_kernels.lora_shrink[(num_tokens, slices)](
+                x, self.a[key], batch.row_slots, shrunk, in_size, rank, slices, BLOCK_R=block_r, BLOCK_K=64
+            )
+            start = 0
+            for part, (size, b) in enumerate(zip(sizes, self.b[key])):
+                triton_kernels.lora_expand[(num_tokens, -(-size // 64))](
+                    shrunk, b, batch.row_slots, y, part, slices, rank, size, y.shape[1], start,
+                    BLOCK_R=block_r, BLOCK_N=64,
+                )  # fmt: skip
+                start += size
         return y
 
 
