@@ -201,6 +201,7 @@ def cuda_kernel_tests() -> None:
 def triton_kernel_tests() -> None:
     _pytest_all_pass("attention/test_triton_attention.py")
     _pytest_all_pass("layers/test_fused_ops.py")
+    _pytest_all_pass("lora/test_triton_lora.py")
 
 
 def _time_cuda(fn, repeats: int = 20) -> float:

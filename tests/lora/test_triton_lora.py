@@ -20,23 +20,25 @@ from tests.lora.test_slots import _random_adapter
 if not triton_runtime.available():
     pytest.skip("Triton is not installed here", allow_module_level=True)
 
-pytestmark = pytest.mark.slow  # Triton's interpreter on the CPU
+pytestmark = pytest.mark.slow  # Triton's interpreter on the CPU; make gpu-check compiles them
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("ranks", [(1, 1), (16, 4), (64, 33)])
 def test_the_kernels_equal_the_torch_update(ranks):
     model = build_model(tiny_config("llama"), torch.float32)
-    slots = LoRASlots(model, max_loras=3, max_rank=64, device=torch.device("cpu"), dtype=torch.float32)
+    slots = LoRASlots(model, max_loras=3, max_rank=64, device=DEVICE, dtype=torch.float32)
     for slot, rank in enumerate(ranks):
         slots.load(slot, _random_adapter(model, f"a{slot}", rank, seed=slot, skip_slice=0 if slot else None))
     row_slots = np.array([1, -1, 0, 0, -1, 1, 1])  # slot 2 is loaded by nobody
-    batch = LoRABatch.of(row_slots, torch.device("cpu"))
+    batch = LoRABatch.of(row_slots, DEVICE)
     assert batch is not None
     generator = torch.Generator().manual_seed(7)
     for key in [(0, "qkv_proj"), (1, "o_proj"), (0, "gate_up_proj"), (1, "down_proj")]:
         in_size, sizes = _base_shapes(model, *key)
-        x = torch.randn(len(row_slots), in_size, generator=generator)
-        base = torch.randn(len(row_slots), sum(sizes), generator=generator)
+        x = torch.randn(len(row_slots), in_size, generator=generator).to(DEVICE)
+        base = torch.randn(len(row_slots), sum(sizes), generator=generator).to(DEVICE)
         fused.set_enabled(False)
         expected = slots.add(key, x, base.clone(), batch)
         fused.set_enabled(True)
@@ -45,4 +47,5 @@ def test_the_kernels_equal_the_torch_update(ranks):
         finally:
             fused.set_enabled(None)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        assert torch.equal(got[row_slots < 0], base[row_slots < 0])
+        none = torch.from_numpy(row_slots < 0).to(DEVICE)
+        assert torch.equal(got[none], base[none])
