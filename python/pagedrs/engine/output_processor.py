@@ -187,8 +187,8 @@ class OutputProcessor:
             else:
                 enqueue()
         except BaseException:
-            if request.lora_id is not None and self.lora is not None:
-                self.lora.release(request.lora_id)
+            if request.lora_id is not None and self.lora is not None and not request.waiting_for_slot:
+                self.lora.release(request.lora_id)  # the slot it pinned
             self._release(request)
             raise
         self.requests[request_id] = request
