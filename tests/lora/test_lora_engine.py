@@ -127,6 +127,7 @@ def test_one_slot_and_two_adapters_in_flight_makes_one_wait(checkpoint):
         engine.add_request(f"b{index}", prompt, GREEDY, lora_request=b)
     assert engine.processor.num_waiting_for_slots == len(PROMPTS)  # b's wait for a's slot
     engine.abort_request("b0")  # a waiting request can be aborted
+    assert engine.processor.num_waiting_for_slots == len(PROMPTS) - 1
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():

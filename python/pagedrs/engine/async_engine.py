@@ -422,7 +422,8 @@ class AsyncLLMEngine:
         finally:
             # Only the waiting count (an O(1) read; the full stats walk the queue, and a burst
             # of adds must not cost O(n^2)).
-            waiting = self.engine.scheduler.num_waiting
+            # (requests waiting for a LoRA slot wait outside the core: they count too)
+            waiting = self.engine.scheduler.num_waiting + self.engine.processor.num_waiting_for_slots
             with self._pending_lock:
                 self._core_waiting = waiting
                 self._pending_adds -= 1
@@ -437,7 +438,8 @@ class AsyncLLMEngine:
     def _publish_stats(self) -> None:
         stats = self.engine.scheduler.stats()
         with self._pending_lock:
-            self.stats, self._core_waiting = stats, stats.num_waiting
+            self.stats = stats
+            self._core_waiting = stats.num_waiting + self.engine.processor.num_waiting_for_slots
         self._publish_lora()
 
     def _publish_lora(self) -> None:

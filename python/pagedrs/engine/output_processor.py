@@ -355,8 +355,11 @@ class OutputProcessor:
         hold on a LoRA slot)."""
         del self.requests[request.request_id]
         self._num_pooling -= request.pooling is not None
-        if request.lora_id is not None and self.lora is not None and not request.waiting_for_slot:
-            self.lora.release(request.lora_id)
+        if request.lora_id is not None and self.lora is not None:
+            if request.waiting_for_slot:
+                self._waiting_for_slots = [entry for entry in self._waiting_for_slots if entry[0] is not request]
+            else:
+                self.lora.release(request.lora_id)
         self._release(request)
 
     def _release(self, request: _Request) -> None:
