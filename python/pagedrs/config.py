@@ -186,6 +186,8 @@ class EngineConfig:
             _check_device(self.device)
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora does not run with tensor parallelism yet (tensor_parallel_size 1)")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK} (as vLLM's), got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.tensor_parallel_size % self.nnodes != 0:
@@ -291,6 +293,10 @@ def _check_device(device: str) -> None:
 
 
 _FIELD_TYPES: dict[type, dict[str, Any]] = {}
+
+
+MAX_LORA_RANK = 512
+"""The largest ``max_lora_rank`` (the CPU stack's per-row buffer holds 3 x 512 ranks)."""
 
 
 def check_fields(config: Any) -> None:

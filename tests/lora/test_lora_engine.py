@@ -179,6 +179,7 @@ def test_an_adapter_over_the_packed_default_model_generates_what_peft_does(tmp_p
         (dict(enable_lora=True, tensor_parallel_size=2), "tensor parallelism"),
         (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
         (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank"),
+        (dict(enable_lora=True, max_lora_rank=1024), "at most 512"),
     ],
 )
 def test_lora_settings_that_cannot_work_are_refused_before_loading(settings, message):
