@@ -32,6 +32,7 @@ import torch
 
 import pagedrs
 from pagedrs import LLM, PoolingParams, SamplingParams
+from pagedrs.kernels.cpu import native_isa
 from pagedrs.models.loader import resolve_model
 
 WORDS = (
@@ -48,15 +49,6 @@ def random_texts(tokenizer, rng: random.Random, count: int, length: int) -> list
         ids = tokenizer(" ".join(rng.choice(WORDS) for _ in range(2 * length)))["input_ids"]
         texts.append(ids[:length])
     return texts
-
-
-def cpu_isa() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next(line for line in info if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return platform.machine()
-    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
 
 
 def load_hf_encoder():
@@ -228,7 +220,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": args.threads,
         "cpu": platform.processor() or platform.machine(),
-        "isa": cpu_isa(),
+        "isa": native_isa(),
         "batch": args.batch,
         "tokens_per_text": args.tokens,
     }

@@ -26,6 +26,7 @@ import torch
 import pagedrs
 from pagedrs import LLM, SamplingParams
 from pagedrs.bench.hf_baseline import load_hf_model
+from pagedrs.kernels.cpu import native_isa
 from pagedrs.lora import LoRARequest
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -50,12 +51,6 @@ def run(llm: LLM, prompts, params: SamplingParams, adapters) -> float:
     outputs = llm.generate(prompts, params, lora_request=adapters, use_tqdm=False)
     seconds = time.perf_counter() - start
     return sum(len(output.outputs[0].token_ids) for output in outputs) / seconds
-
-
-def cpu_isa() -> str:
-    with open("/proc/cpuinfo") as info:
-        flags = next(line for line in info if line.startswith("flags")).split()
-    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
 
 
 def main() -> None:
@@ -83,7 +78,7 @@ def main() -> None:
             "pagedrs": pagedrs.__version__,
             "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(),
-            "isa": cpu_isa(),
+            "isa": native_isa(),
             "threads": args.threads,
             "streams": args.streams,
             "tokens": args.tokens,
