@@ -184,8 +184,6 @@ class EngineConfig:
             parse_bytes(self.kv_cache_memory)
         if self.device is not None:
             _check_device(self.device)
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora does not run with tensor parallelism yet (tensor_parallel_size 1)")
         if self.max_lora_rank > MAX_LORA_RANK:
             raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK} (as vLLM's), got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

@@ -147,3 +147,31 @@ def test_modules_we_do_not_patch_are_refused(tmp_path):
 def test_bad_lora_requests_are_refused(args, message):
     with pytest.raises(ValueError, match=message):
         LoRARequest(*args)
+
+
+@pytest.mark.parametrize("size", [2, 4])  # 4 ranks over 2 KV heads: each KV head on two ranks
+def test_each_tensor_parallel_rank_reads_its_shard(tmp_path, size):
+    """Column-parallel linears: a rank's update is its rows of the whole update. Row-parallel
+    ones: the ranks' updates of their input columns sum to the whole update."""
+    from pagedrs.layers.linear import TensorParallel
+    from pagedrs.lora.adapter import _shard
+
+    _peft_adapter(tmp_path)
+    request = LoRARequest("a", 1, str(tmp_path))
+    whole_model = _our_model()
+    whole = load_adapter(request, whole_model, max_lora_rank=8)
+    ranks = [build_model(tiny_config("llama"), torch.float32, TensorParallel(rank, size)) for rank in range(size)]
+    shards = [load_adapter(request, model, max_lora_rank=8) for model in ranks]
+    torch.manual_seed(0)
+    for key, weights in whole.layers.items():
+        x = torch.randn(3, _shard(whole_model, *key).in_size)
+        expected = weights.delta(x)
+        parts = [(_shard(model, *key), adapter.layers[key]) for model, adapter in zip(ranks, shards)]
+        if parts[0][0].row_parallel:
+            total = sum(w.delta(x[:, shard.cols]) for shard, w in parts)
+            torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+            continue
+        starts = [sum(weights.output_sizes[:j]) for j in range(len(weights.output_sizes))]
+        for shard, w in parts:
+            rows = [torch.arange(start + r.start, start + r.stop) for start, r in zip(starts, shard.rows)]
+            torch.testing.assert_close(w.delta(x), expected[:, torch.cat(rows)], rtol=1e-5, atol=1e-5)

@@ -1,8 +1,9 @@
 """LoRA adapters through the engine, against peft over transformers (the oracle): greedy
 tokens and logprobs per adapter; one batch mixing base, adapter A and adapter B rows equals
 each alone; the same prompt under A, then B, then the base never shares prefix-cache blocks;
-``max_loras=1`` with two adapters in flight makes one wait (it does not fail); bad adapters
-are refused and leave the engine idle."""
+``max_loras=1`` with two adapters in flight makes one wait (it does not fail); under
+preemption and slot swapping, and with tensor parallelism (tp=2), every request generates what
+it does alone; bad adapters are refused and leave the engine idle."""
 
 from __future__ import annotations
 
@@ -176,7 +177,6 @@ def test_an_adapter_over_the_packed_default_model_generates_what_peft_does(tmp_p
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (dict(enable_lora=True, tensor_parallel_size=2), "tensor parallelism"),
         (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
         (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank"),
         (dict(enable_lora=True, max_lora_rank=1024), "at most 512"),
@@ -208,3 +208,60 @@ def test_the_python_layers_add_the_same_updates_as_the_stack(llm, checkpoint):
             assert {t: round(v.logprob, 4) for t, v in first.items()} == pytest.approx(
                 {t: round(v.logprob, 4) for t, v in second.items()}, abs=2e-4
             )
+
+
+# Chunked prefill (32 tokens a step) and 12 blocks of 16 tokens: sequences are preempted and
+# recomputed. One slot for two adapters: they take turns, swapped in and out.
+TIGHT = dict(max_num_batched_tokens=32, max_num_seqs=4, block_size=16, max_loras=1, max_lora_rank=8)
+LONG_PROMPTS = [list(range(20, 100)), [(7 * i + 3) % 300 + 10 for i in range(60)], *PROMPTS]
+
+
+def _mixed(llm, checkpoint):
+    """Every prompt under the base model, adapter A and adapter B, in one call."""
+    a, b = _request(checkpoint, "a", 1), _request(checkpoint, "b", 2)
+    prompts = LONG_PROMPTS * 3
+    adapters = [None] * len(LONG_PROMPTS) + [a] * len(LONG_PROMPTS) + [b] * len(LONG_PROMPTS)
+    outputs = llm.generate(prompts, GREEDY, lora_request=adapters, use_tqdm=False)
+    logprobs = [
+        [entry[token].logprob for entry, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)]
+        for output in outputs
+    ]
+    return _tokens(outputs), logprobs
+
+
+@pytest.fixture(scope="module")
+def roomy(llm, checkpoint):
+    """What each prompt generates under each adapter with room to spare (one slot per adapter)."""
+    return _mixed(llm, checkpoint)
+
+
+def _tight(checkpoint, size: int) -> LLM:
+    from tests.engine.test_tensor_parallel import budget
+
+    memory = budget(checkpoint[0], size)
+    return LLM(
+        checkpoint[0], device="cpu", enable_lora=True, tensor_parallel_size=size, kv_cache_memory=memory, **TIGHT
+    )
+
+
+def test_adapters_under_preemption_and_swapping_generate_what_they_do_alone(checkpoint, roomy):
+    llm = _tight(checkpoint, 1)
+    tokens, logprobs = _mixed(llm, checkpoint)
+    assert tokens == roomy[0]
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(roomy[1]), rtol=0, atol=1e-4)
+    assert llm.engine.scheduler.stats().num_preemptions_total > 0
+    assert _idle(llm)
+
+
+@pytest.mark.slow  # tensor-parallel ranks
+def test_tp2_with_adapters_generates_what_tp1_does(checkpoint, roomy):
+    llm = _tight(checkpoint, 2)
+    try:
+        tokens, logprobs = _mixed(llm, checkpoint)
+        assert tokens == roomy[0]
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(roomy[1]), rtol=0, atol=1e-4)
+        stats = llm.engine.scheduler.stats()
+        assert stats.num_preemptions_total > 0 and stats.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+    assert all(worker.exitcode == 0 for worker in llm.engine.parallel.workers)

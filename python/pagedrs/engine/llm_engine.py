@@ -18,6 +18,7 @@ from pagedrs.engine.executor import Executor
 from pagedrs.engine.host_memory import retain_freed_host_memory
 from pagedrs.engine.model_runner import ModelRunner
 from pagedrs.engine.output_processor import OutputProcessor, Pooler
+from pagedrs.engine.parallel import TensorParallelRunner
 from pagedrs.engine.request_state import StructuredOutputStats, _Request
 from pagedrs.lora.adapter import LoRARequest
 from pagedrs.lora.manager import LoRAManager
@@ -50,20 +51,15 @@ class LLMEngine:
         self.lora: LoRAManager | None = None
         """The adapters (``enable_lora``), else ``None``."""
         if config.enable_lora:
-            if self.parallel is not None:
-                raise ValueError("enable_lora does not run with tensor parallelism yet")
-            self.lora = LoRAManager(
-                self.model,
-                config.max_loras,
-                config.max_lora_rank,
-                config.max_cpu_loras,
-                self.info.device,
-                self.info.dtype,  # the activations' (a packed model's first parameters are bytes)
-            )
-            assert isinstance(self.runner, ModelRunner)  # (no tensor parallelism, checked above)
-            self.runner.lora = self.lora
-            if self.runner.cpu_stack is not None:  # adapter steps stay one compiled call
-                self.runner.cpu_stack.attach_lora(self.lora.slots)
+            # (the activations' dtype: a packed model's first parameters are bytes)
+            self.lora = LoRAManager.of(self.model, config, self.info.device, self.info.dtype)
+            runner = self.runner.runner if isinstance(self.runner, TensorParallelRunner) else self.runner
+            assert isinstance(runner, ModelRunner)
+            runner.lora = self.lora
+            if self.parallel is not None:  # the other ranks load their shards into the same slots
+                self.lora.on_slot_load = self.parallel.send_lora
+            if runner.cpu_stack is not None:  # adapter steps stay one compiled call
+                runner.cpu_stack.attach_lora(self.lora.slots)
         self.processor = OutputProcessor(
             parts.scheduler,
             self.tokenizer,

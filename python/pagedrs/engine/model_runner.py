@@ -185,13 +185,8 @@ class ModelRunner:
         ``extra_rows`` (prompt logprobs), and the final hidden states of the ``pool_rows``
         tokens (float32; pooling requests). (With tensor parallelism
         `pagedrs.engine.parallel.TensorParallelRunner` sends the step to the other ranks first.)"""
-        arrays = StepArrays.of(out, extra_rows, sampled_rows)
-        adapters = self.lora is not None and self.lora.set_step(lora_rows, self.device)
-        try:
-            logits, pooled = self.forward_pooled(arrays, pool_rows, lora_rows if adapters else None)
-        finally:
-            if self.lora is not None:
-                self.lora.set_step(None, self.device)
+        arrays = StepArrays.of(out, extra_rows, sampled_rows, lora_rows)
+        logits, pooled = self.forward_pooled(arrays, pool_rows)
         return StepLogits.split(logits, out, sampled_rows, pooled)
 
     def forward(self, out: StepArrays) -> torch.Tensor:
@@ -199,15 +194,26 @@ class ModelRunner:
         vocabulary on rank 0)."""
         return self.forward_pooled(out)[0]
 
-    @torch.inference_mode()
     def forward_pooled(
-        self, out: StepArrays, pool_rows: np.ndarray | None = None, lora_rows: np.ndarray | None = None
+        self, out: StepArrays, pool_rows: np.ndarray | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, and the final hidden states (float32) of the ``pool_rows`` tokens when
         there are any (rank 0 only: the other ranks compute the same logits rows).
-        ``lora_rows``: each token row's LoRA slot (-1: none) when some rows run adapters
+        ``out.lora_rows``: each token row's LoRA slot (-1: none) when some rows run adapters
         (`pagedrs.lora`): the compiled stack adds their updates where it runs, else the Python
         layers' hooks do (a captured graph has none: such steps run eagerly)."""
+        if self.lora is None or not len(out.lora_rows):
+            return self._forward(out, pool_rows, None)
+        adapters = self.lora.set_step(out.lora_rows, self.device)
+        try:
+            return self._forward(out, pool_rows, out.lora_rows if adapters else None)
+        finally:
+            self.lora.set_step(None, self.device)
+
+    @torch.inference_mode()
+    def _forward(
+        self, out: StepArrays, pool_rows: np.ndarray | None, lora_rows: np.ndarray | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         pooling = pool_rows is not None and len(pool_rows) > 0
         adapters = lora_rows is not None
         graphs = self.graphs

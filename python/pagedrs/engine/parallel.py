@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -52,6 +54,7 @@ from pagedrs.engine.step_arrays import StepArrays, StepLogits
 from pagedrs.engine.tp_common import (
     HEADER_LEN,
     LOAD_TIMEOUT,
+    LORA,
     STOP,
     ShardSpec,
     TensorParallelError,
@@ -64,6 +67,7 @@ from pagedrs.engine.tp_common import (
     share_cores,
 )
 from pagedrs.engine.tp_worker import spawn_context, start_worker
+from pagedrs.lora.adapter import LoRARequest
 
 if TYPE_CHECKING:
     from pagedrs.engine.model_runner import ModelRunner
@@ -175,6 +179,18 @@ class TensorParallelGroup:
         self._step_bytes += header.nbytes + payload.nbytes
         self._num_steps += 1
 
+    def send_lora(self, slot: int, request: LoRARequest) -> None:
+        """Tells every rank to read ``request``'s adapter (its own shard of it) into ``slot``
+        before the next step (the path must be readable on every node)."""
+        message = json.dumps(
+            {"slot": slot, "name": request.lora_name, "id": request.lora_int_id, "path": os.fspath(request.lora_path)}
+        ).encode()
+        header = np.zeros(HEADER_LEN, np.int64)
+        header[0], header[1] = LORA, len(message)
+        with self.guard():
+            dist.broadcast(torch.from_numpy(header), src=0, group=self._step_group)
+            dist.broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), src=0, group=self._step_group)
+
     def broadcast_stats(self) -> dict[str, float]:
         """Steps sent, bytes and seconds spent broadcasting them (rank 0's side)."""
         return {"steps": self._num_steps, "bytes": self._step_bytes, "seconds": self._step_seconds}
@@ -255,7 +271,7 @@ class TensorParallelRunner:
     ) -> StepLogits:
         """As `ModelRunner.execute`, on every rank (the pooled rows' hidden states are rank
         0's: every rank ends the layers with the same hidden states)."""
-        arrays = StepArrays.of(out, extra_rows, sampled_rows)
+        arrays = StepArrays.of(out, extra_rows, sampled_rows, lora_rows)
         with self.group.guard():
             self.group.send_step(arrays)
             logits, pooled = self.runner.forward_pooled(arrays, pool_rows)

@@ -25,10 +25,15 @@ class StepArrays(NamedTuple):
     logits_rows: np.ndarray
     """Rows to sample from, then rows for prompt logprobs."""
     block_copies: np.ndarray
+    lora_rows: np.ndarray = np.zeros(0, np.int64)
+    """Each token row's LoRA slot (-1: none) when some rows run adapters, else empty."""
 
     @staticmethod
     def of(
-        out: SchedulerOutput, extra_rows: np.ndarray | None = None, sampled_rows: np.ndarray | None = None
+        out: SchedulerOutput,
+        extra_rows: np.ndarray | None = None,
+        sampled_rows: np.ndarray | None = None,
+        lora_rows: np.ndarray | None = None,
     ) -> StepArrays:
         """``sampled_rows``: which of ``out``'s logits rows to compute (default: all; a pooling
         request's row is never sampled), then ``extra_rows``."""
@@ -45,6 +50,7 @@ class StepArrays(NamedTuple):
             out.block_tables,
             rows,
             out.block_copies,
+            np.zeros(0, np.int64) if lora_rows is None else np.asarray(lora_rows, np.int64),
         )
 
 

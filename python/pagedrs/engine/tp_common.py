@@ -33,7 +33,7 @@ IDLE_TIMEOUT = timedelta(days=3650)
 LOAD_TIMEOUT = timedelta(hours=1)
 """How long ranks wait for each other to load their shards."""
 
-STEP, STOP = 1, 2
+STEP, STOP, LORA = 1, 2, 3
 _JOINED = "pagedrs/joined/"
 # The step's arrays in `StepArrays` order: (dtype, dimensions).
 _LAYOUT = tuple(
@@ -48,6 +48,7 @@ _LAYOUT = tuple(
         (np.int32, 3),  # block_tables: [kv groups, sequences, blocks]
         (np.int64, 1),  # logits_rows
         (np.int64, 2),  # block_copies
+        (np.int64, 1),  # lora_rows
     )
 )
 _DIMS = 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -20,6 +21,7 @@ from pagedrs.config import EngineConfig
 from pagedrs.engine.tp_common import (
     HEADER_LEN,
     LOAD_TIMEOUT,
+    LORA,
     STEP,
     STOP,
     RankSetup,
@@ -95,9 +97,13 @@ def run_worker(setup: RankSetup, errors: Any = None) -> int:
 def _load_shard(spec: ShardSpec, setup: RankSetup) -> Any:
     from pagedrs.engine.model_runner import load_model_runner
 
-    return load_model_runner(
-        spec.config, spec.dtype, rank_device(setup), spec.num_blocks, rank=setup.rank, size=setup.world_size
-    )
+    device = rank_device(setup)
+    runner = load_model_runner(spec.config, spec.dtype, device, spec.num_blocks, rank=setup.rank, size=setup.world_size)
+    if spec.config.enable_lora:
+        from pagedrs.lora.manager import LoRAManager
+
+        runner.lora = LoRAManager.of(runner.model, spec.config, device, spec.dtype)
+    return runner
 
 
 def _serve_steps(runner: Any, step_group: Any) -> None:
@@ -107,11 +113,23 @@ def _serve_steps(runner: Any, step_group: Any) -> None:
         command, num_bytes = int(header[0]), int(header[1])
         if command == STOP:
             return
-        if command != STEP:
+        if command not in (STEP, LORA):
             raise RuntimeError(f"unknown step command {command}")
         payload = torch.empty(num_bytes, dtype=torch.uint8)
         dist.broadcast(payload, src=0, group=step_group)
-        runner.forward(unpack_step(header.numpy(), payload.numpy()))
+        if command == LORA:
+            _place_adapter(runner, json.loads(payload.numpy().tobytes()))
+        else:
+            runner.forward(unpack_step(header.numpy(), payload.numpy()))
+
+
+def _place_adapter(runner: Any, message: dict[str, Any]) -> None:
+    """Rank 0 put an adapter in a slot: this rank reads its shard of it into the same slot."""
+    from pagedrs.lora.adapter import LoRARequest
+
+    if runner.lora is None:
+        raise RuntimeError("rank 0 sent a LoRA adapter to a rank built without enable_lora")
+    runner.lora.place(message["slot"], LoRARequest(message["name"], message["id"], message["path"]))
 
 
 def run_node(config: EngineConfig, device: torch.device | None = None) -> int:

@@ -167,31 +167,79 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     return load_file(weights)
 
 
-def _base_shapes(model: DecoderForCausalLM, layer: int, linear: str) -> tuple[int, list[int]]:
-    """The base linear's input size and output slices (whatever its weights' format: dense or
-    packed), or a ValueError when we do not patch it."""
+@dataclass(frozen=True)
+class _Shard:
+    """A patched linear's shapes, whole (what a peft checkpoint holds) and this
+    tensor-parallel rank's part of them. Column-parallel linears (``qkv_proj``,
+    ``gate_up_proj``) split their outputs: ``B`` keeps this rank's rows of each slice and ``A``
+    is whole. Row-parallel ones (``o_proj``, ``down_proj``) split their inputs: ``A`` keeps this
+    rank's columns, ``B`` is whole, and the ranks' shrunk activations are summed before the
+    expand (`LoRASlots.add`)."""
+
+    in_size: int
+    output_sizes: list[int]
+    rows: list[slice]
+    """Per output slice: this rank's rows of it."""
+    cols: slice
+    """This rank's input columns."""
+
+    @property
+    def local_in(self) -> int:
+        return self.cols.stop - self.cols.start
+
+    @property
+    def local_outputs(self) -> list[int]:
+        return [part.stop - part.start for part in self.rows]
+
+    @property
+    def row_parallel(self) -> bool:
+        return self.local_in != self.in_size
+
+
+def _shard(model: DecoderForCausalLM, layer: int, linear: str) -> _Shard:
+    """The base linear's shapes (whatever its weights' format: dense or packed), or a
+    ValueError when we do not patch it."""
     from pagedrs.models.decoder import MLP, Attention
 
     decoder_layer = model.decoder_layers()[layer]
-    hidden = int(model.config.hidden_size)
+    hidden, tp = int(model.config.hidden_size), model.tp
+    whole = slice(0, hidden)
+
+    def split(local: int, replicas: int = 1) -> slice:
+        index = tp.rank // replicas
+        return slice(index * local, (index + 1) * local)
+
     if linear in ("qkv_proj", "o_proj"):
         attn = decoder_layer.self_attn
         if not isinstance(attn, Attention):
             raise ValueError(f"layer {layer}'s attention is not patched by LoRA (latent attention)")
-        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        return (hidden, [q_size, kv_size, kv_size]) if linear == "qkv_proj" else (q_size, [hidden])
+        q_local, kv_local = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        num_kv_heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+        kv_replicas = tp.replicas(int(num_kv_heads), "num_key_value_heads")
+        q_size, kv_size = q_local * tp.size, kv_local * tp.size // kv_replicas
+        if linear == "o_proj":
+            return _Shard(q_size, [hidden], [whole], split(q_local))
+        kv_rows = split(kv_local, kv_replicas)
+        return _Shard(hidden, [q_size, kv_size, kv_size], [split(q_local), kv_rows, kv_rows], whole)
     mlp = decoder_layer.mlp
     if not isinstance(mlp, MLP):
         raise ValueError(f"layer {layer}'s MLP is a mixture of experts, which LoRA does not patch")
-    intermediate = mlp.intermediate_size
-    return (hidden, [intermediate, intermediate]) if linear == "gate_up_proj" else (intermediate, [hidden])
+    local = mlp.intermediate_size
+    if linear == "gate_up_proj":
+        return _Shard(hidden, [local * tp.size] * 2, [split(local)] * 2, whole)
+    return _Shard(local * tp.size, [hidden], [whole], split(local))
+
+
+def _base_shapes(model: DecoderForCausalLM, layer: int, linear: str) -> tuple[int, list[int]]:
+    """This rank's input size and output slices of the base linear (the whole linear's
+    without tensor parallelism), or a ValueError when we do not patch it."""
+    shard = _shard(model, layer, linear)
+    return shard.local_in, shard.local_outputs
 
 
 def load_adapter(request: LoRARequest, model: DecoderForCausalLM, max_lora_rank: int) -> LoRAAdapter:
     """Reads ``request``'s peft checkpoint for ``model``'s layers (in the model's dtype, on
     the CPU); every tensor is checked before the adapter is returned."""
-    if model.tp.size > 1:
-        raise ValueError("LoRA adapters do not run with tensor parallelism yet")
     path = os.fspath(request.lora_path)
     config = _read_config(path)
     tensors = _read_tensors(path)
@@ -217,7 +265,8 @@ def load_adapter(request: LoRARequest, model: DecoderForCausalLM, max_lora_rank:
         a, b = sides["A"].float(), sides["B"].float()
         rank = a.shape[0]
         linear, slice_index = _MODULES[module]
-        in_size, output_sizes = _base_shapes(model, layer, linear)
+        shard = _shard(model, layer, linear)
+        in_size, output_sizes = shard.in_size, shard.output_sizes
         out_size = sum(output_sizes) if slice_index is None else output_sizes[slice_index]
         where = f"LoRA adapter {path!r}: layers.{layer}.{module}"
         if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (rank, in_size) or tuple(b.shape) != (out_size, rank):
@@ -236,7 +285,7 @@ def load_adapter(request: LoRARequest, model: DecoderForCausalLM, max_lora_rank:
         weights = adapter.layers.get((layer, linear))
         if weights is None:
             weights = adapter.layers[(layer, linear)] = LoRAWeights(
-                output_sizes, [None] * len(output_sizes), [None] * len(output_sizes)
+                shard.local_outputs, [None] * len(output_sizes), [None] * len(output_sizes)
             )
         slices = range(len(output_sizes)) if slice_index is None else [slice_index]
         if any(weights.a[j] is not None for j in slices):
@@ -244,12 +293,12 @@ def load_adapter(request: LoRARequest, model: DecoderForCausalLM, max_lora_rank:
         if slice_index is None and len(output_sizes) > 1:
             # A fused module (Phi-3's qkv_proj): one A for every slice, B cut by output rows.
             starts = [sum(output_sizes[:j]) for j in range(len(output_sizes))]
-            for j, (start, size) in enumerate(zip(starts, output_sizes)):
-                weights.a[j] = a.to(dtype)
-                weights.b[j] = (b[start : start + size] * scale).to(dtype)
+            parts = {j: b[start : start + size] for j, (start, size) in enumerate(zip(starts, output_sizes))}
         else:
-            j = 0 if slice_index is None else slice_index
-            weights.a[j] = a.to(dtype)
-            weights.b[j] = (b * scale).to(dtype)
+            parts = {0 if slice_index is None else slice_index: b}
+        for j, part in parts.items():
+            # This rank's part: its input columns of A, its rows of each slice of B.
+            weights.a[j] = a[:, shard.cols].to(dtype).contiguous()
+            weights.b[j] = (part[shard.rows[j]] * scale).to(dtype).contiguous()
         adapter.rank = max(adapter.rank, rank)
     return adapter

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,6 +24,7 @@ from pagedrs.lora.adapter import LoRAAdapter, LoRARequest, load_adapter
 from pagedrs.lora.slots import LoRABatch, LoRASlots, LoRAState
 
 if TYPE_CHECKING:
+    from pagedrs.config import EngineConfig
     from pagedrs.models.decoder import DecoderForCausalLM
 
 
@@ -51,6 +53,16 @@ class LoRAManager:
         """Adapters in slots, least recently used first."""
         self._users: Counter[int] = Counter()
         """Requests in the scheduler per adapter: their slots are pinned."""
+        self.on_slot_load: Callable[[int, LoRARequest], None] | None = None
+        """Called when an adapter goes into a slot: with tensor parallelism, rank 0's engine
+        tells the other ranks to put their shards of it in the same slot (`place`)."""
+
+    @classmethod
+    def of(
+        cls, model: DecoderForCausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype
+    ) -> LoRAManager:
+        """The manager ``config`` (``enable_lora``) asks for; ``dtype``: the activations'."""
+        return cls(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, device, dtype)
 
     def register(self, request: LoRARequest) -> None:
         """Checks ``request`` (reading its adapter if it is new); a `ValueError` says why not."""
@@ -91,11 +103,24 @@ class LoRAManager:
                 if not idle:
                     return False
                 slot = self._slot_of.pop(idle[0])  # the least recently used unpinned adapter
-            self.slots.load(slot, self._host_adapter(self._requests[lora_id]))
+            request = self._requests[lora_id]
+            self.slots.load(slot, self._host_adapter(request))
             self._slot_of[lora_id] = slot
+            if self.on_slot_load is not None:
+                self.on_slot_load(slot, request)
         self._slot_of.move_to_end(lora_id)
         self._users[lora_id] += 1
         return True
+
+    def place(self, slot: int, request: LoRARequest) -> None:
+        """Puts ``request``'s adapter in ``slot``, as another rank's manager decided (the other
+        tensor-parallel ranks follow rank 0's `acquire`)."""
+        self.register(request)
+        for other, taken in list(self._slot_of.items()):
+            if taken == slot:
+                del self._slot_of[other]
+        self.slots.load(slot, self._host_adapter(request))
+        self._slot_of[request.lora_int_id] = slot
 
     def release(self, lora_id: int) -> None:
         """One request of adapter ``lora_id`` left the scheduler."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pagedrs.layers import fused
-from pagedrs.lora.adapter import LINEARS, LoRAAdapter, _base_shapes
+from pagedrs.lora.adapter import LINEARS, LoRAAdapter, _shard
 
 if TYPE_CHECKING:
     from pagedrs.models.decoder import DecoderForCausalLM
@@ -60,13 +60,20 @@ class LoRASlots:
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], list[torch.Tensor]] = {}
         self.output_sizes: dict[tuple[int, str], list[int]] = {}
+        self.reduced: set[tuple[int, str]] = set()
+        """Row-parallel linears under tensor parallelism: each rank shrinks its input columns,
+        and the shrunk activations are summed across ranks before the expand (vLLM does the
+        same), so every rank adds the whole update to the reduced output."""
         for layer in range(len(model.decoder_layers())):
             for linear in LINEARS:
                 try:
-                    in_size, output_sizes = _base_shapes(model, layer, linear)
+                    shard = _shard(model, layer, linear)
                 except ValueError:
                     continue  # latent attention, experts: never patched (load_adapter refuses them)
                 key = (layer, linear)
+                in_size, output_sizes = shard.local_in, shard.local_outputs
+                if shard.row_parallel:
+                    self.reduced.add(key)
                 self.output_sizes[key] = output_sizes
                 self.a[key] = torch.zeros(max_loras, len(output_sizes), max_rank, in_size, device=device, dtype=dtype)
                 self.b[key] = [
@@ -110,12 +117,20 @@ class LoRASlots:
         a_slots, b_slots = self.a[key], self.b[key]
         sizes = self.output_sizes[key]
         starts = [sum(sizes[:j]) for j in range(len(sizes))]
-        for slot, rows in batch.groups:
-            xs = x.index_select(0, rows)
-            # One shrink for every slice: [rows, slices * max_rank].
-            shrunk = (xs @ a_slots[slot].reshape(-1, a_slots.shape[-1]).T).view(len(rows), len(sizes), -1)
+        # One shrink for every slice per group: [rows, slices, max_rank].
+        shrunk = [
+            (x.index_select(0, rows) @ a_slots[slot].reshape(-1, a_slots.shape[-1]).T).view(len(rows), len(sizes), -1)
+            for slot, rows in batch.groups
+        ]
+        if key in self.reduced:
+            every_row = x.new_zeros(x.shape[0], len(sizes), self.max_rank)
+            for (_, rows), part in zip(batch.groups, shrunk):
+                every_row.index_copy_(0, rows, part)
+            torch.distributed.all_reduce(every_row)
+            shrunk = [every_row.index_select(0, rows) for _, rows in batch.groups]
+        for (slot, rows), part in zip(batch.groups, shrunk):
             for j, (start, size) in enumerate(zip(starts, sizes)):
-                update = shrunk[:, j] @ b_slots[j][slot].T
+                update = part[:, j] @ b_slots[j][slot].T
                 y[:, start : start + size].index_add_(0, rows, update)
         return y
 
@@ -132,6 +147,8 @@ class LoRASlots:
             triton_kernels.lora_shrink[(num_tokens, slices)](
                 x, self.a[key], batch.row_slots, shrunk, in_size, rank, slices, BLOCK_R=block_r, BLOCK_K=64
             )
+            if key in self.reduced:
+                torch.distributed.all_reduce(shrunk)
             start = 0
             for part, (size, b) in enumerate(zip(sizes, self.b[key])):
                 triton_kernels.lora_expand[(num_tokens, -(-size // 64))](
