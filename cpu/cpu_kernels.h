@@ -103,7 +103,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // LoRA (pagedrs/lora/slots.py's layout): the adapter slots of layer `layer`'s linear `linear`
   // (0 qkv, 1 o, 2 gate_up, 3 down): a float32 [slots, slices, rank, in_features] and, per output
-  // slice, b[j] float32 [slots, out_j, rank]. Held by reference: slots are filled in place.
+  // slice, b[j] float32 [slots, rank, out_j] (B transposed). Held by reference: slots are filled in place.
   virtual void set_lora(int64_t layer, int64_t linear, at::Tensor a, std::vector<at::Tensor> b) = 0;
 
   // Each row's LoRA slot for the forward passes that follow (int64 [num_tokens], -1: none), or

@@ -263,10 +263,19 @@ inline void add_rows(float* __restrict__ x, const float* __restrict__ y, float m
 // One patched linear's LoRA slots (see the header): y[t] += B_s (A_s x[t]) for a row t in slot s.
 struct LoRALinear {
   at::Tensor a;               // float32 [slots, slices, rank, in_features]
-  std::vector<at::Tensor> b;  // per output slice, float32 [slots, out_j, rank]
+  std::vector<at::Tensor> b;  // per output slice, float32 [slots, rank, out_j] (B transposed)
 };
 
-constexpr int64_t kMaxLoRAWidth = 3 * 512;  // slices x rank of one linear (a stack buffer per row)
+constexpr int64_t kMaxLoRAWidth = 3 * 512;  // slices x rank of one linear
+constexpr int64_t kLoRAGemmRows = 32;       // an adapter with this many rows in a step multiplies with ATen
+constexpr int64_t kLoRAColumns = 128;       // outputs of one expand task
+
+// The rows of one step that use one LoRA slot.
+struct LoRAGroup {
+  int64_t slot;
+  std::vector<int64_t> rows;
+  at::Tensor index;  // the rows, int64
+};
 
 inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
   float sum = 0.f;
@@ -430,10 +439,10 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     int64_t outputs = 0;
     for (const at::Tensor& slice : b) {
       TORCH_CHECK(slice.scalar_type() == at::kFloat && slice.is_contiguous() && slice.dim() == 3 &&
-                      slice.size(0) == a.size(0) && slice.size(2) == a.size(2),
-                  "pagedrs_cpu: LoRA b slices must be contiguous float32 [", a.size(0), ", out, ", a.size(2),
-                  "], got ", slice.sizes());
-      outputs += slice.size(1);
+                      slice.size(0) == a.size(0) && slice.size(1) == a.size(2),
+                  "pagedrs_cpu: LoRA b slices must be contiguous float32 [", a.size(0), ", ", a.size(2),
+                  ", out], got ", slice.sizes());
+      outputs += slice.size(2);
     }
     TORCH_CHECK(outputs == base->out_features, "pagedrs_cpu: LoRA b slices give ", outputs, " outputs, the linear ",
                 base->out_features);
@@ -452,7 +461,20 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                     " is not -1 or one of the ", lora_slots_, " slots");
       }
     }
-    lora_rows_ = std::move(row_slots);
+    lora_groups_.clear();
+    lora_rows_ = 0;
+    if (!row_slots) return;
+    const int64_t* slots = row_slots->data_ptr<int64_t>();
+    std::vector<std::vector<int64_t>> rows(lora_slots_);
+    for (int64_t t = 0; t < row_slots->size(0); ++t) {
+      if (slots[t] >= 0) rows[slots[t]].push_back(t);
+    }
+    lora_rows_ = row_slots->size(0);
+    for (int64_t slot = 0; slot < lora_slots_; ++slot) {
+      if (rows[slot].empty()) continue;
+      at::Tensor index = at::tensor(rows[slot], at::kLong);
+      lora_groups_.push_back(LoRAGroup{slot, std::move(rows[slot]), std::move(index)});
+    }
   }
 
   void forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
@@ -480,9 +502,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                   "pagedrs_cpu: a layer without gate_up and down needs its experts (set_experts)");
     }
     check_chunks(num_tokens, key_caches.empty() ? 0 : key_caches[0].size(1), chunk_bounds, chunk_blocks, chunk_masks);
-    TORCH_CHECK(!lora_rows_ || lora_rows_->size(0) == num_tokens, "pagedrs_cpu: LoRA row slots for ",
-                lora_rows_ ? lora_rows_->size(0) : 0, " rows, the step has ", num_tokens);
-    const int64_t* lora_rows = lora_rows_ ? lora_rows_->data_ptr<int64_t>() : nullptr;
+    TORCH_CHECK(lora_groups_.empty() || lora_rows_ == num_tokens, "pagedrs_cpu: LoRA row slots for ", lora_rows_,
+                " rows, the step has ", num_tokens);
     if (num_tokens == 0) return;
     const int64_t H = hidden_size_, D = head_size_, q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
     const int64_t qkv_size = q_size + 2 * kv_size, I = intermediate_size_;  // H, D, I: the header's names
@@ -511,7 +532,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         });
       }
       layer.qkv.apply(input_norm != nullptr ? normed : hidden, qkv);
-      add_lora(layer_index, 0, input_norm != nullptr ? normed : hidden, qkv, lora_rows);
+      add_lora(layer_index, 0, input_norm != nullptr ? normed : hidden, qkv);
       // Per row: q/k norms, rotary on q and k, then k and v into their cache slot.
       const at::Tensor& key_cache = key_caches[layer_index];
       const at::Tensor& value_cache = value_caches[layer_index];
@@ -542,7 +563,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       attend(layer, query, key_caches[layer_index], value_caches[layer_index], kernel_rows, view_tables,
              cu_seqlens_q, context_lens, chunk_bounds, chunk_blocks, chunk_masks, attended);
       layer.o.apply(attended.view({num_tokens, q_size}), projected);
-      add_lora(layer_index, 1, attended.view({num_tokens, q_size}), projected, lora_rows);
+      add_lora(layer_index, 1, attended.view({num_tokens, q_size}), projected);
       const float* attn_out_norm = data(layer.attn_out_norm);
       const float* pre_mlp_norm = data(layer.pre_mlp_norm);
       const float multiplier = layer.residual_multiplier;
@@ -557,13 +578,13 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         mixture(*layer.experts, mlp_input, projected);
       } else {
         layer.gate_up->apply(mlp_input, gate_up);
-        add_lora(layer_index, 2, mlp_input, gate_up, lora_rows);
+        add_lora(layer_index, 2, mlp_input, gate_up);
         for_rows(num_tokens, [&](int64_t t) {
           const float* gate = gate_up_rows + t * 2 * I;
           pagedrs_cpu::activate_mul(layer.activation, gate, gate + I, I, activated_rows + t * I);
         });
         layer.down->apply(activated, projected);
-        add_lora(layer_index, 3, activated, projected, lora_rows);
+        add_lora(layer_index, 3, activated, projected);
       }
       const float* mlp_out_norm = data(layer.mlp_out_norm);
       for_rows(num_tokens, [&](int64_t t) {
@@ -575,30 +596,72 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   }
 
  private:
-  // out[t] += B_s (A_s x[t]) for the rows t with a LoRA slot s (rows: -1 for none), when the
-  // layer's linear has LoRA slots. One row per task: a decode has few rows, each a few dot products.
-  void add_lora(int64_t layer, int linear, const at::Tensor& x, at::Tensor& out, const int64_t* rows) const {
-    if (rows == nullptr || static_cast<size_t>(layer) >= lora_.size() || !lora_[layer][linear]) return;
+  // out[t] += B_s (A_s x[t]) for the rows t with a LoRA slot s (lora_groups_: each slot's rows),
+  // when the layer's linear has LoRA slots. The rows of one adapter go together, so each row of
+  // its A and B is read once per step, not once per row: threads split A's rows (the shrink),
+  // then the outputs (the expand). An adapter with many rows (a prefill) multiplies with ATen.
+  void add_lora(int64_t layer, int linear, const at::Tensor& x, at::Tensor& out) const {
+    if (lora_groups_.empty() || static_cast<size_t>(layer) >= lora_.size() || !lora_[layer][linear]) return;
     const LoRALinear& lora = *lora_[layer][linear];
     const int64_t slices = lora.a.size(1), rank = lora.a.size(2), in = lora.a.size(3), width = out.size(1);
+    const int64_t shrink_width = slices * rank;
     TORCH_CHECK(x.is_contiguous() && x.size(1) == in && out.is_contiguous(), "pagedrs_cpu: LoRA rows mismatch");
+    std::vector<const LoRAGroup*> small;
+    for (const LoRAGroup& group : lora_groups_) {
+      if (static_cast<int64_t>(group.rows.size()) < kLoRAGemmRows) {
+        small.push_back(&group);
+        continue;
+      }
+      const at::Tensor shrunk = at::mm(x.index_select(0, group.index), lora.a[group.slot].view({shrink_width, in}).t());
+      for (int64_t j = 0, start = 0; j < slices; start += lora.b[j].size(2), ++j) {
+        const at::Tensor update = at::mm(shrunk.narrow(1, j * rank, rank), lora.b[j][group.slot]);
+        out.narrow(1, start, lora.b[j].size(2)).index_add_(0, group.index, update);
+      }
+    }
+    if (small.empty()) return;
     const float* a = lora.a.data_ptr<float>();
     const float* xs = x.data_ptr<float>();
     float* ys = out.data_ptr<float>();
-    std::vector<const float*> b(slices);
-    std::vector<int64_t> sizes(slices);
-    for (int64_t j = 0; j < slices; ++j) b[j] = lora.b[j].data_ptr<float>(), sizes[j] = lora.b[j].size(1);
-    at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
-      float shrunk[kMaxLoRAWidth];
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t slot = rows[t];
-        if (slot < 0) continue;
-        const float* as = a + slot * slices * rank * in;
-        for (int64_t i = 0; i < slices * rank; ++i) shrunk[i] = dot(as + i * in, xs + t * in, in);
-        float* y = ys + t * width;
-        for (int64_t j = 0, start = 0; j < slices; start += sizes[j], ++j) {
-          const float* bs = b[j] + slot * sizes[j] * rank;
-          for (int64_t o = 0; o < sizes[j]; ++o) y[start + o] += dot(bs + o * rank, shrunk + j * rank, rank);
+    const int64_t num_small = static_cast<int64_t>(small.size());
+    std::vector<float> shrunk(x.size(0) * shrink_width);
+    at::parallel_for(0, num_small * shrink_width, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) {
+        const LoRAGroup& group = *small[k / shrink_width];
+        const int64_t i = k % shrink_width;
+        const float* row = a + (group.slot * shrink_width + i) * in;
+        for (const int64_t t : group.rows) shrunk[t * shrink_width + i] = dot(row, xs + t * in, in);
+      }
+    });
+    // The expand in chunks of kLoRAColumns outputs of one slice: y[t, chunk] += s[t, r] B^T[r, chunk]
+    // over the ranks r, the chunk of B^T staying in cache over the group's rows.
+    struct Chunk {
+      const LoRAGroup* group;
+      int64_t slice, begin, end;  // the chunk's outputs within the slice
+    };
+    std::vector<Chunk> chunks;
+    for (const LoRAGroup* group : small) {
+      for (int64_t j = 0; j < slices; ++j) {
+        for (int64_t c = 0; c < lora.b[j].size(2); c += kLoRAColumns) {
+          chunks.push_back(Chunk{group, j, c, std::min(c + kLoRAColumns, lora.b[j].size(2))});
+        }
+      }
+    }
+    std::vector<int64_t> starts(slices);
+    for (int64_t j = 1; j < slices; ++j) starts[j] = starts[j - 1] + lora.b[j - 1].size(2);
+    at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) {
+        const Chunk& chunk = chunks[k];
+        const int64_t size = lora.b[chunk.slice].size(2), n = chunk.end - chunk.begin;
+        const float* bt = lora.b[chunk.slice].data_ptr<float>() + chunk.group->slot * rank * size + chunk.begin;
+        for (const int64_t t : chunk.group->rows) {
+          float* __restrict__ y = ys + t * width + starts[chunk.slice] + chunk.begin;
+          const float* s = &shrunk[t * shrink_width + chunk.slice * rank];
+          for (int64_t r = 0; r < rank; ++r) {
+            const float* __restrict__ row = bt + r * size;
+            const float scale = s[r];
+#pragma omp simd
+            for (int64_t o = 0; o < n; ++o) y[o] += scale * row[o];
+          }
         }
       }
     });
@@ -787,7 +850,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   std::vector<Layer> layers_;
   std::vector<std::array<std::optional<LoRALinear>, 4>> lora_;  // per layer: qkv, o, gate_up, down
   int64_t lora_slots_ = 0;
-  std::optional<at::Tensor> lora_rows_;  // this step's row slots (set_lora_rows)
+  std::vector<LoRAGroup> lora_groups_;  // this step's rows of each slot in use (set_lora_rows)
+  int64_t lora_rows_ = 0;               // rows of the step set_lora_rows was given
 };
 
 }  // namespace

@@ -79,3 +79,33 @@ def test_no_adapter_rows_make_no_batch_and_slots_are_bounded(model):
     assert batch is not None
     got = slots.add((0, "qkv_proj"), x, torch.zeros(3, 128), batch)
     torch.testing.assert_close(got, second.layers[(0, "qkv_proj")].delta(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ranks", [(1, 64, 7), (16, 16, 16)])
+def test_the_compiled_stack_adds_what_the_python_layers_add(tiny_llama, ranks):
+    """The CPU decoder stack's update (rows of one adapter together; an adapter with many rows
+    through ATen) against the Python layers' `LoRASlots.add`: a mixed step (decodes, a
+    40-row prompt, chunks) whose sequences use three adapters or none, a slot nobody uses,
+    and a step of decodes only."""
+    from pagedrs.kernels.cpu import available
+    from pagedrs.lora.manager import LoRAManager
+    from tests.models.test_decoder_stack import MIXED, forward_both, runner_for
+
+    if not available():
+        pytest.skip("the CPU kernels do not build here")
+    runner = runner_for(tiny_llama)
+    assert runner.cpu_stack is not None
+    runner.lora = LoRAManager(runner.model, 4, 64, None, torch.device("cpu"), torch.float32)
+    runner.cpu_stack.attach_lora(runner.lora.slots)
+    for slot, rank in enumerate(ranks):
+        runner.lora.slots.load(slot, _random_adapter(runner.model, f"a{slot}", rank, seed=slot, skip_slice=slot % 2))
+    # Per sequence of MIXED: its slot (the 40- and 33-row chunks are one adapter's 73 rows).
+    seq_slots = [0, -1, 1, 1, 2, 0, -1]
+    for seqs in (MIXED, [(context, 1) for context, _ in MIXED]):
+        lora_rows = np.repeat(np.array(seq_slots, dtype=np.int64), [rows for _, rows in seqs])
+        (stack_logits, _), (layer_logits, _) = forward_both(runner, seqs, lora_rows=lora_rows)
+        (plain_logits, _), _ = forward_both(runner, seqs)
+        torch.testing.assert_close(stack_logits, layer_logits, atol=1e-4, rtol=1e-4)
+        with_adapter = torch.from_numpy(lora_rows >= 0)
+        assert not torch.allclose(stack_logits[with_adapter], plain_logits[with_adapter], atol=1e-3)
+        torch.testing.assert_close(stack_logits[~with_adapter], plain_logits[~with_adapter], atol=1e-4, rtol=1e-4)

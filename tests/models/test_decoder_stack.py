@@ -52,9 +52,10 @@ def step_arrays(seqs, vocab_size: int, seed: int) -> StepArrays:
     )
 
 
-def forward_both(runner: ModelRunner, seqs, seed: int = 0):
+def forward_both(runner: ModelRunner, seqs, seed: int = 0, lora_rows: np.ndarray | None = None):
     """The step through the stack and through the Python layers, each from the same caches
-    (random values stand for the cached prefixes): ((logits, caches) of the stack, of the layers)."""
+    (random values stand for the cached prefixes): ((logits, caches) of the stack, of the layers).
+    ``lora_rows``: each row's LoRA slot (the runner's `LoRAManager`)."""
     assert runner.cpu_stack is not None, "the stack should run this model"
     torch.manual_seed(seed)
     for key_cache, value_cache in runner.kv_caches:
@@ -62,6 +63,8 @@ def forward_both(runner: ModelRunner, seqs, seed: int = 0):
         value_cache.normal_()
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     arrays = step_arrays(seqs, runner.model.config.vocab_size, seed)
+    if lora_rows is not None:
+        arrays = arrays._replace(lora_rows=lora_rows)
     results = []
     stack = runner.cpu_stack
     for use_stack in (True, False):

@@ -2,7 +2,7 @@
 
 Every patched linear (`LINEARS` of every decoder layer) gets one stack of ``max_loras`` slots:
 ``a`` of ``[slots, slices, max_rank, in]`` and, per output slice, ``b[j]`` of
-``[slots, out_j, max_rank]``. An adapter of a smaller rank fills the first rows of its slot and
+``[slots, max_rank, out_j]`` (``B`` transposed: the expand adds whole rows of it). An adapter of a smaller rank fills the first rows of its slot and
 leaves the rest zero, and a linear it does not patch stays zero in its slot, so every slot
 multiplies the same shapes.
 
@@ -77,7 +77,7 @@ class LoRASlots:
                 self.output_sizes[key] = output_sizes
                 self.a[key] = torch.zeros(max_loras, len(output_sizes), max_rank, in_size, device=device, dtype=dtype)
                 self.b[key] = [
-                    torch.zeros(max_loras, size, max_rank, device=device, dtype=dtype) for size in output_sizes
+                    torch.zeros(max_loras, max_rank, size, device=device, dtype=dtype) for size in output_sizes
                 ]
 
     @property
@@ -101,7 +101,7 @@ class LoRASlots:
                     continue
                 rank = a.shape[0]
                 self.a[key][slot, j, :rank].copy_(a)
-                self.b[key][j][slot, :, :rank].copy_(b)
+                self.b[key][j][slot, :rank].copy_(b.T)
 
     def clear(self, slot: int) -> None:
         for key, a in self.a.items():
@@ -130,7 +130,7 @@ class LoRASlots:
             shrunk = [every_row.index_select(0, rows) for _, rows in batch.groups]
         for (slot, rows), part in zip(batch.groups, shrunk):
             for j, (start, size) in enumerate(zip(starts, sizes)):
-                update = part[:, j] @ b_slots[j][slot].T
+                update = part[:, j] @ b_slots[j][slot]
                 y[:, start : start + size].index_add_(0, rows, update)
         return y
 

@@ -38,7 +38,7 @@ def lora_shrink(
 @triton.jit
 def lora_expand(
     shrunk_ptr,  # [num_tokens, slices, R] float32
-    b_ptr,  # [slots, N, R]: one slice's B
+    b_ptr,  # [slots, R, N]: one slice's B, transposed
     slot_ptr,  # [num_tokens] int64
     y_ptr,  # [num_tokens, width]: the linear's output, updated in place
     part,
@@ -59,7 +59,7 @@ def lora_expand(
     ranks = tl.arange(0, BLOCK_R)
     shrunk = tl.load(shrunk_ptr + (row * slices + part) * R + ranks, mask=ranks < R, other=0.0)
     b = tl.load(
-        b_ptr + (slot * N + cols[:, None]) * R + ranks[None, :],
+        b_ptr + (slot * R + ranks[None, :]) * N + cols[:, None],
         mask=(cols[:, None] < N) & (ranks[None, :] < R),
         other=0.0,
     )
