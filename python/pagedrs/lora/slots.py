@@ -2,9 +2,9 @@
 
 Every patched linear (`LINEARS` of every decoder layer) gets one stack of ``max_loras`` slots:
 ``a`` of ``[slots, slices, max_rank, in]`` and, per output slice, ``b[j]`` of
-``[slots, max_rank, out_j]`` (``B`` transposed: the expand adds whole rows of it). An adapter of a smaller rank fills the first rows of its slot and
-leaves the rest zero, and a linear it does not patch stays zero in its slot, so every slot
-multiplies the same shapes.
+``[slots, max_rank, out_j]`` (``B`` transposed: the expand adds whole rows of it). An adapter
+of a smaller rank fills the first ranks of its slot and leaves the rest zero, and a linear it
+does not patch stays zero in its slot, so every slot multiplies the same shapes.
 
 A step's rows use different adapters (or none): `LoRABatch` groups the rows by slot once per
 step, and `LoRASlots.add` applies each group's update to a linear's output: one shrink
