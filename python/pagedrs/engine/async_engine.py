@@ -14,6 +14,7 @@ docs/benchmarks.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -40,6 +41,11 @@ logger = logging.getLogger("pagedrs")
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its limit: try again later (HTTP 503)."""
+
+
+class DrainingError(QueueFullError):
+    """The server is shutting down (`AsyncLLMEngine.drain`): it finishes the requests it has
+    and takes no new ones (HTTP 503; another replica should take it)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -233,6 +239,9 @@ class AsyncLLMEngine:
         self._pending_lock = threading.Lock()
         self._stopping = False
         self._stopped = False
+        self._drain_deadline: float | None = None
+        """Set by `drain`: when the requests still in flight are aborted."""
+        self._stop_reason: str | None = None
         self._dead: BaseException | None = None
         self.stats = engine.scheduler.stats()
         """The scheduler's counters after the last step (published by the engine thread)."""
@@ -278,6 +287,15 @@ class AsyncLLMEngine:
         return not self._stopped and self._dead is None
 
     @property
+    def draining(self) -> bool:
+        """`drain` was called: requests in flight finish, new ones are refused."""
+        return self._drain_deadline is not None
+
+    def accepting(self) -> bool:
+        """Whether new requests are taken (alive and not draining): what ``/health`` says."""
+        return self.is_alive() and not self.draining
+
+    @property
     def dead_reason(self) -> BaseException | None:
         """What killed the engine loop, if anything did."""
         return self._dead
@@ -307,6 +325,8 @@ class AsyncLLMEngine:
         `RequestStream`) and must `RequestStream.abort` it if it stops early."""
         if not self.is_alive():
             raise EngineDeadError("the engine has stopped") from self._dead
+        if self.draining:
+            raise DrainingError("the server is shutting down and takes no new requests")
         loop = asyncio.get_running_loop()
         stop_strings = params.stop_strings if isinstance(params, SamplingParams) else []
         stream = _Stream(loop, hold_back=max(map(len, stop_strings), default=1) - 1)
@@ -357,6 +377,15 @@ class AsyncLLMEngine:
         self._stopping = True
         self._commands.put(("wake",))
 
+    def drain(self, timeout: float) -> None:
+        """Stops taking requests (`add_request` raises `DrainingError`) and lets those in flight
+        finish; `run` returns once none is left. Those still running ``timeout`` seconds later
+        are aborted: their streams end with an `EngineDeadError` saying so. Safe from any thread
+        or a signal handler; a second call changes nothing."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + max(0.0, timeout)
+            self._commands.put(("wake",))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self.stop()
         if self._thread is not None:
@@ -370,6 +399,8 @@ class AsyncLLMEngine:
         try:
             while not self._stopping:
                 if until is not None and until():
+                    break
+                if self._drain_deadline is not None and self._drained():
                     break
                 self.engine.check_health()  # a tensor-parallel rank that failed while idle
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
@@ -389,11 +420,32 @@ class AsyncLLMEngine:
         finally:
             self._stopped = True
             # Whoever still waits hears why: a dead engine, or a server shutting down.
-            reason = EngineDeadError(f"the engine stopped: {self._dead}" if self._dead else "the engine was stopped")
+            reason = EngineDeadError(
+                f"the engine stopped: {self._dead}" if self._dead else self._stop_reason or "the engine was stopped"
+            )
+            for request_id in list(self._streams):
+                with contextlib.suppress(Exception):  # (a dead engine may refuse)
+                    self.engine.abort_request(request_id)
             for stream in self._streams.values():
                 stream.put(reason)
             self._streams.clear()
             self._fail_pending_commands(reason)
+
+    def _drained(self) -> bool:
+        """While draining: whether the loop may end (nothing left, or the time is up)."""
+        assert self._drain_deadline is not None
+        with self._pending_lock:
+            pending = self._pending_adds
+        if not pending and self._commands.empty() and not self.engine.has_unfinished_requests():
+            return True
+        if time.monotonic() < self._drain_deadline:
+            return False
+        self._stop_reason = (
+            f"the server shut down before this request finished (--shutdown-timeout); {len(self._streams)} "
+            "requests were aborted"
+        )
+        logger.warning("%s", self._stop_reason)
+        return True
 
     def _drain_commands(self, block: bool) -> None:
         while True:

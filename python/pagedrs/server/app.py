@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedrs import __version__
-from pagedrs.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from pagedrs.engine.async_engine import AsyncLLMEngine, DrainingError, EngineDeadError, QueueFullError
 from pagedrs.envinfo import environment, model_fingerprint
 from pagedrs.server.chat import create_chat_completion, render_chat
 from pagedrs.server.completions import create_completion
@@ -70,6 +70,27 @@ ANTHROPIC_PATHS = "/v1/messages"
 KEYED_PATHS = ("/v1/", "/v2/", "/score", "/rerank")
 """Routes that need the API key when the server has one: the model's API under ``/v1`` and
 ``/v2``, and vLLM's unversioned aliases of score and rerank."""
+
+
+QUEUED_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/score",
+        "/score",
+        "/v1/rerank",
+        "/rerank",
+        "/v2/rerank",
+        "/v1/messages",
+        "/v1/responses",
+    }
+)
+"""Routes whose POST queues work for the engine: refused before their body is read while the
+waiting queue is full or the server drains (`AccessMiddleware`)."""
+
+RETRY_AFTER = {"overloaded": "1", "draining": "5"}
+"""Seconds a refused client is told to wait (``Retry-After``)."""
 
 
 def _needs_key(path: str) -> bool:
@@ -134,14 +155,46 @@ class BodyLimitMiddleware:
         await self.app(scope, counted_receive, send)
 
 
-class AccessMiddleware:
-    """Checks the API key on ``/v1`` routes, logs one line per request when its response has
-    been sent (for a stream, when the stream ends), and counts requests per route."""
+def _refused(status: int, message: str, path: str, retry_after: str) -> JSONResponse:
+    """An overload (503; Anthropic's 529) or shutdown refusal, with ``Retry-After``."""
+    if path.startswith(ANTHROPIC_PATHS) and status == 503:
+        status = 529  # Anthropic's "overloaded"
+    response = _error(status, message, "ServiceUnavailableError", path=path)
+    response.headers["Retry-After"] = retry_after
+    return response
 
-    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics | None = None):
+
+class AccessMiddleware:
+    """Checks the API key on ``/v1`` routes, refuses work the engine cannot take before its
+    body is read (a full waiting queue, a draining server: `QUEUED_PATHS`), logs one line per
+    request when its response has been sent (for a stream, when the stream ends), and counts
+    requests per route."""
+
+    def __init__(
+        self,
+        app: Any,
+        api_key: str | None,
+        metrics: ServerMetrics | None = None,
+        engine: AsyncLLMEngine | None = None,
+    ):
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
+        self.engine = engine
+
+    def _refusal(self, scope) -> JSONResponse | None:
+        """The answer to a request the engine cannot take now, before its body is read (the
+        cheapest answer the server gives); ``None`` to go on."""
+        engine, path = self.engine, scope["path"]
+        if engine is None or scope["method"] != "POST" or path not in QUEUED_PATHS:
+            return None
+        if engine.draining:
+            return _refused(503, "the server is shutting down and takes no new requests", path, RETRY_AFTER["draining"])
+        limit = engine.max_waiting_requests
+        if limit is not None and (waiting := engine.num_waiting()) >= limit:
+            message = f"the server is overloaded: {waiting} requests are waiting (limit {limit}); retry later"
+            return _refused(503, message, path, RETRY_AFTER["overloaded"])
+        return None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -149,6 +202,7 @@ class AccessMiddleware:
             return
         start = time.monotonic()
         status = 0
+        refused = False  # before routing: counted under its path (one of QUEUED_PATHS)
 
         async def send_logged(message) -> None:
             nonlocal status
@@ -169,10 +223,13 @@ class AccessMiddleware:
                     path=path,
                 )
                 await response(scope, receive, send_logged)
+            elif (refusal := self._refusal(scope)) is not None:
+                refused = True
+                await refusal(scope, receive, send_logged)
             else:
                 await self.app(scope, receive, send_logged)
         finally:
-            route = getattr(scope.get("route"), "path", None)  # the matched route's template
+            route = getattr(scope.get("route"), "path", None) or (scope["path"] if refused else None)
             if self.metrics is not None and route is not None:
                 self.metrics.record_api_request(route, status)
             # /metrics and /health are scraped and probed every few seconds: no line each.
@@ -243,10 +300,11 @@ def build_app(
 
     @app.exception_handler(QueueFullError)
     async def queue_full(request: Request, error: QueueFullError):
+        # (most are refused before their body is read: these came in while the queue filled)
+        if isinstance(error, DrainingError):
+            return _refused(503, str(error), request.url.path, RETRY_AFTER["draining"])
         message = f"the server is overloaded: {error}; retry later"
-        path = request.url.path
-        status = 529 if path.startswith(ANTHROPIC_PATHS) else 503  # Anthropic's "overloaded"
-        return _error(status, message, "ServiceUnavailableError", path=path)
+        return _refused(503, message, request.url.path, RETRY_AFTER["overloaded"])
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, error: EngineDeadError):
@@ -338,6 +396,8 @@ def build_app(
     async def health():
         if not engine.is_alive():
             return _error(503, "the engine has stopped", "ServiceUnavailableError")
+        if engine.draining:  # load balancers stop sending at once
+            return _refused(503, "the server is shutting down", "/health", RETRY_AFTER["draining"])
         return Response(status_code=200)
 
     @app.get("/version")
@@ -392,7 +452,7 @@ def build_app(
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": await serving.tokenize(lambda tokenizer, tokens: tokenizer.decode(tokens), body.tokens)}
 
-    return AccessMiddleware(BodyLimitMiddleware(app, max_request_bytes), api_key, metrics)
+    return AccessMiddleware(BodyLimitMiddleware(app, max_request_bytes), api_key, metrics, engine)
 
 
 def _speculative_info(speculative: SpeculativeConfig | None) -> dict[str, Any] | None:

@@ -7,10 +7,11 @@ import logging
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedrs.config import EngineConfig
+    from pagedrs.engine.async_engine import AsyncLLMEngine
     from pagedrs.server.settings import ServerConfig
 
 
@@ -111,7 +112,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     http = threading.Thread(target=server.run, name="pagedrs-http", daemon=True)
     http.start()
-    signal.signal(signal.SIGTERM, lambda *_: engine.stop())
+    _stop_on_signals(engine, server_config.shutdown_timeout)
     try:
         engine.run(until=lambda: not http.is_alive())  # also ends if the server could not start
     except KeyboardInterrupt:
@@ -124,6 +125,29 @@ def serve(args: argparse.Namespace) -> int:
         logging.getLogger("pagedrs.server").error("exiting: %s", engine.dead_reason)
         return 1
     return 0 if server.started else 1
+
+
+def _stop_on_signals(engine: AsyncLLMEngine, shutdown_timeout: float) -> None:
+    """SIGTERM or SIGINT (Ctrl-C): drain (``/health`` says 503, new requests get 503 with
+    ``Retry-After``, those in flight finish within ``shutdown_timeout`` seconds), then exit 0;
+    a second signal stops at once."""
+    log = logging.getLogger("pagedrs.server")
+    received: list[int] = []
+
+    def on_signal(number: int, _frame: Any) -> None:
+        received.append(number)
+        name = signal.Signals(number).name
+        if len(received) == 1:
+            log.info(
+                "%s: draining (requests in flight get %gs to finish; a second signal stops now)", name, shutdown_timeout
+            )
+            engine.drain(shutdown_timeout)
+        else:
+            log.info("%s again: stopping now", name)
+            engine.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 def _serve_other_ranks(config: EngineConfig) -> int | None:

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream, add_delta
+from pagedrs.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream, add_delta
 from pagedrs.lora.adapter import LoRARequest, load_adapter
 from pagedrs.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrs.pooling_params import PoolingParams
@@ -502,6 +502,8 @@ def event_stream(
                     yield event
         except APIError as error:
             yield error_event(error)
+        except EngineDeadError as error:  # a shutdown's deadline, or the engine died: say which
+            yield error_event(APIError(503, str(error), "ServiceUnavailableError"))
         except Exception as error:  # the status line has gone: say it in the stream
             logger.exception("%s: the stream failed", run.request_id)
             yield error_event(APIError(500, f"{type(error).__name__}: {error}", "InternalServerError"))

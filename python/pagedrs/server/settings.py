@@ -38,6 +38,13 @@ class ServerConfig:
     max_waiting_requests: int = knob(
         512, "answer 503 to new requests while this many wait (0: no limit)", group="server", minimum=0
     )
+    shutdown_timeout: float = knob(
+        30.0,
+        "on SIGTERM or Ctrl-C: stop taking requests, let those in flight finish for at most this many "
+        "seconds, then abort the rest and exit (a second signal exits at once; 0: abort at once)",
+        group="server",
+        minimum=0,
+    )
     max_request_bytes: int = knob(
         DEFAULT_MAX_REQUEST_BYTES, "answer 413 to request bodies larger than this (default: 32 MiB)", group="server"
     )

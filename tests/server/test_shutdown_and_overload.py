@@ -1,0 +1,205 @@
+"""What an operator meets on a real server over loopback (raw HTTP): SIGTERM drains (``/health``
+503 at once, new requests 503 with ``Retry-After``, every stream in flight completes, exit 0),
+``--shutdown-timeout`` bounds the drain (the rest end with an error event), a second signal stops
+at once, a full queue is refused before the body is read, and an engine that dies mid-step is
+loud (streams end with an error event, ``/health`` 503, the process exits non-zero)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tests.helpers.servers import InProcessServer, free_port, send_raw, start_server, wait_for
+
+pytestmark = pytest.mark.slow  # server processes
+
+BODY = {"prompt": "w5 w6 w7", "ignore_eos": True, "temperature": 0}
+
+
+def stream(port: int, max_tokens: int, started: threading.Event | None = None) -> dict[str, Any]:
+    """One streamed completion over raw HTTP: its status, text chunks, finish reason, error
+    events and whether ``[DONE]`` came."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = json.dumps({**BODY, "max_tokens": max_tokens, "stream": True})
+    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    result: dict[str, Any] = {"status": response.status, "chunks": 0, "finish": None, "errors": [], "done": False}
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[len(b"data: ") :].strip()
+        if data == b"[DONE]":
+            result["done"] = True
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            result["errors"].append(event["error"])
+            continue
+        for choice in event["choices"]:
+            result["chunks"] += bool(choice["text"])
+            result["finish"] = choice["finish_reason"] or result["finish"]
+        if started is not None:
+            started.set()
+    connection.close()
+    return result
+
+
+def start_streams(port: int, count: int, max_tokens: int):
+    """``count`` streams on threads; returns their futures once each has had its first token."""
+    pool = ThreadPoolExecutor(count)
+    started = [threading.Event() for _ in range(count)]
+    futures = [pool.submit(stream, port, max_tokens, event) for event in started]
+    assert all(event.wait(120) for event in started)
+    return pool, futures
+
+
+def test_sigterm_drains_every_stream_in_flight_then_exits_0(tmp_path):
+    server = start_server(["--max-num-seqs", "8"], str(tmp_path / "server.log"))
+    pool, futures = start_streams(server.port, 8, max_tokens=48)
+    try:
+        server.process.send_signal(signal.SIGTERM)
+        # (Python runs the handler on the engine's thread between two steps: within one step)
+        assert wait_for(lambda: server.request("GET", "/health")[0] == 503, timeout=5, interval=0.01)
+        refused = send_raw(server.port, "POST", "/v1/completions", json.dumps({**BODY, "max_tokens": 2}).encode())
+        assert refused[0] == 503 and "shutting down" in refused[1]["error"]["message"]
+        results = [future.result(timeout=120) for future in futures]
+        last_stream = time.monotonic()
+        assert all(r["status"] == 200 and r["done"] and not r["errors"] for r in results), results
+        assert all(r["finish"] == "length" and r["chunks"] == 48 for r in results), results
+        assert server.process.wait(30) == 0
+        print(f"exited {time.monotonic() - last_stream:.2f} s after the last stream ended")
+        assert "draining" in server.log()
+    finally:
+        pool.shutdown(wait=False)
+        server.stop()
+
+
+def test_the_shutdown_timeout_aborts_what_is_left_and_a_second_signal_stops_at_once(tmp_path):
+    server = start_server(["--max-num-seqs", "4", "--shutdown-timeout", "1"], str(tmp_path / "server.log"))
+    pool, futures = start_streams(server.port, 2, max_tokens=2000)
+    try:
+        server.process.send_signal(signal.SIGTERM)
+        results = [future.result(timeout=60) for future in futures]
+        for result in results:
+            assert result["finish"] is None and result["done"]
+            assert result["errors"] and "--shutdown-timeout" in result["errors"][0]["message"], result
+        assert server.process.wait(30) == 0
+    finally:
+        pool.shutdown(wait=False)
+        server.stop()
+
+    server = start_server(["--max-num-seqs", "4"], str(tmp_path / "again.log"))
+    pool, futures = start_streams(server.port, 2, max_tokens=2000)
+    try:
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        signal_time = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(30) == 0
+        assert time.monotonic() - signal_time < 15
+        assert all(result["errors"] for result in (future.result(timeout=60) for future in futures))
+    finally:
+        pool.shutdown(wait=False)
+        server.stop()
+
+
+def test_a_full_queue_is_refused_before_the_body_is_read_with_retry_after(tiny_llama):
+    server = InProcessServer([tiny_llama, "--device", "cpu", "--max-waiting-requests", "4"])
+    try:
+        server.engine.num_waiting = lambda: 4  # the queue is full
+        for path, body, status in [
+            ("/v1/completions", b"{not json", 503),  # not parsed: the refusal comes first
+            ("/v1/chat/completions", b"[]", 503),
+            ("/v1/messages", b"{}", 529),  # Anthropic's "overloaded"
+        ]:
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+            connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            payload = json.loads(response.read())
+            assert response.status == status and response.getheader("Retry-After") == "1", payload
+            assert "overloaded" in json.dumps(payload)
+        # Routes that queue nothing still answer.
+        assert server.http.request("POST", "/tokenize", {"prompt": "w5"})[0] == 200
+        assert server.http.request("GET", "/health")[0] == 200
+    finally:
+        server.close()
+
+
+def test_an_overload_burst_is_refused_fast(tmp_path):
+    """200 requests at once against a queue of 8: the refusals' latency is reported (a
+    benchmark's number, not a timed assert; see docs/benchmarks.md)."""
+    server = start_server(["--max-num-seqs", "2", "--max-waiting-requests", "8"], str(tmp_path / "server.log"))
+    body = json.dumps({**BODY, "max_tokens": 16}).encode()
+
+    def timed() -> tuple[int, float, str | None]:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+        start = time.monotonic()
+        connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        response.read()
+        return response.status, time.monotonic() - start, response.getheader("Retry-After")
+
+    try:
+        with ThreadPoolExecutor(200) as pool:
+            answers = list(pool.map(lambda _: timed(), range(200)))
+        refused = sorted(seconds for status, seconds, _ in answers if status == 503)
+        assert {status for status, _, _ in answers} <= {200, 503} and refused
+        assert all(retry == "1" for status, _, retry in answers if status == 503)
+        p99 = refused[min(len(refused) - 1, int(0.99 * len(refused)))]
+        print(f"{len(refused)}/200 refused: p50 {statistics.median(refused) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms")
+        assert wait_for(lambda: server.request("GET", "/metrics")[0] == 200)
+    finally:
+        server.stop()
+
+
+FAULTY = """
+import sys
+from pagedrs.engine.llm_engine import LLMEngine
+from pagedrs.server.launch import main
+
+step = LLMEngine.step
+calls = [0]
+
+def failing_step(self):
+    calls[0] += 1
+    if calls[0] > 5:
+        raise RuntimeError("injected failure in the step")
+    return step(self)
+
+LLMEngine.step = failing_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_engine_that_dies_is_loud_and_the_process_exits_non_zero(tmp_path):
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    process = subprocess.Popen([sys.executable, str(script), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(lambda: _health(port) == 200, timeout=240)
+        result = stream(port, max_tokens=100)
+        assert result["errors"] and "injected failure" in result["errors"][0]["message"], result
+        assert process.wait(30) == 1
+    finally:
+        process.kill()
+        log.close()
+    assert "injected failure" in (tmp_path / "server.log").read_text()
+
+
+def _health(port: int) -> int | None:
+    try:
+        return send_raw(port, "GET", "/health", timeout=5)[0]
+    except OSError:
+        return None
