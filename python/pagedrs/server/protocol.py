@@ -8,9 +8,11 @@ checked once, by `SamplingParams`.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+_NOT_TEXT = {int, float, bool, type(None)}
 
 
 def _check_unicode(where: str, value: Any) -> None:
@@ -23,6 +25,9 @@ def _check_unicode(where: str, value: Any) -> None:
             except UnicodeEncodeError as error:
                 raise ValueError(f"{where} is not valid Unicode (a lone surrogate at {error.start})") from None
     elif isinstance(value, list):
+        # (token ids: millions of numbers, each checked at C speed, not one call apiece)
+        if set(map(type, value)) <= _NOT_TEXT:
+            return
         for index, item in enumerate(value):
             _check_unicode(f"{where}[{index}]", item)
     elif isinstance(value, dict):
@@ -36,6 +41,32 @@ def _json_or_text(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text  # a template gets the text as it came
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which form a prompt takes, read off its first element: pydantic then validates that
+    form alone. (Trying each form of the union in turn validated a 3-million-id prompt four
+    ways: 3 s on the event loop, against 0.1 s.)"""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list) and value:
+        if isinstance(value[0], str):
+            return "texts"
+        if isinstance(value[0], list):
+            return "token_lists"
+    return "tokens"
+
+
+Prompt = Annotated[
+    Union[
+        Annotated[str, Tag("text")],
+        Annotated[list[str], Tag("texts")],
+        Annotated[list[int], Tag("tokens")],
+        Annotated[list[list[int]], Tag("token_lists")],
+    ],
+    Discriminator(_prompt_kind),
+]
+"""A text, texts, token ids or lists of token ids (OpenAI's ``prompt`` and ``input``)."""
 
 
 class _Body(BaseModel):
@@ -114,7 +145,7 @@ class _Generation(_Body):
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     """Top tokens per position (the sampled one always comes with them)."""
@@ -219,7 +250,7 @@ class EmbeddingRequest(_Body):
     """OpenAI's ``/v1/embeddings`` body (vLLM's ``normalize`` too)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     """Keep the first ``dimensions`` features (Matryoshka), then normalize."""
