@@ -291,10 +291,6 @@ class AsyncLLMEngine:
         """`drain` was called: requests in flight finish, new ones are refused."""
         return self._drain_deadline is not None
 
-    def accepting(self) -> bool:
-        """Whether new requests are taken (alive and not draining): what ``/health`` says."""
-        return self.is_alive() and not self.draining
-
     @property
     def dead_reason(self) -> BaseException | None:
         """What killed the engine loop, if anything did."""
