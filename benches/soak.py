@@ -4,11 +4,13 @@ left. Not run in CI (tests/server/test_reliability.py asserts the same behaviour
 Rounds, in turn until the time is up: mixed valid and invalid requests; streams that the
 client drops at random points (before the first byte, mid-body, mid-stream) or reads to the
 end; client processes that open streams and get SIGKILL; overload bursts of 3x
-``--max-waiting-requests`` long requests at once. Prints (and `main` returns) JSON figures:
+``--max-waiting-requests`` long requests at once. Then rolling restarts (``--restarts``):
+SIGTERM with 8 streams mid-generation, drain, exit, start again; no started stream may be
+lost. Prints (and `main` returns) JSON figures:
 requests by status, disconnects, 503 latency p50/p99, the server's RSS before and after, and
 its KV blocks, running and waiting requests once everything has ended (all should be 0).
 
-    .venv/bin/python benches/soak.py [--minutes 3] [--model PATH] [--device cpu] [--json soak.json]
+    .venv/bin/python benches/soak.py [--minutes 3] [--restarts 3] [--model PATH] [--device cpu] [--json soak.json]
 """
 
 from __future__ import annotations
@@ -178,6 +180,37 @@ def percentile(values: list[float], fraction: float) -> float | None:
     return ordered[min(int(fraction * len(ordered)), len(ordered) - 1)]
 
 
+def rolling_restarts(flags: list[str], directory: Path, restarts: int, num_streams: int = 8) -> dict:
+    """A rolling update's view of one replica: ``restarts`` times, a server with
+    ``num_streams`` streams mid-generation gets SIGTERM, drains and exits, and a new one
+    starts. A stream that had started streaming and did not get all its tokens is lost."""
+    from tests.server.test_shutdown_and_overload import start_streams
+
+    lost, completed, exit_codes, exit_seconds = 0, 0, [], []
+    for index in range(restarts):
+        server = start_server([*flags, "--max-num-seqs", str(num_streams)], str(directory / f"restart-{index}.log"))
+        try:
+            pool, futures = start_streams(server.port, num_streams, max_tokens=48)
+            server.process.send_signal(signal.SIGTERM)
+            results = [future.result(timeout=300) for future in futures]
+            last = time.monotonic()
+            exit_codes.append(server.process.wait(120))
+            exit_seconds.append(round(time.monotonic() - last, 2))
+            pool.shutdown()
+            done = sum(r["finish"] == "length" and r["chunks"] == 48 and not r["errors"] for r in results)
+            completed += done
+            lost += len(results) - done
+        finally:
+            server.stop()
+    return {
+        "restarts": restarts,
+        "streams_completed": completed,
+        "streams_lost": lost,
+        "exit_codes": exit_codes,
+        "exit_after_last_stream_s": exit_seconds,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=3.0)
@@ -188,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--workers", type=int, default=16, help="concurrent HTTP clients in mixed rounds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--restarts", type=int, default=3, help="rolling restarts after the soak (SIGTERM under load)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
 
@@ -232,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
         rss_after = rss_bytes(server.process.pid)
     finally:
         server.stop()
+    restarts = rolling_restarts(flags, log.parent, args.restarts)
 
     figures = {
         "model": args.model or "default",
@@ -252,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         "running_after": values.get("pagedrs:num_requests_running"),
         "waiting_after": values.get("pagedrs:num_requests_waiting"),
         "server_errors": tally.server_errors,
+        "rolling_restarts": restarts,
         "server_log": str(log),
     }
     print(json.dumps(figures, indent=2))
