@@ -28,8 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedrs.kernels.cpu import native_isa
-from tests.helpers.servers import send_raw, start_server
-from tests.server.test_shutdown_and_overload import start_streams
+from tests.helpers.servers import send_raw, start_server, start_streams
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 16, "ignore_eos": True}
 

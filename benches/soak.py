@@ -184,7 +184,7 @@ def rolling_restarts(flags: list[str], directory: Path, restarts: int, num_strea
     """A rolling update's view of one replica: ``restarts`` times, a server with
     ``num_streams`` streams mid-generation gets SIGTERM, drains and exits, and a new one
     starts. A stream that had started streaming and did not get all its tokens is lost."""
-    from tests.server.test_shutdown_and_overload import start_streams
+    from tests.helpers.servers import start_streams
 
     lost, completed, exit_codes, exit_seconds = 0, 0, [], []
     for index in range(restarts):

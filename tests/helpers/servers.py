@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,3 +254,44 @@ async def stream_and_leave(
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
     return received
+
+
+STREAM_BODY = {"prompt": "w5 w6 w7", "ignore_eos": True, "temperature": 0}
+"""What `stream` completes: words the default model and the tiny checkpoints both tokenize."""
+
+
+def stream(port: int, max_tokens: int, started: threading.Event | None = None) -> dict[str, Any]:
+    """One streamed completion over raw HTTP: its status, text chunks, finish reason, error
+    events and whether ``[DONE]`` came."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = json.dumps({**STREAM_BODY, "max_tokens": max_tokens, "stream": True})
+    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    result: dict[str, Any] = {"status": response.status, "chunks": 0, "finish": None, "errors": [], "done": False}
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[len(b"data: ") :].strip()
+        if data == b"[DONE]":
+            result["done"] = True
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            result["errors"].append(event["error"])
+            continue
+        for choice in event["choices"]:
+            result["chunks"] += bool(choice["text"])
+            result["finish"] = choice["finish_reason"] or result["finish"]
+        if started is not None:
+            started.set()
+    connection.close()
+    return result
+
+
+def start_streams(port: int, count: int, max_tokens: int):
+    """``count`` streams on threads; returns their futures once each has had its first token."""
+    pool = ThreadPoolExecutor(count)
+    started = [threading.Event() for _ in range(count)]
+    futures = [pool.submit(stream, port, max_tokens, event) for event in started]
+    assert all(event.wait(120) for event in started)
+    return pool, futures

@@ -12,55 +12,23 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 
-from tests.helpers.servers import InProcessServer, free_port, send_raw, start_server, wait_for
+from tests.helpers.servers import (
+    STREAM_BODY,
+    InProcessServer,
+    free_port,
+    send_raw,
+    start_server,
+    start_streams,
+    stream,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow  # server processes
-
-BODY = {"prompt": "w5 w6 w7", "ignore_eos": True, "temperature": 0}
-
-
-def stream(port: int, max_tokens: int, started: threading.Event | None = None) -> dict[str, Any]:
-    """One streamed completion over raw HTTP: its status, text chunks, finish reason, error
-    events and whether ``[DONE]`` came."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    body = json.dumps({**BODY, "max_tokens": max_tokens, "stream": True})
-    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-    response = connection.getresponse()
-    result: dict[str, Any] = {"status": response.status, "chunks": 0, "finish": None, "errors": [], "done": False}
-    for line in response:
-        if not line.startswith(b"data: "):
-            continue
-        data = line[len(b"data: ") :].strip()
-        if data == b"[DONE]":
-            result["done"] = True
-            continue
-        event = json.loads(data)
-        if "error" in event:
-            result["errors"].append(event["error"])
-            continue
-        for choice in event["choices"]:
-            result["chunks"] += bool(choice["text"])
-            result["finish"] = choice["finish_reason"] or result["finish"]
-        if started is not None:
-            started.set()
-    connection.close()
-    return result
-
-
-def start_streams(port: int, count: int, max_tokens: int):
-    """``count`` streams on threads; returns their futures once each has had its first token."""
-    pool = ThreadPoolExecutor(count)
-    started = [threading.Event() for _ in range(count)]
-    futures = [pool.submit(stream, port, max_tokens, event) for event in started]
-    assert all(event.wait(120) for event in started)
-    return pool, futures
 
 
 def test_sigterm_drains_every_stream_in_flight_then_exits_0(tmp_path):
@@ -70,7 +38,9 @@ def test_sigterm_drains_every_stream_in_flight_then_exits_0(tmp_path):
         server.process.send_signal(signal.SIGTERM)
         # (Python runs the handler on the engine's thread between two steps: within one step)
         assert wait_for(lambda: server.request("GET", "/health")[0] == 503, timeout=5, interval=0.01)
-        refused = send_raw(server.port, "POST", "/v1/completions", json.dumps({**BODY, "max_tokens": 2}).encode())
+        refused = send_raw(
+            server.port, "POST", "/v1/completions", json.dumps({**STREAM_BODY, "max_tokens": 2}).encode()
+        )
         assert refused[0] == 503 and "shutting down" in refused[1]["error"]["message"]
         results = [future.result(timeout=120) for future in futures]
         last_stream = time.monotonic()
@@ -139,7 +109,7 @@ def test_an_overload_burst_is_refused_fast(tmp_path):
     """200 requests at once against a queue of 8: the refusals' latency is reported (a
     benchmark's number, not a timed assert; see docs/benchmarks.md)."""
     server = start_server(["--max-num-seqs", "2", "--max-waiting-requests", "8"], str(tmp_path / "server.log"))
-    body = json.dumps({**BODY, "max_tokens": 16}).encode()
+    body = json.dumps({**STREAM_BODY, "max_tokens": 16}).encode()
 
     def timed() -> tuple[int, float, str | None]:
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)

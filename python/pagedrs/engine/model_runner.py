@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -202,13 +202,28 @@ class ModelRunner:
         ``out.lora_rows``: each token row's LoRA slot (-1: none) when some rows run adapters
         (`pagedrs.lora`): the compiled stack adds their updates where it runs, else the Python
         layers' hooks do (a captured graph has none: such steps run eagerly)."""
-        if self.lora is None or not len(out.lora_rows):
-            return self._forward(out, pool_rows, None)
-        adapters = self.lora.set_step(out.lora_rows, self.device)
-        try:
-            return self._forward(out, pool_rows, out.lora_rows if adapters else None)
-        finally:
-            self.lora.set_step(None, self.device)
+        adapters = self.lora is not None and bool((out.lora_rows >= 0).any())
+        return self._forward(out, pool_rows, out.lora_rows if adapters else None)
+
+    @contextlib.contextmanager
+    def _step_adapters(self, stack: CpuDecoderStack | None, lora_rows: np.ndarray | None) -> Iterator[None]:
+        """The step's rows-to-slots map, for whichever runs the layers (the compiled stack, or
+        the Python layers' hooks), cleared afterwards."""
+        if lora_rows is None:
+            yield
+        elif stack is not None:
+            stack.set_lora_rows(torch.from_numpy(np.ascontiguousarray(lora_rows, dtype=np.int64)))
+            try:
+                yield
+            finally:
+                stack.set_lora_rows(None)
+        else:
+            assert self.lora is not None
+            self.lora.set_step(lora_rows, self.device)
+            try:
+                yield
+            finally:
+                self.lora.set_step(None, self.device)
 
     @torch.inference_mode()
     def _forward(
@@ -256,17 +271,12 @@ class ModelRunner:
         model = self.model
         num_logits = len(out.logits_rows)
         stack = self.cpu_stack if not adapters or (self.cpu_stack is not None and self.cpu_stack.has_lora) else None
-        if stack is not None and adapters:
-            stack.set_lora_rows(torch.from_numpy(np.ascontiguousarray(lora_rows, dtype=np.int64)))
-        try:
+        with self._step_adapters(stack, lora_rows):
             if not pooling and num_logits:
                 return model(input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths), None
             hidden = model.final_hidden(
                 input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths
             )
-        finally:
-            if stack is not None and adapters:
-                stack.set_lora_rows(None)
         if num_logits:  # (a sequence classifier has no head: its steps have no rows to sample)
             logits = model.compute_logits(hidden[:num_logits])
         else:
