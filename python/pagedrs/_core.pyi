@@ -187,6 +187,7 @@ class SchedulerStats:
     num_waiting: int
     num_preempted_waiting: int
     num_preemptions_total: int
+    num_fair_share_requeues_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_used_blocks: int
@@ -272,8 +273,8 @@ class Scheduler:
     ) -> Scheduler:
         """Reads these attributes of ``config`` (any object that has them): ``block_size``,
         ``max_num_batched_tokens``, ``max_num_seqs``, ``scheduling_policy`` (``"fcfs"`` or
-        ``"priority"``), ``enable_prefix_caching``, ``long_prefill_token_threshold`` and
-        ``max_num_partial_prefills``.
+        ``"priority"``), ``enable_prefix_caching``, ``long_prefill_token_threshold``,
+        ``max_num_partial_prefills`` and ``max_seqs_per_request`` (``None``: no fair share).
 
         - ``num_blocks``: KV blocks in the cache; ``max_model_len``: the longest sequence,
           prompt and output together;

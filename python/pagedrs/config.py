@@ -99,6 +99,12 @@ class EngineConfig:
         None, "most tokens one prefill computes in a step (default: the budget)", minimum=1
     )
     max_num_partial_prefills: int = knob(1, "most requests with an unfinished prefill at once", minimum=1)
+    max_seqs_per_request: int = knob(
+        8,
+        "most running sequences (its n choices) one request holds while other requests are live; a request alone "
+        "may use every seat (max_num_seqs or more: no share)",
+        minimum=1,
+    )
     scheduling_policy: SchedulingPolicy = knob(
         "fcfs", "admission order: fcfs, or priority (lower value first, ties by arrival)"
     )

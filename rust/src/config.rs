@@ -41,6 +41,9 @@ pub struct SchedulerConfig {
     pub long_prefill_token_threshold: Option<usize>,
     /// Most requests with an unfinished prefill at once.
     pub max_num_partial_prefills: usize,
+    /// Most seats one request holds while another request is live (`None`: no share).
+    /// See the fair share on `Scheduler::schedule`.
+    pub max_seqs_per_request: Option<usize>,
     /// Speculative decoding (`None`: off).
     pub speculative: Option<SpeculativeConfig>,
 }
@@ -59,6 +62,7 @@ impl Default for SchedulerConfig {
             policy: SchedulingPolicy::Fcfs,
             long_prefill_token_threshold: None,
             max_num_partial_prefills: 1,
+            max_seqs_per_request: None,
             speculative: None,
         }
     }
@@ -84,6 +88,11 @@ impl SchedulerConfig {
                  sequence can decode each step",
                 self.max_num_batched_tokens, self.max_num_seqs
             )));
+        }
+        if self.max_seqs_per_request == Some(0) {
+            return Err(Error::InvalidArgument(
+                "max_seqs_per_request must be at least 1 (or unset)".into(),
+            ));
         }
         if self.long_prefill_token_threshold == Some(0) {
             return Err(Error::InvalidArgument(

@@ -18,6 +18,9 @@ pub struct SchedulerStats {
     pub num_preempted_waiting: usize,
     /// Preemptions since start.
     pub num_preemptions_total: u64,
+    /// Running sequences (and fresh forks) requeued since start to keep a request within
+    /// its fair share (`max_seqs_per_request`); not preemptions for want of blocks.
+    pub num_fair_share_requeues_total: u64,
     /// Prompt tokens looked up in the prefix cache since start.
     pub prefix_cache_queries: u64,
     /// Of those, tokens found cached.

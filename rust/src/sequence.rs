@@ -192,6 +192,10 @@ pub struct Sequence {
     pub choice_index: usize,
     /// Choices still to be forked off when the prompt is done (`n - 1`, then 0).
     pub num_pending_forks: usize,
+    /// Of those, the choices that hold a seat while the prompt runs (0 unless running; all
+    /// of them unless a fair share cut the reservation). Forks past them are requeued as
+    /// soon as they are forked.
+    pub num_reserved_forks: usize,
     /// Where it sorts in the queues.
     pub key: QueueKey,
     /// Waiting, running or preempted.

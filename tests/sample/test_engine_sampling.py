@@ -64,6 +64,34 @@ def test_a_seeded_request_gives_the_same_tokens_across_preemption(tiny_llama):
     assert stats.num_preemptions_total > 0 and stats.num_used_blocks == 0
 
 
+def test_a_wide_seeded_request_gives_the_same_choices_under_the_fair_share(tiny_llama):
+    """n = 8 beside 15 others with max_seqs_per_request=2: six choices wait their turn (forked,
+    then requeued to recompute from the prefix cache), and each gives what it gives alone."""
+    wide = SamplingParams(
+        n=8, temperature=0.9, seed=77, max_tokens=20, ignore_eos=True, logprobs=1, repetition_penalty=1.2
+    )
+    prompt = [5, 17, 33, 2, 9, 41, 8, 3, 12]
+
+    def choices(llm: LLM, num_others: int) -> list[tuple[list[int], list[float]]]:
+        prompts = _prompts(num_others, seed=5)
+        params = _others(num_others)
+        outputs = llm.generate([*prompts[:1], prompt, *prompts[1:]], [*params[:1], wide, *params[1:]], use_tqdm=False)
+        return [
+            (list(choice.token_ids), [entry[token].logprob for token, entry in zip(choice.token_ids, choice.logprobs)])
+            for choice in outputs[min(1, num_others)].outputs
+        ]
+
+    alone = choices(LLM(tiny_llama, block_size=4), 0)
+    shared = LLM(tiny_llama, block_size=4, max_seqs_per_request=2)
+    beside_others = choices(shared, 15)
+    assert [tokens for tokens, _ in beside_others] == [tokens for tokens, _ in alone]
+    for (_, got), (_, want) in zip(beside_others, alone):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    stats = shared.engine.scheduler.stats()
+    assert stats.num_fair_share_requeues_total >= 6
+    assert stats.num_used_blocks == 0 and shared.engine.sampler.penalties.num_slots_in_use == 0
+
+
 def test_greedy_rows_in_a_sampled_batch_match_hugging_face(tiny_llama):
     from transformers import AutoModelForCausalLM
 

@@ -1,8 +1,9 @@
 """What an operator meets on a real server over loopback (raw HTTP): SIGTERM drains (``/health``
 503 at once, new requests 503 with ``Retry-After``, every stream in flight completes, exit 0),
 ``--shutdown-timeout`` bounds the drain (the rest end with an error event), a second signal stops
-at once, a full queue is refused before the body is read, and an engine that dies mid-step is
-loud (streams end with an error event, ``/health`` 503, the process exits non-zero)."""
+at once, a full queue is refused before the body is read, a request with n = max_num_seqs does
+not starve a small one (``--max-seqs-per-request``), and an engine that dies mid-step is loud
+(streams end with an error event, ``/health`` 503, the process exits non-zero)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 from tests.helpers.servers import (
     STREAM_BODY,
     InProcessServer,
+    engine_idle,
     free_port,
     send_raw,
     start_server,
@@ -130,6 +132,38 @@ def test_an_overload_burst_is_refused_fast(tmp_path):
         assert wait_for(lambda: server.request("GET", "/metrics")[0] == 200)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("share", [2, 8])
+def test_a_request_holding_every_seat_gives_a_small_one_its_share(tiny_llama, share):
+    """n = 8 with --max-num-seqs 8 holds every seat. With --max-seqs-per-request 2 it gives six
+    back when a small request arrives, which finishes while the wide one is still running; with
+    a share of 8 (no share) the small one waits for all of it."""
+    server = InProcessServer(
+        [tiny_llama, "--device", "cpu", "--max-num-seqs", "8", "--max-seqs-per-request", str(share)]
+    )
+    wide_body = {**STREAM_BODY, "n": 8, "max_tokens": 400}
+    small_body = {**STREAM_BODY, "max_tokens": 8}
+    scheduler = server.engine.engine.scheduler
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            wide = pool.submit(server.http.request, "POST", "/v1/completions", wide_body)
+            assert wait_for(lambda: scheduler.stats().num_running == 8, timeout=60, interval=0.01)
+            status, small = server.http.request("POST", "/v1/completions", small_body)
+            wide_done_first = wide.done()
+            status_wide, wide_answer = wide.result(timeout=300)
+        assert status == status_wide == 200
+        assert small["usage"]["completion_tokens"] == 8
+        assert [choice["finish_reason"] for choice in wide_answer["choices"]] == ["length"] * 8
+        assert wide_answer["usage"]["completion_tokens"] == 8 * 400
+        requeued = server.http.metrics()["pagedrs:num_fair_share_requeues_total"]
+        if share == 2:
+            assert not wide_done_first and requeued >= 6
+        else:
+            assert wide_done_first and requeued == 0
+        assert wait_for(lambda: engine_idle(server))
+    finally:
+        server.close()
 
 
 FAULTY = """

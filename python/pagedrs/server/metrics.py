@@ -107,8 +107,14 @@ class _SchedulerCollector:
         yield self._family(
             counter,
             "pagedrs:num_preemptions",
-            "Preemptions (a running sequence requeued to recompute).",
+            "Preemptions (a running sequence requeued to recompute) for want of KV blocks.",
             stats.num_preemptions_total,
+        )
+        yield self._family(
+            counter,
+            "pagedrs:num_fair_share_requeues",
+            "Sequences requeued to keep a request within --max-seqs-per-request while others are live.",
+            stats.num_fair_share_requeues_total,
         )
         yield self._family(
             counter, "pagedrs:kv_cache_evictions", "Cached blocks evicted for reuse.", stats.num_evictions

@@ -37,6 +37,8 @@ struct EngineSettings {
     long_prefill_token_threshold: Option<i64>,
     /// Most requests with an unfinished prefill at once.
     max_num_partial_prefills: i64,
+    /// Most seats one request holds while another is live (`None`: no share).
+    max_seqs_per_request: Option<i64>,
 }
 
 /// Speculative decoding's settings, read by attribute from
@@ -208,6 +210,10 @@ impl PyScheduler {
                     config.max_num_partial_prefills,
                     "max_num_partial_prefills",
                 )?,
+                max_seqs_per_request: config
+                    .max_seqs_per_request
+                    .map(|share| to_count(share, "max_seqs_per_request"))
+                    .transpose()?,
                 speculative: speculative.as_ref().map(SpeculativeSettings::to_core).transpose()?,
             })
         };

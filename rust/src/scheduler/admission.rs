@@ -4,13 +4,19 @@
 //! step's budget, the sequence cap, the free blocks and the partial-prefill limit allow; the
 //! first that does not fit stops admission (no overtaking). A running sequence that cannot
 //! get a block takes them from the running sequence last in queue order (possibly itself),
-//! which is requeued to recompute.
+//! which is requeued to recompute. While more than one request is live, a request holds
+//! at most its fair share of the seats (`hold_fair_share`), and admission passes over the
+//! waiting sequences of a request that holds it.
+
+use std::collections::HashMap;
+use std::ops::Bound::{Excluded, Unbounded};
 
 use super::Scheduler;
 use crate::batch::ScheduledSeq;
 use crate::error::Result;
 use crate::kv_cache_manager::{BlockCopy, SequenceId};
-use crate::sequence::SequenceStatus;
+use crate::prefix_cache::BuildPrehashed;
+use crate::sequence::{RequestHandle, SequenceStatus};
 
 /// What building a batch changed besides the batch itself.
 #[derive(Default)]
@@ -29,6 +35,17 @@ pub(super) struct Admission {
     pub(super) num_partial_prefills: usize,
     /// Seats held by running prompts for the choices they will fork into.
     pub(super) num_fork_seats: usize,
+    /// The fair share in force this step (`None`: none applies).
+    pub(super) fair_share: Option<FairShare>,
+}
+
+/// The fair share in force for a step: no request holds more than `share` seats.
+pub(super) struct FairShare {
+    /// `max_seqs_per_request`.
+    pub(super) share: usize,
+    /// Seats each request holds: its running sequences plus the forks their prompts
+    /// reserved.
+    pub(super) seats: HashMap<RequestHandle, usize, BuildPrehashed>,
 }
 
 impl Scheduler {
@@ -96,16 +113,27 @@ impl Scheduler {
         }
     }
 
-    /// Admits waiting sequences in queue order while they fit.
+    /// Admits waiting sequences in queue order while they fit, passing over those whose
+    /// request holds its fair share.
     pub(super) fn admit_waiting(
         &mut self,
         admission: &mut Admission,
         scheduled: &mut Vec<ScheduledSeq>,
         changes: &mut StepChanges,
     ) -> Result<()> {
-        while let Some((&key, &id)) = self.waiting.first_key_value() {
+        let mut next = self.waiting.first_key_value().map(|(&key, &id)| (key, id));
+        while let Some((key, id)) = next {
+            next = self.waiting.range((Excluded(key), Unbounded)).next().map(|(&k, &i)| (k, i));
             let seq = &self.sequences[id];
-            let num_seats = 1 + seq.num_pending_forks;
+            let mut num_reserved = seq.num_pending_forks;
+            if let Some(fair) = &admission.fair_share {
+                let held = fair.seats.get(&seq.request).copied().unwrap_or(0);
+                if held >= fair.share {
+                    continue;
+                }
+                num_reserved = num_reserved.min(fair.share - held - 1);
+            }
+            let num_seats = 1 + num_reserved;
             let seats_in_use = self.running.len() + admission.num_fork_seats;
             if seats_in_use + num_seats > self.config.max_num_seqs || admission.budget == 0 {
                 break;
@@ -136,9 +164,13 @@ impl Scheduler {
             self.waiting.remove(&key);
             admission.budget -= num_new;
             admission.num_partial_prefills += usize::from(is_partial);
-            admission.num_fork_seats += num_seats - 1;
+            admission.num_fork_seats += num_reserved;
             let seq = self.sequences.get_mut(id).expect("waiting");
+            if let Some(fair) = &mut admission.fair_share {
+                *fair.seats.entry(seq.request).or_insert(0) += num_seats;
+            }
             seq.status = SequenceStatus::Running;
+            seq.num_reserved_forks = num_reserved;
             seq.num_computed_tokens = num_cached + num_new;
             // NOTE: set once, as vLLM reports it: a preempted sequence that finds its
             // prefix again when it is readmitted does not change it.
@@ -151,7 +183,7 @@ impl Scheduler {
                 start: num_cached,
                 num_tokens: num_new,
                 num_drafts: 0,
-                num_samples: if is_partial { 0 } else { num_seats },
+                num_samples: if is_partial { 0 } else { 1 + seq.num_pending_forks },
                 is_decode: false,
                 num_prompt_tokens: seq.num_prompt_tokens,
             });
@@ -161,17 +193,70 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Frees a running sequence's blocks and requeues it, tokens kept, to recompute.
+    /// Frees a running sequence's blocks and requeues it, tokens kept, to recompute, for
+    /// want of blocks.
     pub(super) fn preempt(&mut self, id: SequenceId) -> Result<()> {
+        self.requeue(id)?;
+        self.sequences.get_mut(id).expect("requeued").num_preemptions += 1;
+        self.stats.num_preemptions_total += 1;
+        Ok(())
+    }
+
+    /// Frees a running sequence's blocks and requeues it, tokens kept, to recompute.
+    pub(super) fn requeue(&mut self, id: SequenceId) -> Result<()> {
         self.kv.reset(id)?;
         let seq = self.sequences.get_mut(id).expect("running");
         seq.status = SequenceStatus::Preempted;
         seq.num_computed_tokens = 0;
-        seq.num_preemptions += 1;
+        seq.num_reserved_forks = 0;
         let key = seq.key;
         self.running.retain(|&other| other != id);
         self.waiting.insert(key, id);
-        self.stats.num_preemptions_total += 1;
         Ok(())
+    }
+
+    /// Puts the fair share in force when more than one request is live: a request over it
+    /// gives back the seats its prompt reserved for forks, then its running sequences,
+    /// last in queue order first (each requeued to recompute; the requeued count in
+    /// `num_fair_share_requeues_total`). Returns the share with the seats each request
+    /// holds after, or `None` when no share applies.
+    pub(super) fn hold_fair_share(
+        &mut self,
+        changes: &mut StepChanges,
+    ) -> Result<Option<FairShare>> {
+        let Some(share) = self.config.max_seqs_per_request else {
+            return Ok(None);
+        };
+        if self.requests.len() < 2 {
+            return Ok(None);
+        }
+        let mut seats: HashMap<RequestHandle, usize, BuildPrehashed> = HashMap::default();
+        let mut over = false;
+        for &id in &self.running {
+            let seq = &self.sequences[id];
+            let held = seats.entry(seq.request).or_insert(0);
+            *held += 1 + seq.num_reserved_forks;
+            over |= *held > share;
+        }
+        let mut index = self.running.len();
+        while over && index > 0 {
+            index -= 1;
+            let id = self.running[index];
+            let seq = self.sequences.get_mut(id).expect("running");
+            let held = seats.get_mut(&seq.request).expect("counted above");
+            if *held <= share {
+                continue;
+            }
+            let given_back = seq.num_reserved_forks.min(*held - share);
+            seq.num_reserved_forks -= given_back;
+            *held -= given_back;
+            if *held > share {
+                *held -= 1 + seq.num_reserved_forks;
+                self.requeue(id)?;
+                changes.preempted.push(id);
+                self.stats.num_fair_share_requeues_total += 1;
+            }
+        }
+        Ok(Some(FairShare { share, seats }))
     }
 }

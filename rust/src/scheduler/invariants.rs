@@ -20,8 +20,8 @@ impl Scheduler {
     ///   holds exactly the live sequences;
     /// - tokens: a sequence has computed at most its known tokens (the KV cache's), a
     ///   running one holds a slot for every computed token, a waiting one holds no block;
-    /// - seats: the running sequences and the choices they will fork into fit
-    ///   `max_num_seqs`;
+    /// - seats: the running sequences and the forks they reserved fit `max_num_seqs`; a
+    ///   sequence reserves only forks still to come, and only while it runs;
     /// - requests: each sequence's request is live and lists it under its choice index; a
     ///   request's live count is its live sequences plus the forks still to come.
     pub fn check_invariants(&self) -> Result<()> {
@@ -99,9 +99,19 @@ impl Scheduler {
                     seq.num_computed_tokens, seq.num_tokens
                 ));
             }
+            let reserved_right = seq.num_reserved_forks <= seq.num_pending_forks
+                && (seq.num_reserved_forks == 0 || seq.status == SequenceStatus::Running);
+            if !reserved_right {
+                return Err(format!(
+                    "sequence {id} ({}) reserves {} seats for {} forks to come",
+                    seq.status.as_str(),
+                    seq.num_reserved_forks,
+                    seq.num_pending_forks
+                ));
+            }
             let queued_right = match seq.status {
                 SequenceStatus::Running => {
-                    num_seats += 1 + seq.num_pending_forks;
+                    num_seats += 1 + seq.num_reserved_forks;
                     running.contains(&id)
                         && num_blocks >= seq.num_computed_tokens.div_ceil(block_size)
                 }

@@ -165,18 +165,30 @@ impl Scheduler {
     /// behind it needs, decodes without them), no sequence proposes in a step that runs
     /// `disable_by_batch_size` sequences or more, and a sequence proposes about as many
     /// tokens as it had accepted last time, less and less often while none are.
+    ///
+    /// FAIR SHARE (`max_seqs_per_request`): a running sequence holds a seat, and a running
+    /// prompt with `n > 1` one more for each choice it will fork into. While more than one
+    /// request is live, no request holds more than `max_seqs_per_request` seats: before
+    /// anything else, a request over it gives back its prompt's reserved forks, then its
+    /// running sequences, last in queue order first (requeued to recompute, as a
+    /// preemption is); admission passes over the waiting sequences of a request that holds
+    /// its share, and a prompt admitted reserves forks only up to it. Every choice's first
+    /// token is still sampled from the prompt's logits; the forks past the reserved ones
+    /// are requeued at once and wait their turn. A request alone may take every seat.
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
         let block_size = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
         let mut scheduled: Vec<ScheduledSeq> = Vec::with_capacity(self.running.len());
         let mut changes = StepChanges::default();
+        let fair_share = self.hold_fair_share(&mut changes)?;
+        let num_requeued_for_share = changes.preempted.len();
         // Running sequences after the current one that lack exactly one token.
         let mut num_one_token_behind = 0;
         // A prompt with n > 1 holds a seat for each choice it will fork into.
         let mut num_fork_seats = 0;
         for &id in &self.running {
             num_one_token_behind += usize::from(self.lacks_one_token(id));
-            num_fork_seats += self.sequences[id].num_pending_forks;
+            num_fork_seats += self.sequences[id].num_reserved_forks;
         }
         let mut num_partial_prefills = 0;
         let speculating =
@@ -249,10 +261,12 @@ impl Scheduler {
             index += 1;
         }
 
-        // NOTE: no admission in a step that preempted: the freed blocks go to the running
-        // sequences first, or admission and preemption would chase each other.
-        if changes.preempted.is_empty() {
-            let mut admission = Admission { budget, num_partial_prefills, num_fork_seats };
+        // NOTE: no admission in a step that preempted for want of blocks: the freed blocks go
+        // to the running sequences first, or admission and preemption would chase each other.
+        // Sequences requeued for the fair share freed seats for the others: admission goes on.
+        if changes.preempted.len() == num_requeued_for_share {
+            let mut admission =
+                Admission { budget, num_partial_prefills, num_fork_seats, fair_share };
             self.admit_waiting(&mut admission, &mut scheduled, &mut changes)?;
         }
 
@@ -355,11 +369,17 @@ impl Scheduler {
             }
             // NOTE: fork before the parent's token is appended: the children start from
             // the prompt alone and take rows `first_row + 1..`, in choice order.
+            let num_reserved = self.sequences[id].num_reserved_forks;
             let children = if num_rows > 1 { self.fork(id, num_rows - 1)? } else { Vec::new() };
             updates.push(self.append_token(id, sampled_token_ids[first_row], first_row)?);
             for (offset, child) in children.into_iter().enumerate() {
                 let row = first_row + 1 + offset;
                 updates.push(self.append_token(child, sampled_token_ids[row], row)?);
+                // A choice past the seats its prompt reserved waits for one (the fair share).
+                if offset >= num_reserved && self.sequences.contains(child) {
+                    self.requeue(child)?;
+                    self.stats.num_fair_share_requeues_total += 1;
+                }
             }
             num_appended += num_rows;
         }
@@ -382,6 +402,7 @@ impl Scheduler {
             seq.id = child;
             seq.choice_index = request.choices.len();
             seq.num_pending_forks = 0;
+            seq.num_reserved_forks = 0;
             seq.key.arrival_order = arrival_order;
             request.choices.push(child);
             let key = seq.key;
@@ -393,7 +414,9 @@ impl Scheduler {
             self.running.insert(position, child);
             children.push(child);
         }
-        self.sequences.get_mut(parent).expect("live").num_pending_forks = 0;
+        let seq = self.sequences.get_mut(parent).expect("live");
+        seq.num_pending_forks = 0;
+        seq.num_reserved_forks = 0;
         Ok(children)
     }
 
@@ -481,6 +504,9 @@ mod tests;
 
 #[cfg(test)]
 mod simulation_tests;
+
+#[cfg(test)]
+mod fair_share_tests;
 
 #[cfg(test)]
 mod spec_tests;

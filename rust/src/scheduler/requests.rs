@@ -173,6 +173,7 @@ impl Scheduler {
             request: handle,
             choice_index: 0,
             num_pending_forks: params.n - 1,
+            num_reserved_forks: 0,
             key,
             status: SequenceStatus::Waiting,
             num_prompt_tokens,
