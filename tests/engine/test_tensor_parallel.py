@@ -22,7 +22,7 @@ from pagedrs.engine.tp_common import check_parallel_config, pack_step, unpack_st
 from pagedrs.memory import kv_bytes_per_token
 from pagedrs.models.loader import load_config, resolve_model
 from tests.helpers.checkpoints import TINY, save_word_tokenizer
-from tests.helpers.servers import free_port, start_server, wait_for
+from tests.helpers.servers import free_port, start_server, start_streams, wait_for
 
 CPU = torch.device("cpu")
 
@@ -193,7 +193,7 @@ def _server_args(model: str, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow  # a server process and its ranks
-def test_the_server_streams_a_chat_with_tp2_and_stops_its_workers_on_sigterm(tiny_smol, tmp_path):
+def test_the_server_streams_a_chat_with_tp2_and_drains_then_stops_its_workers_on_sigterm(tiny_smol, tmp_path):
     question = [{"role": "user", "content": "Name three colors."}]
     single = LLM(tiny_smol, kv_cache_memory="4MiB")
     expected = single.chat(question, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
@@ -205,9 +205,14 @@ def test_the_server_streams_a_chat_with_tp2_and_stops_its_workers_on_sigterm(tin
         assert info["tensor_parallel_size"] == 2 and info["distributed_backend"] == "gloo"
         assert 'tensor_parallel_size="2"' in server.request("GET", "/metrics")[1]
         assert server.metrics()["pagedrs:tp_step_broadcast_bytes_total"] > 0
+        # SIGTERM with four streams mid-generation: each runs to its end on both ranks.
+        pool, futures = start_streams(server.port, 4, max_tokens=64)
     finally:
         server.process.send_signal(signal.SIGTERM)
-        code = server.process.wait(timeout=30)
+        code = server.process.wait(timeout=60)
+    results = [future.result(timeout=10) for future in futures]
+    pool.shutdown()
+    assert all(r["finish"] == "length" and r["done"] and not r["errors"] for r in results), results
     assert code == 0, server.log()[-2000:]
     # The worker, and multiprocessing's resource tracker once every pipe to it has closed.
     assert workers and wait_for(lambda: not any(_alive(pid) for pid in workers), timeout=10)

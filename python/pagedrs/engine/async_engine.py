@@ -399,7 +399,10 @@ class AsyncLLMEngine:
                 if self._drain_deadline is not None and self._drained():
                     break
                 self.engine.check_health()  # a tensor-parallel rank that failed while idle
-                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                # NOTE: while draining, an idle loop waits briefly, so that it ends (and the
+                # process exits) right after the last request in flight.
+                idle = not self.engine.has_unfinished_requests()
+                self._drain_commands(block=idle, timeout=1.0 if self._drain_deadline is None else 0.02)
                 if self._stopping or not self.engine.has_unfinished_requests():
                     continue
                 outputs = self.engine.step()
@@ -443,10 +446,10 @@ class AsyncLLMEngine:
         logger.warning("%s", self._stop_reason)
         return True
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool, timeout: float = 1.0) -> None:
         while True:
             try:
-                command = self._commands.get(block=block, timeout=1.0 if block else None)
+                command = self._commands.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return
             block = False
