@@ -59,6 +59,22 @@ def test_every_knob_is_a_flag_with_its_default_and_help():
     assert (config.tensor_parallel_size, config.scheduling_policy) == (2, "priority")
 
 
+def test_flags_pass_on_to_a_replica_as_they_were_given():
+    """What ``--data-parallel-size`` hands each replica: the same settings, less the front's own."""
+    from pagedrs.cli_args import flags_from_args
+    from pagedrs.server.data_parallel import FRONT_ONLY
+
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    given = ["/models/x", "-dp", "2", "--port", "9000", "--max-num-seqs", "8", "--no-enable-prefix-caching"]
+    given += ["--enable-lora", "--lora-modules", "a=/a", "b=/b", "-tp", "2", "--kv-cache-memory", "1GiB"]
+    args = parser.parse_args(given)
+    passed = flags_from_args(parser, args, skip=FRONT_ONLY)
+    assert "--port" not in passed and "2" == passed[passed.index("--tensor-parallel-size") + 1]
+    again = parser.parse_args(passed)
+    for name, value in vars(args).items():
+        assert getattr(again, name) == (parser.get_default(name) if name in FRONT_ONLY else value), name
+
+
 def test_a_bad_flag_is_a_usage_error(capsys):
     parser = add_serve_arguments(argparse.ArgumentParser())
     with pytest.raises(SystemExit) as exit_info:

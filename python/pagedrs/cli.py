@@ -1,4 +1,4 @@
-"""The ``pagedrs`` command: ``serve``, ``bench serve``, ``bench sweep``, ``bench plot``,
+"""The ``pagedrs`` command: ``serve``, ``router``, ``bench serve``, ``bench sweep``, ``bench plot``,
 ``memory``, ``models``."""
 
 from __future__ import annotations
@@ -22,6 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
             description="Serve a model over an OpenAI-compatible HTTP API.",
         )
     )
+    router = commands.add_parser(
+        "router",
+        help="route requests to OpenAI-compatible workers by prefix affinity (the Rust pagedrs-router)",
+        description="pagedrs-router's own flags follow: pagedrs router --help lists them (docs/router.md).",
+        add_help=False,
+    )
+    router.add_argument("router_args", nargs=argparse.REMAINDER)
     bench = commands.add_parser("bench", help="benchmarks against an OpenAI-compatible server")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_serve_arguments(
@@ -66,6 +73,14 @@ def print_models() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["router"]:  # the Rust binary takes it from here, flags and all
+        import os
+
+        from pagedrs.server.data_parallel import router_binary
+
+        binary = router_binary()
+        os.execv(binary, [binary, *argv[1:]])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from pagedrs.server.launch import serve

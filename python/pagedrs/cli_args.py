@@ -26,6 +26,10 @@ GROUP_TITLES = {
         "N ranks, one process each; on several machines every node runs the same command with its own "
         "--node-rank (node 0 serves; the others are headless), or torchrun starts the ranks",
     ),
+    "data_parallel": (
+        "data parallelism",
+        "N engine replicas, one process each (each may be tensor-parallel), behind the pagedrs-router front",
+    ),
 }
 
 
@@ -73,6 +77,28 @@ def config_from_args(config_class: type[T], args: argparse.Namespace) -> T:
     specs = dataclasses.fields(config_class)  # type: ignore[arg-type]  # any dataclass
     values = {spec.name: getattr(args, spec.name) for spec in specs if spec.init}
     return config_class(**values)
+
+
+def flags_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
+    """The command line that parses (with ``parser``) to ``args``, less the ``skip`` settings
+    and those left at their default: how a process passes its flags on to another."""
+    argv: list[str] = []
+    for action in parser._actions:
+        if action.dest in skip or not hasattr(args, action.dest) or isinstance(action, argparse._HelpAction):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        if not action.option_strings:  # positional
+            argv[:0] = [str(value)]
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            flag = action.option_strings[0]  # --name; the second is --no-name
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv += [action.option_strings[-1], *map(str, value)]
+        else:
+            argv += [action.option_strings[-1], str(value)]
+    return argv
 
 
 def _is_list(hint: Any) -> bool:

@@ -90,6 +90,10 @@ def serve(args: argparse.Namespace) -> int:
 
     config, server_config = configs(args)
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if server_config.data_parallel_size > 1:
+        from pagedrs.server.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args, config, server_config)
     headless = _serve_other_ranks(config)
     if headless is not None:
         return headless

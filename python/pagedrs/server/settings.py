@@ -16,6 +16,7 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 LogLevel = Literal["debug", "info", "warning", "error"]
+RouterPolicy = Literal["cache_aware", "round_robin", "least_load"]
 
 
 @dataclass
@@ -62,6 +63,20 @@ class ServerConfig:
         group="server",
     )
     log_level: LogLevel = knob("info", "log level", group="server")
+    data_parallel_size: int = knob(
+        1,
+        "engine replicas, each its own process with a share of the CPU cores (or its own GPUs), behind one "
+        "HTTP front: the pagedrs-router, routing by prefix affinity (docs/router.md)",
+        group="data_parallel",
+        flags=("-dp",),
+        minimum=1,
+    )
+    router_policy: RouterPolicy = knob(
+        "cache_aware",
+        "how the front picks a replica (with --data-parallel-size > 1): cache_aware (prefix affinity, load as "
+        "the tie-breaker), round_robin or least_load",
+        group="data_parallel",
+    )
     enable_auto_tool_choice: bool = knob(
         False,
         'let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
