@@ -15,9 +15,9 @@ EXTENSION := python/pagedrs/_core.abi3.so
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) rust/Cargo.toml $(shell find rust/src -name '*.rs')
 
 .PHONY: setup build test lint lint-python lint-rust test-rust test-python test-fast cpu-kernels cpu-isa-check cuda-check gpu-check bench bench-rust bench-python bench-model \
-	bench-presets serve wheel clean
+	bench-presets serve wheel clean router
 
-setup: $(EXTENSION)
+setup: $(EXTENSION) router
 
 $(PY):
 	$(PYTHON_FOR_VENV) -m venv $(VENV)
@@ -67,12 +67,12 @@ lint-rust: $(DEPS_STAMP)
 test-rust:
 	cargo test --locked --quiet
 
-test-python: $(EXTENSION) $(MODEL_DEPS_STAMP) cpu-kernels
+test-python: $(EXTENSION) $(MODEL_DEPS_STAMP) cpu-kernels router
 	$(PY) -m pytest -q --durations=25
 
 # The Python tests without those marked slow (server processes, tensor-parallel ranks, Triton's
 # interpreter, anything over ~10 s): a few minutes on a small CPU machine, for while you work.
-test-fast: $(EXTENSION) $(MODEL_DEPS_STAMP) cpu-kernels
+test-fast: $(EXTENSION) $(MODEL_DEPS_STAMP) cpu-kernels router
 	$(PY) -m pytest -q -m "not slow"
 
 # Builds the CPU kernels (cpu/: the default attention on the CPU, sampling) into
@@ -128,8 +128,15 @@ wheel: $(DEPS_STAMP)
 # The OpenAI-compatible server on the default model, on http://127.0.0.1:8000 (set-up first
 # on a fresh machine). More flags: make serve SERVE_ARGS="--port 8001 --api-key KEY".
 SERVE_ARGS ?=
-serve: $(EXTENSION) $(MODEL_DEPS_STAMP)
+serve: $(EXTENSION) $(MODEL_DEPS_STAMP) router
 	$(VENV)/bin/pagedrs serve $(SERVE_ARGS)
+
+# The prefix-cache-aware HTTP router (router/, docs/router.md), built in release and copied
+# into the package, where the data-parallel front (pagedrs.server.data_parallel) looks first.
+router:
+	cargo build --release --locked -p pagedrs-router
+	mkdir -p python/pagedrs/bin
+	cp target/release/pagedrs-router python/pagedrs/bin/pagedrs-router
 
 clean:
 	cargo clean
