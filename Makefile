@@ -85,11 +85,16 @@ cpu-kernels: $(EXTENSION) $(MODEL_DEPS_STAMP)
 # (object code only: it cannot run here); on an AVX-512 machine built for AVX2 and the kernel
 # tests run against it (PAGEDRS_CPU_ISA=avx2).
 CPU_KERNEL_TESTS = tests/attention/test_cpu_attention.py tests/quant/test_quant_matmul.py \
-	tests/quant/test_fused_experts.py tests/sample/test_cpu_sampling.py tests/models/test_decoder_stack.py
+	tests/quant/test_fused_experts.py tests/sample/test_cpu_sampling.py tests/models/test_decoder_stack.py \
+	tests/kernels
+# The 256-bit VNNI build differs from the native one only in the int8-activation matmul.
 cpu-isa-check: cpu-kernels
 	$(PY) -m pagedrs.kernels.cpu --compile-check-other
 	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
 		PAGEDRS_CPU_ISA=avx2 $(PY) -m pytest -q $(CPU_KERNEL_TESTS); \
+	fi
+	@if grep -qw avx_vnni /proc/cpuinfo 2>/dev/null && grep -qw avx512_vnni /proc/cpuinfo; then \
+		PAGEDRS_CPU_ISA=avxvnni $(PY) -m pytest -q tests/kernels tests/quant/test_quant_matmul.py; \
 	fi
 
 # Compiles every CUDA kernel for sm_80 and sm_90 and the torch binding against torch's

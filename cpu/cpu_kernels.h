@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace pagedrs_cpu {
@@ -155,6 +156,10 @@ void check_moe_experts(const ExpertWeights& experts, int64_t hidden_size);
 // by the caller (check_moe_experts; ids within [0, E)).
 void fused_experts_f32(const at::Tensor& x, const int64_t* topk_ids, const float* topk_weights, int64_t top_k,
                        const ExpertWeights& experts, at::Tensor& out);
+
+// quant_matmul.cpp: the instruction sets of the int8-activation path this build runs:
+// "avx512-vnni", "avx-vnni", "avx2" (maddubs), or "none" (every type id runs the exact path).
+std::string int8_activation_path();
 
 // quant_matmul.cpp: bytes and weights of one stored block of a supported ggml type (32
 // weights, 256 for the k-quants; kInt8Activations ignored); both fail loudly on any other type.

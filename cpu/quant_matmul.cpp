@@ -33,14 +33,18 @@
 //
 // int8 activations (opt-in: a type id ORed with kInt8Activations, cpu_kernels.h): each token's
 // row of x is quantized per 32 features to int8 once per matmul (dx = max|x| / 127, llama.cpp's
-// Q8_0 / Q8_1 activations), and each block's dot product is an integer one (AVX2 maddubs/madd:
-// 32 int8 x int8 products summed in int32), scaled by dw * dx in float; Q4_1's minimum adds
+// Q8_0 / Q8_1 activations), and each block's dot product is an integer one (32 int8 x int8
+// products summed exactly in int32), scaled by dw * dx in float; Q4_1's minimum adds
 // m * dx * sum(qx). It changes results (the activations' rounding, about 0.4% of a block's largest
-// value); Q8_0, Q4_0 and Q4_1 with AVX2 take it, anything else runs the exact path.
+// value); Q8_0, Q4_0 and Q4_1 with AVX2 take it, anything else runs the exact path. With VNNI
+// (vpdpbusd) the weights are regrouped in panels of 16 (AVX-512 VNNI) or 8 (AVX-VNNI) rows, one
+// row per int32 lane, so one instruction advances every row of the panel and each block's sum is
+// scaled once for all of them (VnniPanel); without, AVX2's maddubs + madd take one row at a time.
 //
 // Instruction sets: with AVX-512 each 32 weights dequantize into two 16-lane registers; with
 // AVX2 + FMA (no AVX-512) into four 8-lane ones; elsewhere into a buffer (scalar code). The build
-// targets the machine (-march=native), so only one of them is compiled.
+// targets the machine (-march=native), so only one of them is compiled, and one int8 path:
+// AVX-512 VNNI (with AVX-512 BW), else AVX-VNNI, else AVX2 (int8_activation_path() names it).
 //
 // Work split: threads (torch's pool, at::parallel_for) take ranges of output features, so a
 // single-token decode is spread over every core and streams each weight byte once. Inside a
@@ -71,6 +75,7 @@
 #include <immintrin.h>
 #endif
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -510,13 +515,27 @@ void matmul_dequant_gemm(const float* x, const uint8_t* weight, float* out, int6
 #ifdef __AVX2__
 #define PAGEDRS_INT8_ACTIVATIONS 1
 
-// x quantized per token and 32 features: q = round(x / d), d = max|x| / 127, and d * sum(q)
-// (what Q4_1's minimum multiplies).
+// Which integer dot product the int8 path runs: vpdpbusd (4 byte products summed into each
+// int32 lane) over 16-lane registers with AVX-512 VNNI, over 8-lane ones with AVX-VNNI (Alder
+// Lake and later without AVX-512), else AVX2's maddubs + madd.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEDRS_INT8_VNNI 1
+constexpr const char* kInt8Path = "avx512-vnni";
+#elif defined(__AVXVNNI__)
+#define PAGEDRS_INT8_VNNI 1
+constexpr const char* kInt8Path = "avx-vnni";
+#else
+constexpr const char* kInt8Path = "avx2";
+#endif
+
+// x quantized per token and 32 features: q = round(x / d), d = max|x| / 127; d * sum(q) (what
+// Q4_1's minimum multiplies) and -zero * sum(q) (where a VNNI block sum starts: see VnniPanel).
 struct Int8Rows {
-  int64_t num_blocks = 0;  // per token
-  std::vector<int8_t> q;   // [num_tokens, num_blocks * 32]
-  std::vector<float> d;    // [num_tokens, num_blocks]
-  std::vector<float> sum;  // [num_tokens, num_blocks]
+  int64_t num_blocks = 0;      // per token
+  std::vector<int8_t> q;       // [num_tokens, num_blocks * 32]
+  std::vector<float> d;        // [num_tokens, num_blocks]
+  std::vector<float> sum;      // [num_tokens, num_blocks]
+  std::vector<int32_t> start;  // [num_tokens, num_blocks]
 };
 
 inline float hsum_avx2(__m256 v) {
@@ -525,8 +544,9 @@ inline float hsum_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
 }
 
-// Tokens [t_begin, t_end) of x into `rows` (sized by the caller).
-void quantize_rows(const float* x, int64_t in_features, int64_t t_begin, int64_t t_end, Int8Rows& rows) {
+// Tokens [t_begin, t_end) of x into `rows` (sized by the caller); weight_zero: see Int8Rows::start.
+void quantize_rows(const float* x, int64_t in_features, int64_t t_begin, int64_t t_end, int32_t weight_zero,
+                   Int8Rows& rows) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t t = t_begin; t < t_end; ++t) {
     for (int64_t b = 0; b < rows.num_blocks; ++b) {
@@ -553,13 +573,263 @@ void quantize_rows(const float* x, int64_t in_features, int64_t t_begin, int64_t
                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows.q.data() + (t * rows.num_blocks + b) * kBlockSize), q8);
       const __m256i sum32 = _mm256_madd_epi16(_mm256_add_epi16(q16_lo, q16_hi), _mm256_set1_epi16(1));
-      const float total = hsum_avx2(_mm256_cvtepi32_ps(sum32));
+      const float total = hsum_avx2(_mm256_cvtepi32_ps(sum32));  // |sum| <= 32 * 127: exact
       rows.d[t * rows.num_blocks + b] = d;
       rows.sum[t * rows.num_blocks + b] = d * total;
+      rows.start[t * rows.num_blocks + b] = -weight_zero * static_cast<int32_t>(total);
     }
   }
 }
 
+#ifdef PAGEDRS_INT8_VNNI
+// vpdpbusd multiplies unsigned bytes by signed ones. The weights go in unsigned, offset by their
+// format's zero (Q8_0: q + 128, Q4_0: the stored nibble, q + 8; Q4_1: the nibble itself), and
+// the activations signed, so each int32 lane sums sum(w * q) + zero * sum(q): starting the lane at
+// -zero * sum(q) (Int8Rows::start) leaves the exact integer dot product of the block.
+template <class Format>
+constexpr int32_t kWeightZero = std::is_same_v<Format, Q8_0> ? 128 : std::is_same_v<Format, Q4_0> ? 8 : 0;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// A panel of 16 weight rows, one per 32-bit lane of a 512-bit register.
+struct VnniLanes {
+  static constexpr int kRows = 16;
+  static constexpr int kTokens = 8;  // tokens one pass over a panel serves (registers: 3 per token)
+  using Int = __m512i;
+  using Float = __m512;
+  static Int load(const int32_t* p) { return _mm512_load_si512(p); }
+  static void store(int32_t* p, Int v) { _mm512_store_si512(p, v); }
+  static Int set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static Int dpbusd(Int sum, Int unsigned_bytes, Int signed_bytes) {
+    return _mm512_dpbusd_epi32(sum, unsigned_bytes, signed_bytes);
+  }
+  // Bytes [offset, offset + 16) of rows i, i + 4, i + 8 and i + 12 as the four 128-bit lanes.
+  static Int load_quarters(const uint8_t* const* rows, int i, int64_t offset) {
+    const auto piece = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + offset)); };
+    Int v = _mm512_castsi128_si512(piece(i));
+    v = _mm512_inserti32x4(v, piece(i + 4), 1);
+    v = _mm512_inserti32x4(v, piece(i + 8), 2);
+    return _mm512_inserti32x4(v, piece(i + 12), 3);
+  }
+  static Int unpacklo32(Int a, Int b) { return _mm512_unpacklo_epi32(a, b); }
+  static Int unpackhi32(Int a, Int b) { return _mm512_unpackhi_epi32(a, b); }
+  static Int unpacklo64(Int a, Int b) { return _mm512_unpacklo_epi64(a, b); }
+  static Int unpackhi64(Int a, Int b) { return _mm512_unpackhi_epi64(a, b); }
+  static Int low_nibbles(Int v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static Int high_nibbles(Int v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+  static Int flip_sign_bits(Int v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
+  static Float halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p))); }
+  static Float fzero() { return _mm512_setzero_ps(); }
+  static Float fset1(float v) { return _mm512_set1_ps(v); }
+  static Float to_float(Int v) { return _mm512_cvtepi32_ps(v); }
+  static Float add(Float a, Float b) { return _mm512_add_ps(a, b); }
+  static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store_rows(float* out, Float v, int num_rows) {
+    _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << num_rows) - 1), v);
+  }
+};
+#else
+// A panel of 8 weight rows, one per 32-bit lane of a 256-bit register (AVX-VNNI).
+struct VnniLanes {
+  static constexpr int kRows = 8;
+  static constexpr int kTokens = 4;  // 16 registers: 3 per token, the weights, their scales
+  using Int = __m256i;
+  using Float = __m256;
+  static Int load(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store(int32_t* p, Int v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
+  static Int set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static Int dpbusd(Int sum, Int unsigned_bytes, Int signed_bytes) {
+    return _mm256_dpbusd_avx_epi32(sum, unsigned_bytes, signed_bytes);
+  }
+  // Bytes [offset, offset + 16) of rows i and i + 4 as the two 128-bit lanes.
+  static Int load_quarters(const uint8_t* const* rows, int i, int64_t offset) {
+    const auto piece = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + offset)); };
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(piece(i)), piece(i + 4), 1);
+  }
+  static Int unpacklo32(Int a, Int b) { return _mm256_unpacklo_epi32(a, b); }
+  static Int unpackhi32(Int a, Int b) { return _mm256_unpackhi_epi32(a, b); }
+  static Int unpacklo64(Int a, Int b) { return _mm256_unpacklo_epi64(a, b); }
+  static Int unpackhi64(Int a, Int b) { return _mm256_unpackhi_epi64(a, b); }
+  static Int low_nibbles(Int v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static Int high_nibbles(Int v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+  static Int flip_sign_bits(Int v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+  static Float halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(p))); }
+  static Float fzero() { return _mm256_setzero_ps(); }
+  static Float fset1(float v) { return _mm256_set1_ps(v); }
+  static Float to_float(Int v) { return _mm256_cvtepi32_ps(v); }
+  static Float add(Float a, Float b) { return _mm256_add_ps(a, b); }
+  static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store_rows(float* out, Float v, int num_rows) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(out, _mm256_cmpgt_epi32(_mm256_set1_epi32(num_rows), lanes), v);
+  }
+};
+#endif
+
+constexpr int kPanelRows = VnniLanes::kRows;
+
+// kPanelRows weight rows regrouped so that one vpdpbusd serves them all: for each block, 8
+// registers whose lane r holds weights 4k .. 4k + 3 (register k) of row r as unsigned bytes
+// (kWeightZero), and the rows' fp16 scales (and Q4_1's minimums) side by side. Built once per
+// panel and read once per tile of tokens, so a block is unpacked once however many tokens:
+//
+//   row r, block b:  [w0 w1 w2 w3 | w4 .. w7 | ... | w28 .. w31]      (32 bytes, 8 dwords)
+//   panel, block b:  register k = [row 0 dword k, row 1 dword k, ..., row kPanelRows-1 dword k]
+//   token t, block b: sum = start + sum over k of vpdpbusd(register k, broadcast(x dword k)),
+//                     then acc += float(sum) * (dw * dx), one lane per row
+struct VnniPanel {
+  struct alignas(4 * kPanelRows) Words {
+    int32_t lane[kPanelRows];
+  };
+  struct alignas(2 * kPanelRows) Halves {
+    uint16_t lane[kPanelRows];
+  };
+  std::vector<Words> quants;     // [num_blocks * 8]
+  std::vector<Halves> scales;    // [num_blocks] fp16 d
+  std::vector<Halves> minimums;  // [num_blocks] fp16 m (Q4_1)
+};
+
+// The four registers a[i] (lane L: 16 bytes of row i + 4L) transposed by 32-bit words: a[k] lane
+// L then holds word k of rows 4L .. 4L + 3, so a[k]'s 32-bit lane r is word k of row r.
+inline void transpose_words(VnniLanes::Int (&a)[4]) {
+  using V = VnniLanes;
+  const V::Int t0 = V::unpacklo32(a[0], a[1]), t1 = V::unpackhi32(a[0], a[1]);
+  const V::Int t2 = V::unpacklo32(a[2], a[3]), t3 = V::unpackhi32(a[2], a[3]);
+  a[0] = V::unpacklo64(t0, t2);
+  a[1] = V::unpackhi64(t0, t2);
+  a[2] = V::unpacklo64(t1, t3);
+  a[3] = V::unpackhi64(t1, t3);
+}
+
+inline uint16_t load_half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return bits;
+}
+
+// Block b of rows[0 .. kPanelRows) regrouped (see VnniPanel): its 8 weight registers, and its
+// rows' fp16 scales (and Q4_1's minimums) into `scales` (`minimums`).
+template <class Format>
+inline void unpack_block(const uint8_t* const (&rows)[kPanelRows], int64_t b, VnniLanes::Int (&w)[8],
+                         VnniPanel::Halves& scales, VnniPanel::Halves& minimums) {
+  using V = VnniLanes;
+  const int64_t at = b * Format::kBytes;
+  for (int r = 0; r < kPanelRows; ++r) {
+    scales.lane[r] = load_half(rows[r] + at);
+    if constexpr (std::is_same_v<Format, Q4_1>) minimums.lane[r] = load_half(rows[r] + at + 2);
+  }
+  V::Int a[4];
+  if constexpr (std::is_same_v<Format, Q8_0>) {
+    for (int half = 0; half < 2; ++half) {  // weights 0..15, then 16..31
+      for (int i = 0; i < 4; ++i) a[i] = V::load_quarters(rows, i, at + 2 + 16 * half);
+      transpose_words(a);
+      for (int k = 0; k < 4; ++k) w[4 * half + k] = V::flip_sign_bits(a[k]);
+    }
+  } else {
+    // Byte j of the nibbles holds weight j (low half) and j + 16 (high half).
+    constexpr int kNibbles = std::is_same_v<Format, Q4_1> ? 4 : 2;
+    for (int i = 0; i < 4; ++i) a[i] = V::load_quarters(rows, i, at + kNibbles);
+    transpose_words(a);
+    for (int k = 0; k < 4; ++k) {
+      w[k] = V::low_nibbles(a[k]);
+      w[4 + k] = V::high_nibbles(a[k]);
+    }
+  }
+}
+
+// The panel of rows[0 .. kPanelRows) (num_blocks blocks each).
+template <class Format>
+void pack_panel(const uint8_t* const (&rows)[kPanelRows], int64_t num_blocks, VnniPanel& panel) {
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    VnniLanes::Int w[8];
+    unpack_block<Format>(rows, b, w, panel.scales[b], panel.minimums[b]);
+    for (int k = 0; k < 8; ++k) VnniLanes::store(panel.quants[8 * b + k].lane, w[k]);
+  }
+}
+
+// out[t * out_stride + r] for the panel's rows r < num_rows and kTokens quantized tokens (from
+// token t0 of `x`), reading each block from `panel` or, kFromRows (a single tile of tokens),
+// unpacking it from `rows` on the way. Each token's sums run in block order whatever the tile
+// or panel: a row's result does not depend on the batch it is in.
+template <class Format, int kTokens, bool kFromRows>
+void panel_dot(const Int8Rows& x, int64_t t0, const uint8_t* const (&rows)[kPanelRows], const VnniPanel& panel,
+               float* __restrict__ out, int64_t out_stride, int num_rows) {
+  using V = VnniLanes;
+  constexpr bool kMinimum = std::is_same_v<Format, Q4_1>;
+  const int64_t num_blocks = x.num_blocks;
+  V::Float acc[kTokens], minimums[kTokens];
+  for (int t = 0; t < kTokens; ++t) acc[t] = minimums[t] = V::fzero();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    V::Int w[8];
+    VnniPanel::Halves unpacked_scales, unpacked_minimums;
+    if constexpr (kFromRows) unpack_block<Format>(rows, b, w, unpacked_scales, unpacked_minimums);
+    V::Int sums[kTokens];
+    for (int t = 0; t < kTokens; ++t) sums[t] = V::set1(x.start[(t0 + t) * num_blocks + b]);
+    for (int k = 0; k < 8; ++k) {
+      if constexpr (!kFromRows) w[k] = V::load(panel.quants[8 * b + k].lane);
+      for (int t = 0; t < kTokens; ++t) {
+        int32_t word;  // activations 4k .. 4k + 3 of the token's block, one per byte
+        std::memcpy(&word, x.q.data() + ((t0 + t) * num_blocks + b) * kBlockSize + 4 * k, sizeof(word));
+        sums[t] = V::dpbusd(sums[t], w[k], V::set1(word));
+      }
+    }
+    const V::Float dw = V::halves(kFromRows ? unpacked_scales.lane : panel.scales[b].lane);
+    for (int t = 0; t < kTokens; ++t) {
+      const int64_t at = (t0 + t) * num_blocks + b;
+      acc[t] = V::fmadd(V::to_float(sums[t]), V::mul(dw, V::fset1(x.d[at])), acc[t]);
+      if constexpr (kMinimum) {
+        const V::Float dm = V::halves(kFromRows ? unpacked_minimums.lane : panel.minimums[b].lane);
+        minimums[t] = V::fmadd(dm, V::fset1(x.sum[at]), minimums[t]);
+      }
+    }
+  }
+  for (int t = 0; t < kTokens; ++t) {
+    V::store_rows(out + t * out_stride, kMinimum ? V::add(acc[t], minimums[t]) : acc[t], num_rows);
+  }
+}
+
+// panel_dot with the tile's token count as a compile-time constant, so the accumulators live in
+// registers.
+template <class Format, bool kFromRows, int... kTiles>
+void panel_dot_tile(int tile, const Int8Rows& x, int64_t t0, const uint8_t* const (&rows)[kPanelRows],
+                    const VnniPanel& panel, float* out, int64_t out_stride, int num_rows,
+                    std::integer_sequence<int, kTiles...>) {
+  ((tile == kTiles + 1 ? panel_dot<Format, kTiles + 1, kFromRows>(x, t0, rows, panel, out, out_stride, num_rows)
+                       : void()),
+   ...);
+}
+
+template <class Format>
+void matmul_rows_int8(const Int8Rows& x, const uint8_t* weight, float* out, int64_t out_stride, int64_t num_tokens,
+                      int64_t row_begin, int64_t row_end) {
+  constexpr auto kTiles = std::make_integer_sequence<int, VnniLanes::kTokens>();
+  const int64_t num_blocks = x.num_blocks;
+  const int64_t row_bytes = num_blocks * Format::kBytes;
+  // One tile of tokens unpacks each block as it goes; more store the panel once and read it per tile.
+  const bool one_tile = num_tokens <= VnniLanes::kTokens;
+  thread_local VnniPanel panel;
+  if (!one_tile && panel.scales.size() < static_cast<size_t>(num_blocks)) {
+    panel.quants.resize(8 * num_blocks), panel.scales.resize(num_blocks), panel.minimums.resize(num_blocks);
+  }
+  for (int64_t n0 = row_begin; n0 < row_end; n0 += kPanelRows) {
+    const int num_rows = static_cast<int>(std::min<int64_t>(kPanelRows, row_end - n0));
+    const uint8_t* rows[kPanelRows];  // a short panel repeats its last row
+    for (int r = 0; r < kPanelRows; ++r) rows[r] = weight + (n0 + std::min(r, num_rows - 1)) * row_bytes;
+    if (one_tile) {
+      panel_dot_tile<Format, true>(static_cast<int>(num_tokens), x, 0, rows, panel, out + n0, out_stride, num_rows,
+                                   kTiles);
+      continue;
+    }
+    pack_panel<Format>(rows, num_blocks, panel);
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += VnniLanes::kTokens) {
+      const int tile = static_cast<int>(std::min<int64_t>(VnniLanes::kTokens, num_tokens - t0));
+      panel_dot_tile<Format, false>(tile, x, t0, rows, panel, out + t0 * out_stride + n0, out_stride, num_rows,
+                                    kTiles);
+    }
+  }
+}
+#else
 // The 32 weights of a block as bytes in order: signed for Q8_0 and Q4_0, unsigned nibbles for
 // Q4_1 (whose minimum the caller adds).
 template <class Format>
@@ -637,6 +907,7 @@ void matmul_rows_int8(const Int8Rows& rows, const uint8_t* weight, float* out, i
     }
   }
 }
+#endif
 
 // The int8-activation matmul, or false where this type has none (the caller runs the exact one).
 bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
@@ -649,13 +920,27 @@ bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_
   rows.num_blocks = in_features / kBlockSize;
   const size_t blocks = static_cast<size_t>(num_tokens * rows.num_blocks);
   if (rows.q.size() < blocks * kBlockSize) rows.q.resize(blocks * kBlockSize);
-  if (rows.d.size() < blocks) rows.d.resize(blocks), rows.sum.resize(blocks);
-  at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) { quantize_rows(x, in_features, begin, end, rows); });
-  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+  if (rows.d.size() < blocks) rows.d.resize(blocks), rows.sum.resize(blocks), rows.start.resize(blocks);
+#ifdef PAGEDRS_INT8_VNNI
+  const int32_t weight_zero = ggml_type == kQ8_0 ? kWeightZero<Q8_0> : ggml_type == kQ4_0 ? kWeightZero<Q4_0> : 0;
+#else
+  const int32_t weight_zero = 0;  // maddubs takes the weights as they are
+#endif
+  at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
+    quantize_rows(x, in_features, begin, end, weight_zero, rows);
+  });
+#ifdef PAGEDRS_INT8_VNNI
+  constexpr int64_t kRowsPerUnit = kPanelRows;  // threads take whole panels
+#else
+  constexpr int64_t kRowsPerUnit = 1;
+#endif
+  const int64_t num_units = (out_features + kRowsPerUnit - 1) / kRowsPerUnit;
+  at::parallel_for(0, num_units, std::max<int64_t>(1, 16 / kRowsPerUnit), [&](int64_t begin, int64_t end) {
+    const int64_t row_begin = begin * kRowsPerUnit, row_end = std::min(out_features, end * kRowsPerUnit);
     switch (ggml_type) {
-      case kQ8_0: matmul_rows_int8<Q8_0>(rows, weight, out, out_features, num_tokens, begin, end); break;
-      case kQ4_0: matmul_rows_int8<Q4_0>(rows, weight, out, out_features, num_tokens, begin, end); break;
-      default: matmul_rows_int8<Q4_1>(rows, weight, out, out_features, num_tokens, begin, end); break;
+      case kQ8_0: matmul_rows_int8<Q8_0>(rows, weight, out, out_features, num_tokens, row_begin, row_end); break;
+      case kQ4_0: matmul_rows_int8<Q4_0>(rows, weight, out, out_features, num_tokens, row_begin, row_end); break;
+      default: matmul_rows_int8<Q4_1>(rows, weight, out, out_features, num_tokens, row_begin, row_end); break;
     }
   });
   return true;
@@ -665,6 +950,14 @@ bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_
 }  // namespace
 
 namespace pagedrs_cpu {
+
+std::string int8_activation_path() {
+#ifdef PAGEDRS_INT8_ACTIVATIONS
+  return kInt8Path;
+#else
+  return "none";
+#endif
+}
 
 int64_t quant_block_bytes(int64_t ggml_type) {
   switch (ggml_type & ~kInt8Activations) {

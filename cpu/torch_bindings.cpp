@@ -19,6 +19,7 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
   // quant_matmul.cpp
   m.def("quant_matmul(Tensor x, Tensor weight, int ggml_type, int in_features) -> Tensor");
+  m.def("int8_activation_path() -> str", &pagedrs_cpu::int8_activation_path);  // no tensors: any device
   // moe.cpp
   m.def("fused_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, int gate_up_type, "
         "Tensor down, int down_type, int intermediate_size, int activation, Tensor? gate_up_bias=None, "

@@ -2,7 +2,7 @@
 stack): one extension built with `torch.utils.cpp_extension` on first use, cached under
 ``~/.cache/pagedrs`` by a hash of the sources, the compiler flags, torch's version and this
 machine's CPU (the build targets it with ``-march=native``, or the x86 instruction set
-``PAGEDRS_CPU_ISA`` names: ``avx2``, ``avx512``), loaded once, used as
+``PAGEDRS_CPU_ISA`` names: ``avx2``, ``avxvnni``, ``avx512``), loaded once, used as
 ``torch.ops.pagedrs_cpu.*`` and ``torch.classes.pagedrs_cpu.DecoderStack`` (all registered in
 ``cpu/torch_bindings.cpp``). ``python -m pagedrs.kernels.cpu`` builds it ahead of use (``make
 cpu-kernels``, run by ``make test``), so no test or first request pays the compile."""
@@ -43,17 +43,31 @@ def sources_dir() -> Path:
     return directory
 
 
-ISA_MARCH = {"avx2": "-march=x86-64-v3", "avx512": "-march=x86-64-v4"}
+ISA_FLAGS = {
+    "avx2": ("-march=x86-64-v3",),
+    "avxvnni": ("-march=x86-64-v3", "-mavxvnni"),
+    "avx512": ("-march=x86-64-v4",),
+}
 """x86 instruction sets the kernels can be built for besides ``native`` (``PAGEDRS_CPU_ISA``):
-AVX2 + FMA + F16C, and AVX-512 F/BW/DQ/VL. Each selects its own code paths at compile time
-(``cpu/quant_matmul.cpp``), so building the one this machine does not take keeps it from rotting
-(`compile_check`; ``make cpu-isa-check``)."""
+AVX2 + FMA + F16C; the same with AVX-VNNI (Alder Lake and later without AVX-512); AVX-512
+F/BW/DQ/VL (no VNNI). Each selects its own code paths at compile time (``cpu/quant_matmul.cpp``),
+so building the ones this machine does not take keeps them from rotting (`compile_check`;
+``make cpu-isa-check``)."""
+
+INT8_PATHS = {
+    "avx512-vnni": "AVX-512 VNNI (vpdpbusd, 16 weight rows a register)",
+    "avx-vnni": "AVX-VNNI (vpdpbusd, 8 weight rows a register)",
+    "avx2": "AVX2 (maddubs + madd, one row at a time)",
+    "none": "not built (no AVX2): exact path",
+}
+"""What ``torch.ops.pagedrs_cpu.int8_activation_path()`` can name: the instructions of the
+opt-in int8-activation matmul in this build."""
 
 
 def _isa() -> str:
     isa = os.environ.get("PAGEDRS_CPU_ISA", "native")
-    if isa != "native" and isa not in ISA_MARCH:
-        raise ValueError(f"PAGEDRS_CPU_ISA must be native, {' or '.join(ISA_MARCH)}; got {isa!r}")
+    if isa != "native" and isa not in ISA_FLAGS:
+        raise ValueError(f"PAGEDRS_CPU_ISA must be one of native, {', '.join(ISA_FLAGS)}; got {isa!r}")
     return isa
 
 
@@ -83,7 +97,7 @@ def compile_flags(isa: str | None = None) -> list[str]:
     isa = isa or _isa()
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
-        flags += ["-march=native"] if isa == "native" else [ISA_MARCH[isa], "-mtune=native"]
+        flags += ["-march=native"] if isa == "native" else [*ISA_FLAGS[isa], "-mtune=native"]
     elif machine in ("aarch64", "arm64"):
         if isa != "native":
             raise ValueError(f"PAGEDRS_CPU_ISA={isa} is an x86 instruction set; this machine is {machine}")
@@ -92,24 +106,27 @@ def compile_flags(isa: str | None = None) -> list[str]:
 
 
 def describe() -> str:
-    """The paths the built kernels take on this machine, for the start-up log."""
+    """The paths the built kernels take on this machine, for the start-up log (builds and loads
+    the kernels if they are not yet)."""
     isa = _isa()
     target = native_isa() if isa == "native" else isa
     matmul = {
         "avx512": "blocks dequantized into AVX-512 registers",
         "avx2": "blocks dequantized into AVX2 registers",
+        "avxvnni": "blocks dequantized into AVX2 registers",
     }.get(target, "blocks dequantized by scalar code")
-    int8 = "available (AVX2)" if target in ("avx2", "avx512") else "not built (no AVX2): exact path"
+    int8_path = load().int8_activation_path()
+    vnni = f", {int8_path}" if "vnni" in int8_path else ""
     return (
-        f"CPU kernels for {isa}{f' ({target})' if isa == 'native' else ''}: packed matmul {matmul}; "
-        f"int8 activations {int8}; attention and sampling compiler-vectorized"
+        f"CPU kernels for {isa}{f' ({target}{vnni})' if isa == 'native' else ''}: packed matmul {matmul}; "
+        f"int8 activations by {INT8_PATHS[int8_path]}; attention and sampling compiler-vectorized"
     )
 
 
-def compile_check(isa: str) -> float:
-    """Compiles every kernel source for ``isa`` into object code that is thrown away (nothing
-    is loaded: this machine may not run it); raises with the compiler's output on an error.
-    Returns the seconds it took."""
+def compile_check(isa: str, sources: tuple[str, ...] = SOURCES) -> float:
+    """Compiles kernel sources (default: all) for ``isa`` into object code that is thrown away
+    (nothing is loaded: this machine may not run it); raises with the compiler's output on an
+    error. Returns the seconds it took."""
     import time
 
     import torch
@@ -133,10 +150,10 @@ def compile_check(isa: str) -> float:
                 lambda name: subprocess.run(
                     [*base, "-c", str(sources_dir() / name), "-o", os.devnull], capture_output=True, text=True
                 ),
-                SOURCES,
+                sources,
             )
         )
-    failed = [(name, run) for name, run in zip(SOURCES, runs) if run.returncode != 0]
+    failed = [(name, run) for name, run in zip(sources, runs) if run.returncode != 0]
     if failed:
         name, run = failed[0]
         raise RuntimeError(f"{name} does not compile for {isa}:\n{run.stderr[-4000:]}")
@@ -213,10 +230,17 @@ def available() -> bool:
     return True
 
 
+def _native_int8_isa(native: str) -> str:
+    """The `ISA_FLAGS` entry whose int8-activation path ``-march=native`` builds here."""
+    flags = _cpu_fingerprint().split()
+    return "avxvnni" if native == "avx2" and "avx_vnni" in flags else native
+
+
 def main() -> int:
     """``python -m pagedrs.kernels.cpu``: builds and loads the kernels for this machine;
     ``--compile-check-other``: also compiles them for the x86 instruction set it does not take
-    (AVX-512 on an AVX2 machine, AVX2 on an AVX-512 one)."""
+    (AVX-512 on an AVX2 machine, AVX2 on an AVX-512 one), and ``quant_matmul.cpp`` for each other
+    int8-activation path (AVX-VNNI, or AVX2 on an AVX-VNNI machine)."""
     import time
 
     start = time.perf_counter()
@@ -232,12 +256,16 @@ def main() -> int:
             print(f"no other x86 instruction set to check on this {platform.machine()} machine")
             return 0
         other = "avx2" if native == "avx512" else "avx512"
+        int8_only = [isa for isa in ISA_FLAGS if isa not in (other, _native_int8_isa(native))]
         try:
             seconds = compile_check(other)
+            print(f"ok: the kernels compile for {other} too ({seconds:.1f} s; this machine runs {native})")
+            for isa in int8_only:
+                seconds = compile_check(isa, ("quant_matmul.cpp",))
+                print(f"ok: quant_matmul.cpp compiles for {isa} too ({seconds:.1f} s)")
         except RuntimeError as error:
             print(error, file=sys.stderr)
             return 1
-        print(f"ok: the kernels compile for {other} too ({seconds:.1f} s; this machine runs {native})")
     return 0
 
 

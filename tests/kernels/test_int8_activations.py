@@ -1,0 +1,135 @@
+"""The int8-activation matmul (``quant_matmul`` with ``INT8_ACTIVATIONS``) on whichever path this
+build runs (AVX-512 VNNI, AVX-VNNI or AVX2's maddubs; ``PAGEDRS_CPU_ISA`` picks the build):
+
+- each block's dot product is the exact integer one (VNNI; AVX2: exact sums of 4 products, added
+  in float32), scaled by ``d_w * d_x`` in float32;
+- a token's row does not depend on the batch it is in, bit for bit (one token, a tile of them,
+  many tiles, a last panel of fewer rows);
+- the kernels name the path they run, and it is the best one the build's instruction set has."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from pagedrs.kernels import cpu as cpu_kernels
+from pagedrs.quant.layers import INT8_ACTIVATIONS
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available() or cpu_kernels.load().int8_activation_path() == "none",
+    reason="the int8-activation path is not built here",
+)
+
+FORMATS = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
+SHAPES = [  # (out_features, in_features): panels of 16 (or 8) rows, whole and short
+    (1, 32),
+    (7, 64),
+    (16, 96),
+    (17, 160),
+    (97, 576),
+    (40, 1536),
+]
+
+
+def _packed(qtype: GGMLQuantizationType, out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    weight = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
+    return torch.from_numpy(quants.quantize(weight, qtype))
+
+
+def _integer_reference(x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, products: int):
+    """(sum over blocks of I * float32(d_w * d_x) (+ Q4_1's m * d_x * sum(q)) in float64, the sum
+    of the terms' magnitudes), with I each block's exact integer dot product and x quantized as
+    the kernel does in float32; the magnitudes count sums of ``products`` products, the integers
+    the kernel converts to float."""
+    num_tokens, in_features = x.shape
+    num_blocks = in_features // 32
+    blocks = x.view(num_tokens, num_blocks, 32)
+    d_x = blocks.abs().amax(dim=-1) / 127
+    inverse = torch.where(d_x != 0, 1 / d_x, torch.zeros_like(d_x))
+    q_x = torch.round(blocks * inverse[..., None]).to(torch.int64)
+    raw = packed.numpy().reshape(packed.shape[0], num_blocks, -1)
+    d_w = torch.from_numpy(raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if qtype == GGMLQuantizationType.Q8_0:
+        q_w = torch.from_numpy(raw[..., 2:].view(np.int8).astype(np.int64))
+    else:
+        nibbles = raw[..., 4:] if qtype == GGMLQuantizationType.Q4_1 else raw[..., 2:]
+        q_w = torch.from_numpy(np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.int64))
+        if qtype == GGMLQuantizationType.Q4_0:
+            q_w = q_w - 8
+    groups = 32 // products
+    sums = torch.einsum(
+        "tbgk,nbgk->tnbg",
+        q_x.view(num_tokens, num_blocks, groups, products),
+        q_w.view(*q_w.shape[:2], groups, products),
+    )
+    terms = (sums.double() * (d_w[None] * d_x[:, None]).double()[..., None]).flatten(2)
+    if qtype == GGMLQuantizationType.Q4_1:
+        m_w = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
+        terms = torch.cat([terms, m_w[None] * (d_x * q_x.sum(dim=-1).float()).double()[:, None]], dim=-1)
+    return terms.sum(dim=-1), terms.abs().sum(dim=-1)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_block_sums_are_exact_integers_scaled_in_float32(qtype, shape):
+    out_features, in_features = shape
+    packed = _packed(qtype, out_features, in_features, seed=out_features)
+    x = torch.randn(19, in_features, generator=torch.Generator().manual_seed(1)) * 3
+    x[0, :32] = 0.0  # an all-zero block quantizes to zeros
+    out = cpu_kernels.load().quant_matmul(x, packed, int(qtype) | INT8_ACTIVATIONS, in_features)
+    vnni = "vnni" in cpu_kernels.load().int8_activation_path()
+    expected, magnitude = _integer_reference(x, packed, qtype, products=32 if vnni else 4)
+    # float32 rounding of the scaled block sums and of their accumulation only
+    bound = (in_features // 32 + 8) * torch.finfo(torch.float32).eps * magnitude
+    assert bool(((out.double() - expected).abs() <= bound + 1e-30).all())
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_a_tokens_row_does_not_depend_on_its_batch(qtype, shape):
+    out_features, in_features = shape
+    packed = _packed(qtype, out_features, in_features, seed=out_features + 1)
+    x = torch.randn(67, in_features, generator=torch.Generator().manual_seed(2))
+    kernel_type = int(qtype) | INT8_ACTIVATIONS
+    ops = cpu_kernels.load()
+
+    def matmul(rows: torch.Tensor) -> torch.Tensor:
+        return ops.quant_matmul(rows.contiguous(), packed, kernel_type, in_features)
+
+    full = matmul(x)
+    for num_tokens in (1, 3, 8, 9, 17):
+        assert torch.equal(matmul(x[:num_tokens]), full[:num_tokens])
+    for token in (7, 8, 33, 66):
+        assert torch.equal(matmul(x[token : token + 1])[0], full[token])
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def test_the_kernels_name_the_best_int8_path_of_their_instruction_set():
+    path = cpu_kernels.load().int8_activation_path()
+    isa = os.environ.get("PAGEDRS_CPU_ISA", "native")
+    if isa == "native":
+        flags = _cpu_flags()
+        if not flags:
+            pytest.skip("no /proc/cpuinfo to read this CPU's instruction sets from")
+        if "avx512_vnni" in flags and "avx512bw" in flags:
+            expected = "avx512-vnni"
+        elif "avx_vnni" in flags:
+            expected = "avx-vnni"
+        else:
+            expected = "avx2"
+    else:
+        expected = {"avx2": "avx2", "avxvnni": "avx-vnni", "avx512": "avx2"}[isa]
+    assert path == expected
+    assert cpu_kernels.INT8_PATHS[path] in cpu_kernels.describe()
