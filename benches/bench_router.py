@@ -6,11 +6,13 @@ side by side in one run:
    time, through ``pagedrs serve -dp 2`` (two replicas, one core each on a 2-core machine).
    For ``cache_aware`` and ``round_robin``, greedy and at temperature 1.0: the replicas'
    prefix-cache hit rate (prompt tokens found cached / looked up, from their ``/metrics``),
-   the wall time, output tokens per second and requests per second.
+   the prompt tokens they computed, the wall time, output tokens per second and requests per
+   second. ``--kv-cache-memory`` sets each replica's budget: where one replica cannot hold the
+   whole working set, round-robin's copies of every prefix on both replicas evict each other.
 2. **Router overhead**: time to first token of one streamed completion, straight to a replica
    and through the router in front of it, alternated ``--ttft-rounds`` times (paired medians).
 
-    .venv/bin/python benches/bench_router.py [--systems 6] [--turns 4] [--model PATH]
+    .venv/bin/python benches/bench_router.py [--systems 10] [--turns 4] [--kv-cache-memory 200MiB]
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def cache_counts(urls: list[str]) -> tuple[float, float]:
 
 
 def policy_run(args: argparse.Namespace, model: list[str], policy: str, directory: str) -> list[dict]:
-    front = start_server([*model, "-dp", "2", "--router-policy", policy], f"{directory}/{policy}.log")
+    budget = ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
+    front = start_server([*model, *budget, "-dp", "2", "--router-policy", policy], f"{directory}/{policy}.log")
     runs = []
     try:
         urls = [worker["url"] for worker in front.request("GET", "/workers")[1]["workers"]]
@@ -103,6 +106,7 @@ def policy_run(args: argparse.Namespace, model: list[str], policy: str, director
                 "output_tokens_per_s": round(generated / seconds, 1),
                 "requests_per_s": round(len(systems) * args.turns / seconds, 3),
                 "prefix_hit_rate": round((hits - hits_before) / (queries - queries_before), 3),
+                "prompt_tokens_computed": int((queries - queries_before) - (hits - hits_before)),
             }
             print(json.dumps(run), flush=True)
             runs.append(run)
@@ -160,6 +164,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--ttft-rounds", type=int, default=60)
     parser.add_argument("--policies", default="cache_aware,round_robin")
+    parser.add_argument("--kv-cache-memory", default=None, help="each replica's KV budget (default: the engine's)")
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
     model = [args.model] if args.model else []
