@@ -22,7 +22,7 @@ from pagedrs.engine.tp_common import check_parallel_config, pack_step, unpack_st
 from pagedrs.memory import kv_bytes_per_token
 from pagedrs.models.loader import load_config, resolve_model
 from tests.helpers.checkpoints import TINY, save_word_tokenizer
-from tests.helpers.servers import free_port, start_server, start_streams, wait_for
+from tests.helpers.servers import alive, child_pids, command_line, free_port, start_server, start_streams, wait_for
 
 CPU = torch.device("cpu")
 
@@ -164,30 +164,6 @@ def test_heads_that_do_not_split_are_refused_before_any_rank_starts(tiny_llama, 
     assert started == []  # no worker was started and waited for
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(child) for child in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _command(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline") as f:
-            return f.read()
-    except FileNotFoundError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _server_args(model: str, *extra: str) -> list[str]:
     return [model, "--kv-cache-memory", "4MiB", "--max-model-len", "256", "--log-level", "warning", *extra]
 
@@ -198,7 +174,7 @@ def test_the_server_streams_a_chat_with_tp2_and_drains_then_stops_its_workers_on
     single = LLM(tiny_smol, kv_cache_memory="4MiB")
     expected = single.chat(question, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
     server = start_server(_server_args(tiny_smol, "-tp", "2"), str(tmp_path / "server.log"))
-    workers = _children(server.process.pid)
+    workers = child_pids(server.process.pid)
     try:
         assert server.stream_chat(tiny_smol, question, max_tokens=12) == expected.outputs[0].text
         status, info = server.request("GET", "/server_info")
@@ -215,7 +191,7 @@ def test_the_server_streams_a_chat_with_tp2_and_drains_then_stops_its_workers_on
     assert all(r["finish"] == "length" and r["done"] and not r["errors"] for r in results), results
     assert code == 0, server.log()[-2000:]
     # The worker, and multiprocessing's resource tracker once every pipe to it has closed.
-    assert workers and wait_for(lambda: not any(_alive(pid) for pid in workers), timeout=10)
+    assert workers and wait_for(lambda: not any(alive(pid) for pid in workers), timeout=10)
 
 
 @pytest.mark.slow  # a server process and its ranks
@@ -229,8 +205,8 @@ def test_a_failed_worker_ends_the_server_with_an_error_and_no_orphans(tiny_smol,
         _server_args(tiny_smol, "-tp", "2", "--distributed-timeout", "5"), str(tmp_path / "server.log")
     )
     try:
-        children = _children(server.process.pid)  # the worker, and multiprocessing's resource tracker
-        workers = [pid for pid in children if "spawn_main" in _command(pid)]
+        children = child_pids(server.process.pid)  # the worker, and multiprocessing's resource tracker
+        workers = [pid for pid in children if "spawn_main" in command_line(pid)]
         assert len(workers) == 1
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         stream = client.completions.create(
@@ -259,7 +235,7 @@ def test_a_failed_worker_ends_the_server_with_an_error_and_no_orphans(tiny_smol,
         assert f"exiting: tensor-parallel worker (pid {workers[0]}) exited" in log, log[-2000:]
     else:  # the collective's own timeout (--distributed-timeout), not anything slower
         assert re.search(r"exiting: a tensor-parallel rank failed \(.*timed out", log, re.IGNORECASE), log[-2000:]
-    assert wait_for(lambda: not any(_alive(pid) for pid in children), timeout=10)
+    assert wait_for(lambda: not any(alive(pid) for pid in children), timeout=10)
 
 
 @pytest.mark.slow  # two server processes and their ranks
@@ -296,7 +272,7 @@ def test_two_nodes_on_loopback_serve_the_same_greedy_output(tiny_llama, tmp_path
         if node1.poll() is None:
             node1.kill()
         node1_log.close()
-    assert wait_for(lambda: not _children(node1.pid), timeout=5)
+    assert wait_for(lambda: not child_pids(node1.pid), timeout=5)
 
 
 @pytest.mark.slow  # torchrun and its ranks

@@ -295,3 +295,30 @@ def start_streams(port: int, count: int, max_tokens: int):
     futures = [pool.submit(stream, port, max_tokens, event) for event in started]
     assert all(event.wait(120) for event in started)
     return pool, futures
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def command_line(pid: int) -> str:
+    """A process's command line, its arguments separated by NUL ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from pagedrs import LLM, SamplingParams
-from tests.helpers.servers import Server, start_server, start_streams, stream, wait_for
+from tests.helpers.servers import Server, alive, child_pids, command_line, start_server, start_streams, stream, wait_for
 
 pytestmark = pytest.mark.slow  # server processes
 
@@ -88,18 +88,9 @@ def test_two_replicas_give_one_engines_outputs_and_cache_aware_routing_finds_mor
     assert hit_rates["cache_aware"] > hit_rates["round_robin"]
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(child) for child in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
 def _replica_pid(front_pid: int, port: int) -> int:
-    for pid in _children(front_pid):
-        with open(f"/proc/{pid}/cmdline") as f:
-            argv = f.read().split("\0")
+    for pid in child_pids(front_pid):
+        argv = command_line(pid).split("\0")
         if "pagedrs.server" in argv and argv[argv.index("--port") + 1] == str(port):
             return pid
     raise AssertionError(f"no replica on port {port}")
@@ -142,7 +133,7 @@ def _all_healthy(front: Server) -> bool:
 
 def test_sigterm_drains_every_replica_then_exits_0(tiny_smol, tmp_path):
     front = start_server([tiny_smol, "-dp", "2", "--kv-cache-memory", "4MiB"], str(tmp_path / "front.log"))
-    children = _children(front.process.pid)
+    children = child_pids(front.process.pid)
     pool, futures = start_streams(front.port, 4, max_tokens=400)
     start = time.monotonic()
     front.process.send_signal(signal.SIGTERM)
@@ -152,12 +143,4 @@ def test_sigterm_drains_every_replica_then_exits_0(tiny_smol, tmp_path):
     assert front.process.wait(60) == 0, front.log()[-3000:]
     print(f"drained and exited in {time.monotonic() - start:.2f} s")
     assert len(children) == 3  # the router and two replicas
-    assert wait_for(lambda: not any(_alive(pid) for pid in children), timeout=10)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert wait_for(lambda: not any(alive(pid) for pid in children), timeout=10)

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use super::tests::{prompt, step};
 use super::*;
 use crate::sequence::{RequestHandle, StopConditions};
 
@@ -28,19 +29,6 @@ fn params(max_tokens: usize, n: usize) -> RequestParams {
         n,
         ..Default::default()
     }
-}
-
-fn prompt(len: usize, first: u32) -> Vec<u32> {
-    (0..len as u32).map(|i| first + i).collect()
-}
-
-/// One step with a fake model that samples `token` for every logits row.
-fn step(s: &mut Scheduler, token: u32) -> (SchedulerOutput, Vec<SequenceUpdate>) {
-    let out = s.schedule().unwrap();
-    let sampled = vec![token; out.logits_indices.len()];
-    let updates = s.update_from_output(&sampled).unwrap();
-    s.check_invariants().unwrap();
-    (out, updates)
 }
 
 impl Scheduler {

@@ -19,12 +19,12 @@ fn params(max_tokens: usize) -> RequestParams {
     }
 }
 
-fn prompt(len: usize, first: u32) -> Vec<u32> {
+pub(super) fn prompt(len: usize, first: u32) -> Vec<u32> {
     (0..len as u32).map(|i| first + i).collect()
 }
 
 /// One step with a fake model that samples `token` for every logits row.
-fn step(s: &mut Scheduler, token: u32) -> (SchedulerOutput, Vec<SequenceUpdate>) {
+pub(super) fn step(s: &mut Scheduler, token: u32) -> (SchedulerOutput, Vec<SequenceUpdate>) {
     let out = s.schedule().unwrap();
     let sampled = vec![token; out.logits_indices.len()];
     let updates = s.update_from_output(&sampled).unwrap();
