@@ -17,6 +17,7 @@ This process supervises them:
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import shutil
@@ -97,16 +98,10 @@ class Replica:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        cpus = self.cpus
-
-        def pin() -> None:  # in the child, before exec
-            if cpus is not None:
-                os.sched_setaffinity(0, cpus)
-
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pagedrs.server", *self.argv, "--host", "127.0.0.1", "--port", str(self.port)],
             env=self.env,
-            preexec_fn=pin,
+            preexec_fn=functools.partial(_as_child, self.cpus),
         )
 
     def running(self) -> bool:
@@ -118,6 +113,20 @@ class Replica:
                 return response.status == 200
         except OSError:
             return False
+
+
+def _as_child(cpus: list[int] | None) -> None:
+    """Runs in a replica or the router before exec: its own process group, so a terminal's
+    Ctrl-C reaches only the front (which passes one SIGTERM on: a second would stop them at
+    once); SIGTERM when the front dies, so none outlives it; its cores."""
+    os.setpgrp()
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
 
 
 def replica_layout(config: EngineConfig, count: int) -> list[tuple[dict[str, str], list[int] | None]]:
@@ -156,6 +165,7 @@ def serve_data_parallel(args: argparse.Namespace, config: EngineConfig, server: 
     from pagedrs.server.launch import add_serve_arguments
 
     count = server.data_parallel_size
+    router_binary()  # not built: say so before any replica loads a model
     argv = flags_from_args(add_serve_arguments(argparse.ArgumentParser()), args, skip=FRONT_ONLY)
     replicas = [
         Replica(index, free_port(), argv, env, cpus) for index, (env, cpus) in enumerate(replica_layout(config, count))
@@ -238,7 +248,13 @@ def _start_router(server: ServerConfig, replicas: list[Replica]) -> subprocess.P
     command = [router_binary(), "--host", server.host, "--port", str(server.port), "--policy", server.router_policy]
     for replica in replicas:
         command += ["--worker", replica.url]
-    router = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    router = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=functools.partial(_as_child, None),
+    )
     assert router.stdout is not None
     for line in router.stdout:
         sys.stdout.write(line)
