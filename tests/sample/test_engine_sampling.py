@@ -81,8 +81,8 @@ def test_a_wide_seeded_request_gives_the_same_choices_under_the_fair_share(tiny_
             for choice in outputs[min(1, num_others)].outputs
         ]
 
-    alone = choices(LLM(tiny_llama, block_size=4), 0)
-    shared = LLM(tiny_llama, block_size=4, max_seqs_per_request=2)
+    alone = choices(LLM(tiny_llama, block_size=4, kv_cache_memory="16MiB"), 0)
+    shared = LLM(tiny_llama, block_size=4, kv_cache_memory="16MiB", max_seqs_per_request=2)
     beside_others = choices(shared, 15)
     assert [tokens for tokens, _ in beside_others] == [tokens for tokens, _ in alone]
     for (_, got), (_, want) in zip(beside_others, alone):

@@ -142,7 +142,8 @@ def test_a_request_holding_every_seat_gives_a_small_one_its_share(tiny_llama, sh
     back when a small request arrives, which finishes while the wide one is still running; with
     a share of 8 (no share) the small one waits for all of it."""
     server = InProcessServer(
-        [tiny_llama, "--device", "cpu", "--max-num-seqs", "8", "--max-seqs-per-request", str(share)]
+        [tiny_llama, "--device", "cpu", "--kv-cache-memory", "16MiB"]
+        + ["--max-num-seqs", "8", "--max-seqs-per-request", str(share)]
     )
     wide_body = {**STREAM_BODY, "n": 8, "max_tokens": 400}
     small_body = {**STREAM_BODY, "max_tokens": 8}
