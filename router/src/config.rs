@@ -97,6 +97,13 @@ const FLAGS: &[Flag] = &[
         help: "seconds a worker may take to answer, and may stay silent mid-stream",
     },
     Flag {
+        name: "--shutdown-timeout",
+        value_name: "SECONDS",
+        default: Some("30"),
+        repeatable: false,
+        help: "on SIGTERM or Ctrl-C: seconds requests in flight may run on before being closed",
+    },
+    Flag {
         name: "--max-retries",
         value_name: "N",
         default: Some("2"),
@@ -132,6 +139,8 @@ pub struct RouterConfig {
     pub health_interval: Duration,
     /// Longest wait for a worker's response head, and for each chunk after it.
     pub request_timeout: Duration,
+    /// How long requests in flight may run on after a shutdown signal.
+    pub shutdown_timeout: Duration,
     /// Other workers tried after a failure before the response head.
     pub max_retries: usize,
     /// Bearer token for the router's own requests to workers (health checks).
@@ -189,6 +198,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, St
         max_tree_chars: values.positive("--max-tree-chars")?,
         health_interval: values.seconds("--health-interval")?,
         request_timeout: values.seconds("--request-timeout")?,
+        shutdown_timeout: values.seconds("--shutdown-timeout")?,
         max_retries: values.one("--max-retries")?,
         api_key: values.text("--api-key"),
     };
@@ -310,6 +320,7 @@ mod tests {
         assert_eq!(config.max_tree_chars, 2_000_000);
         assert_eq!(config.health_interval, Duration::from_secs(1));
         assert_eq!(config.request_timeout, Duration::from_secs(600));
+        assert_eq!(config.shutdown_timeout, Duration::from_secs(30));
         assert_eq!(config.max_retries, 2);
         assert_eq!(config.api_key, None);
     }

@@ -3,7 +3,7 @@
 //!
 //! Shutdown: when `shutdown` resolves, the listener closes (new connections are refused),
 //! idle connections close, and requests in flight (streams included) get up to
-//! [`DRAIN_TIMEOUT`] to finish.
+//! `--shutdown-timeout` to finish.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -27,9 +27,6 @@ use crate::proxy::forward;
 use crate::responses::ResponseBody;
 use crate::state::RouterState;
 
-/// How long requests in flight may run on after a shutdown signal.
-pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// Runs the router for `config` until `shutdown` resolves and the requests in flight have
 /// finished. Prints `pagedrs-router listening on http://ADDRESS` to stdout once bound.
 pub async fn serve(config: RouterConfig, shutdown: impl Future<Output = ()>) -> Result<(), String> {
@@ -41,6 +38,7 @@ pub async fn serve(config: RouterConfig, shutdown: impl Future<Output = ()>) -> 
     if config.workers.is_empty() {
         info!("no --worker given: add workers with POST /workers");
     }
+    let drain_timeout = config.shutdown_timeout;
     let state = Arc::new(RouterState::new(config).map_err(|error| error.to_string())?);
     let health_checks = tokio::spawn(run_health_checks(Arc::clone(&state)));
     println!("pagedrs-router listening on http://{local_address}");
@@ -81,9 +79,10 @@ pub async fn serve(config: RouterConfig, shutdown: impl Future<Output = ()>) -> 
         }
     }
     drop(listener);
-    info!("shutting down: waiting up to {} s for requests in flight", DRAIN_TIMEOUT.as_secs());
-    if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown()).await.is_err() {
-        info!("requests still in flight after {} s; closing them", DRAIN_TIMEOUT.as_secs());
+    let seconds = drain_timeout.as_secs_f64();
+    info!("shutting down: waiting up to {seconds} s for requests in flight");
+    if tokio::time::timeout(drain_timeout, graceful.shutdown()).await.is_err() {
+        info!("requests still in flight after {seconds} s; closing them");
     }
     health_checks.abort();
     Ok(())

@@ -246,6 +246,8 @@ def _start_router(server: ServerConfig, replicas: list[Replica]) -> subprocess.P
     """Starts ``pagedrs-router`` in front of the replicas and returns once it listens; its
     output is passed on to this process's."""
     command = [router_binary(), "--host", server.host, "--port", str(server.port), "--policy", server.router_policy]
+    # The router outlasts the replicas' drain, so it passes on what they end their streams with.
+    command += ["--shutdown-timeout", str(server.shutdown_timeout + 5)]
     for replica in replicas:
         command += ["--worker", replica.url]
     router = subprocess.Popen(
