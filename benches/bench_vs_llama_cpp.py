@@ -1,21 +1,27 @@
-"""One stream, the default model's GGUF file, pagedrs against llama.cpp (llama-cpp-python) on
-the same file and the same 2 threads: 128 generated tokens after a fixed prompt (prefill
-included in the time), greedy and temperature 1.0 (no top-k / top-p / min-p on either side),
-EOS suppressed on both so every run makes exactly 128 tokens; tokens per second over the
-whole call, median of ``--repeats`` runs, each engine loaded once in its own process, one
-after the other on an idle machine.
+"""pagedrs against llama.cpp (llama-cpp-python) on the default model's GGUF file, the same
+file and the same 2 threads, greedy and temperature 1.0 (no top-k / top-p / min-p on either
+side), EOS suppressed on both so every request makes exactly the tokens it asks for; each
+engine loaded once in its own process, one after the other on an idle machine.
+
+- Single stream (default): 128 generated tokens after a fixed prompt (prefill included in the
+  time), tokens per second over the whole call, median of ``--repeats`` runs.
+- ``--mixed N``: N requests of mixed lengths (seeded: prompts of 16-64 random token ids,
+  8-256 new tokens each), as a user with a batch of work runs them: pagedrs takes them all at
+  once (continuous batching), llama.cpp one after the other (llama-cpp-python serves one
+  sequence). Useful tokens per second over the whole batch, median of ``--repeats`` runs.
 
 llama-cpp-python builds llama.cpp from source and is not one of pagedrs's dependencies;
 install it into a separate environment and name its Python:
 
     python3 -m venv /tmp/llvenv && /tmp/llvenv/bin/pip install llama-cpp-python
-    .venv/bin/python benches/bench_vs_llama_cpp.py --llama-python /tmp/llvenv/bin/python
+    .venv/bin/python benches/bench_vs_llama_cpp.py --llama-python /tmp/llvenv/bin/python [--mixed 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import textwrap
@@ -23,34 +29,47 @@ import textwrap
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 NUM_TOKENS = 128
 
+# argv: model path, repeats, threads, then the jobs as JSON: [[prompt (text or token ids), new tokens], ...]
 LLAMA_CPP = textwrap.dedent(
     """
     import json, statistics, sys, time
     from llama_cpp import Llama
 
-    path, prompt = sys.argv[1], json.loads(sys.argv[5])  # text, or token ids
-    repeats, threads, num_tokens = (int(arg) for arg in sys.argv[2:5])
+    path, jobs = sys.argv[1], json.loads(sys.argv[4])
+    repeats, threads = int(sys.argv[2]), int(sys.argv[3])
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
     no_eos = {llm.token_eos(): float("-inf")}
     rows = []
     for temperature in (0.0, 1.0):
-        llm(prompt, max_tokens=4, temperature=temperature)  # warm-up
+        llm(jobs[0][0], max_tokens=4, temperature=temperature)  # warm-up
         times = []
         for i in range(repeats):
-            llm.reset()  # no prompt reuse between runs: each pays its prefill
             start = time.perf_counter()
-            out = llm(prompt, max_tokens=num_tokens, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0,
-                      logit_bias=no_eos, seed=i)
+            for prompt, num_tokens in jobs:  # one request at a time
+                llm.reset()  # no prompt reuse between requests or runs: each pays its prefill
+                out = llm(prompt, max_tokens=num_tokens, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0,
+                          logit_bias=no_eos, seed=i)
+                assert out["usage"]["completion_tokens"] == num_tokens, out["usage"]
             times.append(time.perf_counter() - start)
-            assert out["usage"]["completion_tokens"] == num_tokens, out["usage"]
+        total = sum(num_tokens for _, num_tokens in jobs)
         rows.append({"engine": "llama.cpp (llama-cpp-python)", "temperature": temperature,
-                     "tok_s": num_tokens / statistics.median(times), "runs_s": times})
+                     "tok_s": total / statistics.median(times), "runs_s": times})
     print(json.dumps(rows))
     """
 )
 
 
-def pagedrs_rows(repeats: int, threads: int, activations: str = "none") -> list[dict]:
+def make_jobs(mixed: int) -> list[tuple[str | list[int], int]]:
+    """The requests of one run: the fixed prompt alone, or ``mixed`` seeded mixed-length ones."""
+    if mixed == 0:
+        return [(PROMPT, NUM_TOKENS)]
+    rng = random.Random(0)
+    return [
+        ([rng.randrange(1000, 40000) for _ in range(rng.randint(16, 64))], rng.randint(8, 256)) for _ in range(mixed)
+    ]
+
+
+def pagedrs_rows(jobs: list[tuple[str | list[int], int]], repeats: int, threads: int, activations: str) -> list[dict]:
     import statistics
     import time
 
@@ -59,23 +78,28 @@ def pagedrs_rows(repeats: int, threads: int, activations: str = "none") -> list[
     from pagedrs import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    # each run pays its prefill
-    llm = LLM(kv_cache_memory="256MiB", enable_prefix_caching=False, cpu_activation_quantization=activations)
+    # No prefix reuse: each run pays its prefill. 1 GiB of KV holds a whole mixed batch.
+    llm = LLM(kv_cache_memory="1GiB", enable_prefix_caching=False, cpu_activation_quantization=activations)
+    prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p, _ in jobs]
+    total = sum(num_tokens for _, num_tokens in jobs)
     rows = []
     for temperature in (0.0, 1.0):
-        llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=temperature), use_tqdm=False)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=temperature), use_tqdm=False)
         times = []
         for i in range(repeats):
-            params = SamplingParams(max_tokens=NUM_TOKENS, temperature=temperature, ignore_eos=True, seed=i)
+            params = [
+                SamplingParams(max_tokens=num_tokens, temperature=temperature, ignore_eos=True, seed=i * len(jobs) + j)
+                for j, (_, num_tokens) in enumerate(jobs)
+            ]
             start = time.perf_counter()
-            out = llm.generate([PROMPT], params, use_tqdm=False)
+            outputs = llm.generate(prompts, params, use_tqdm=False)  # all at once
             times.append(time.perf_counter() - start)
-            assert len(out[0].outputs[0].token_ids) == NUM_TOKENS
+            assert [len(out.outputs[0].token_ids) for out in outputs] == [n for _, n in jobs]
         rows.append(
             {
                 "engine": f"pagedrs (quantization={llm.engine.config.quantization}, activations={activations})",
                 "temperature": temperature,
-                "tok_s": NUM_TOKENS / statistics.median(times),
+                "tok_s": total / statistics.median(times),
                 "runs_s": times,
             }
         )
@@ -92,10 +116,12 @@ def main() -> None:
         default="none",
         help="pagedrs's cpu_activation_quantization, or several comma-separated (none,int8): one run each",
     )
+    parser.add_argument("--mixed", type=int, default=0, help="N mixed-length requests (0: one stream)")
     parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    jobs = make_jobs(args.mixed)
     if args.in_process:
-        print(json.dumps(pagedrs_rows(args.repeats, args.threads, args.activations)))
+        print(json.dumps(pagedrs_rows(jobs, args.repeats, args.threads, args.activations)))
         return
     from pagedrs.models.loader import default_model_path
 
@@ -114,6 +140,8 @@ def main() -> None:
                 str(args.threads),
                 "--activations",
                 activations,
+                "--mixed",
+                str(args.mixed),
             ],
             check=True,
             capture_output=True,
@@ -128,8 +156,7 @@ def main() -> None:
             default_model_path(),
             str(args.repeats),
             str(args.threads),
-            str(NUM_TOKENS),
-            json.dumps(PROMPT),
+            json.dumps(jobs),
         ],
         check=True,
         capture_output=True,
