@@ -33,12 +33,15 @@ NUM_TOKENS = 128
 LLAMA_CPP = textwrap.dedent(
     """
     import json, statistics, sys, time
+    import llama_cpp
     from llama_cpp import Llama
 
     path, jobs = sys.argv[1], json.loads(sys.argv[4])
     repeats, threads = int(sys.argv[2]), int(sys.argv[3])
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
-    no_eos = {llm.token_eos(): float("-inf")}
+    # every end-of-generation token (three in SmolLM2's vocabulary), not only EOS: a random prompt can end on any
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    no_eos = {t: float("-inf") for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
     rows = []
     for temperature in (0.0, 1.0):
         llm(jobs[0][0], max_tokens=4, temperature=temperature)  # warm-up
@@ -144,7 +147,7 @@ def main() -> None:
                 str(args.mixed),
             ],
             check=True,
-            capture_output=True,
+            stdout=subprocess.PIPE,  # the child's errors go to this stderr
             text=True,
         )
         ours += json.loads(run.stdout.strip().splitlines()[-1])
@@ -159,7 +162,7 @@ def main() -> None:
             json.dumps(jobs),
         ],
         check=True,
-        capture_output=True,
+        stdout=subprocess.PIPE,  # the child's errors go to this stderr
         text=True,
     )
     reference = json.loads(theirs.stdout.strip().splitlines()[-1])
