@@ -14,7 +14,7 @@ EXTENSION := python/pagedrs/_core.abi3.so
 # extension, so `make test` never tests a stale one.
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) rust/Cargo.toml $(shell find rust/src -name '*.rs')
 
-.PHONY: setup build test lint lint-python lint-rust test-rust test-python test-fast cpu-kernels cpu-isa-check cuda-check gpu-check bench bench-rust bench-python bench-model \
+.PHONY: setup build test lint lint-python lint-rust test-rust test-python test-fast cpu-kernels cpu-isa-check neon-check cuda-check gpu-check bench bench-rust bench-python bench-model \
 	bench-presets serve wheel clean router
 
 setup: $(EXTENSION) router
@@ -46,7 +46,7 @@ $(EXTENSION): $(RUST_SOURCES) $(DEPS_STAMP)
 
 build: $(EXTENSION)
 
-test: lint test-rust cuda-check cpu-isa-check test-python
+test: lint test-rust cuda-check cpu-isa-check neon-check test-python
 
 # Static checks: ruff (lint and format), mypy over the package, stubtest (the compiled core
 # against python/pagedrs/_core.pyi), clippy with warnings as errors (with and without the
@@ -96,6 +96,34 @@ cpu-isa-check: cpu-kernels
 	@if grep -qw avx_vnni /proc/cpuinfo 2>/dev/null && grep -qw avx512_vnni /proc/cpuinfo; then \
 		PAGEDRS_CPU_ISA=avxvnni $(PY) -m pytest -q tests/kernels tests/quant/test_quant_matmul.py; \
 	fi
+
+# The packed matmul's formats and per-row kernel (cpu/quant_blocks.h) against their scalar
+# dequant, cross-compiled for aarch64 (the NEON path) and run under qemu-user, then natively
+# (this machine's x86 path): cpu/tests/quant_blocks_check.cpp, no torch needed; then
+# quant_matmul.cpp compiled for aarch64 (object code only: there is no aarch64 torch to run it). Installs the
+# cross compiler and qemu (Debian packages) once if they are missing. No -Wall natively: GCC 12's
+# own AVX-512 headers warn there (their _mm512_undefined_* values).
+NEON_TOOLS = aarch64-linux-gnu-g++ qemu-aarch64
+neon-check:
+	@missing=; for tool in $(NEON_TOOLS); do command -v $$tool >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+		echo "neon-check: installing g++-aarch64-linux-gnu and qemu-user"; \
+		apt-get install -y --no-install-recommends g++-aarch64-linux-gnu qemu-user || \
+			{ apt-get update && apt-get install -y --no-install-recommends g++-aarch64-linux-gnu qemu-user; }; \
+		for tool in $(NEON_TOOLS); do command -v $$tool >/dev/null || { \
+			echo "neon-check: $$tool is missing and could not be installed: install the Debian packages" \
+				"g++-aarch64-linux-gnu and qemu-user (apt-get install g++-aarch64-linux-gnu qemu-user)" >&2; \
+			exit 1; }; done; \
+	fi
+	@dir=$$(mktemp -d) || exit 1; trap 'rm -rf "$$dir"' EXIT; \
+	aarch64-linux-gnu-g++ -O2 -std=c++17 -march=armv8.2-a -static -Wall -Wextra \
+		-o $$dir/aarch64 cpu/tests/quant_blocks_check.cpp & cross=$$!; \
+	g++ -O2 -std=c++17 -march=native -o $$dir/native cpu/tests/quant_blocks_check.cpp; native=$$?; \
+	wait $$cross && [ $$native = 0 ] && qemu-aarch64 $$dir/aarch64 && $$dir/native
+	@echo "neon-check: cpu/quant_matmul.cpp for aarch64, against torch's headers"
+	@aarch64-linux-gnu-g++ -std=c++20 -O2 -march=armv8.2-a -fopenmp -fPIC -ffp-contract=fast -fno-trapping-math \
+		$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))") \
+		-I$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])") -c cpu/quant_matmul.cpp -o /dev/null
 
 # Compiles every CUDA kernel for sm_80 and sm_90 and the torch binding against torch's
 # headers (no GPU needed); fails when a kernel does not build.

@@ -42,9 +42,12 @@
 // scaled once for all of them (VnniPanel); without, AVX2's maddubs + madd take one row at a time.
 //
 // Instruction sets: with AVX-512 each 32 weights dequantize into two 16-lane registers; with
-// AVX2 + FMA (no AVX-512) into four 8-lane ones; elsewhere into a buffer (scalar code). The build
-// targets the machine (-march=native), so only one of them is compiled, and one int8 path:
-// AVX-512 VNNI (with AVX-512 BW), else AVX-VNNI, else AVX2 (int8_activation_path() names it).
+// AVX2 + FMA (no AVX-512) into four 8-lane ones; on aarch64 (NEON) into eight 4-lane ones;
+// elsewhere into a buffer (scalar code). The build targets the machine (-march=native, on aarch64
+// -mcpu=native), so only one of them is compiled, and on x86 one int8 path: AVX-512 VNNI (with
+// AVX-512 BW), else AVX-VNNI, else AVX2 (int8_activation_path() names it). The formats and the
+// per-row kernel are in quant_blocks.h, which needs no torch: make neon-check runs them for
+// aarch64 under qemu-user.
 //
 // Work split: threads (torch's pool, at::parallel_for) take ranges of output features, so a
 // single-token decode is spread over every core and streams each weight byte once. Inside a
@@ -53,35 +56,22 @@
 // rows of x stay in L1/L2.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include "cpu_kernels.h"
+#include "quant_blocks.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
-
-// The intrinsics used below: _cvtsh_ss (F16C) and the AVX-512 ones.
-#if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define PAGEDRS_QUANT_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
-// Without AVX-512: every format dequantizes 32 weights at a time into four 8-lane registers.
-#define PAGEDRS_QUANT_AVX2 1
-#include <immintrin.h>
-#endif
 #include <type_traits>
 #include <utility>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>  // the int8 path
+#endif
 
 namespace {
-
-constexpr int kBlockSize = 32;   // weights one dequant call makes: a block, or 1/8 of a k-quant superblock
-constexpr int kTokenTile = 8;    // tokens that share one dequantization of a weight block
-constexpr int kRowChunk = 64;    // weight rows walked by every token tile before the next rows
 
 // ggml's type ids (gguf.constants.GGMLQuantizationType).
 constexpr int64_t kQ4_0 = 2;
@@ -90,390 +80,8 @@ constexpr int64_t kQ8_0 = 8;
 constexpr int64_t kQ4_K = 12;
 constexpr int64_t kQ6_K = 14;
 
-inline float fp16_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
-
-// Each format: the weights (kWeights) and bytes (kBytes) of a stored block, and how weights
-// sub * 32 .. sub * 32 + 31 of a block become floats (scalar, always; and as two 16-lane
-// registers, weights 0..15 and 16..31 of the 32, where AVX-512 is compiled in). Formats with
-// 32-weight blocks take sub = 0 only.
-struct Q8_0 {
-  static constexpr int kWeights = 32;
-  static constexpr int kBytes = 34;
-  static void dequant(const uint8_t* block, int /*sub*/, float* w) {
-    const float d = fp16_to_float(block);
-    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-    for (int j = 0; j < kBlockSize; ++j) w[j] = static_cast<float>(q[j]) * d;
-  }
-#ifdef PAGEDRS_QUANT_AVX512
-  static void dequant(const uint8_t* block, int /*sub*/, __m512& lo, __m512& hi) {
-    const __m512 d = _mm512_set1_ps(fp16_to_float(block));
-    const __m128i q_lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-    const __m128i q_hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_lo)), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q_hi)), d);
-  }
-#endif
-#ifdef PAGEDRS_QUANT_AVX2
-  static void dequant_avx2(const uint8_t* block, int /*sub*/, __m256 (&w)[4]) {
-    const __m256 d = _mm256_set1_ps(fp16_to_float(block));
-    for (int i = 0; i < 4; ++i) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * i));
-      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
-    }
-  }
-#endif
-};
-
-#ifdef PAGEDRS_QUANT_AVX2
-// 16 byte values (0..255) as two 8-lane float registers: bytes 0..7, then 8..15.
-inline void bytes_to_float_avx2(__m128i bytes, __m256 (&q)[2]) {
-  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-}
-
-// The 32 nibbles of a Q4 block as four 8-lane int32 registers: weights 0..7, 8..15 (the low
-// halves of bytes 0..15), 16..23, 24..31 (their high halves).
-inline void unpack_nibbles_avx2(const uint8_t* qs, __m256i (&q)[4]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  q[0] = _mm256_cvtepu8_epi32(lo);
-  q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
-  q[2] = _mm256_cvtepu8_epi32(hi);
-  q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
-}
-#endif
-
-#ifdef PAGEDRS_QUANT_AVX512
-// A 4-bit block's 16 possible weights, value v in lane v (`table` = f(0, 1, ..., 15) lane by lane,
-// with the same roundings as the weight-by-weight formula), and its 32 nibbles looked up in it:
-// one permute per 16 weights instead of a conversion, a multiply and an add. The permute reads
-// the low 4 bits of each index lane, so neither half needs masking.
-inline __m512 nibble_values() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-
-inline void look_up_nibbles(const uint8_t* qs, int shift, __m512 table, __m512& lo, __m512& hi) {
-  const __m128i lo_bytes = _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), shift);
-  const __m128i hi_bytes = _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)), shift);
-  lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(lo_bytes), table);
-  hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(hi_bytes), table);
-}
-
-inline void look_up_nibbles(const uint8_t* qs, __m512 table, __m512& lo, __m512& hi) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(bytes), table);
-  hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(bytes, 4)), table);
-}
-#endif
-
-struct Q4_0 {
-  static constexpr int kWeights = 32;
-  static constexpr int kBytes = 18;
-  static void dequant(const uint8_t* block, int /*sub*/, float* w) {
-    const float d = fp16_to_float(block);
-    const uint8_t* qs = block + 2;
-    for (int j = 0; j < kBlockSize / 2; ++j) {
-      w[j] = d * static_cast<float>((qs[j] & 0x0F) - 8);
-      w[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
-    }
-  }
-#ifdef PAGEDRS_QUANT_AVX512
-  static void dequant(const uint8_t* block, int /*sub*/, __m512& lo, __m512& hi) {
-    const __m512 d = _mm512_set1_ps(fp16_to_float(block));
-    const __m512 table = _mm512_mul_ps(d, _mm512_sub_ps(nibble_values(), _mm512_set1_ps(8.f)));  // q - 8 is exact
-    look_up_nibbles(block + 2, table, lo, hi);
-  }
-#endif
-#ifdef PAGEDRS_QUANT_AVX2
-  static void dequant_avx2(const uint8_t* block, int /*sub*/, __m256 (&w)[4]) {
-    const __m256 d = _mm256_set1_ps(fp16_to_float(block));
-    const __m256i eight = _mm256_set1_epi32(8);
-    __m256i q[4];
-    unpack_nibbles_avx2(block + 2, q);
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], eight)));
-  }
-#endif
-};
-
-struct Q4_1 {
-  static constexpr int kWeights = 32;
-  static constexpr int kBytes = 20;
-  static void dequant(const uint8_t* block, int /*sub*/, float* w) {
-    const float d = fp16_to_float(block), m = fp16_to_float(block + 2);
-    const uint8_t* qs = block + 4;
-    for (int j = 0; j < kBlockSize / 2; ++j) {
-      w[j] = d * static_cast<float>(qs[j] & 0x0F) + m;
-      w[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
-    }
-  }
-#ifdef PAGEDRS_QUANT_AVX512
-  static void dequant(const uint8_t* block, int /*sub*/, __m512& lo, __m512& hi) {
-    const __m512 d = _mm512_set1_ps(fp16_to_float(block));
-    const __m512 m = _mm512_set1_ps(fp16_to_float(block + 2));
-    look_up_nibbles(block + 4, _mm512_add_ps(_mm512_mul_ps(d, nibble_values()), m), lo, hi);
-  }
-#endif
-#ifdef PAGEDRS_QUANT_AVX2
-  static void dequant_avx2(const uint8_t* block, int /*sub*/, __m256 (&w)[4]) {
-    const __m256 d = _mm256_set1_ps(fp16_to_float(block));
-    const __m256 m = _mm256_set1_ps(fp16_to_float(block + 2));
-    __m256i q[4];
-    unpack_nibbles_avx2(block + 4, q);
-    // d * q + m, rounded twice as gguf's dequantize rounds it (not one fused multiply-add)
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[i])), m);
-  }
-#endif
-};
-
-
-// Q4_K: a 256-weight superblock of eight 32-weight sub-blocks, sub-block s weighing
-// (d * sc[s]) * q - dmin * m[s] with 6-bit sc and m packed in 12 bytes (ggml's
-// get_scale_min_k4); sub-blocks 2g and 2g + 1 take the low and high nibbles of bytes
-// 32g .. 32g + 31 of the quants. d * sc and dmin * m are exact in float32 (11 by 6 bits), and so
-// is their product with a 4-bit q, so one fused multiply-add rounds as gguf's d * q - dm does.
-struct Q4_K {
-  static constexpr int kWeights = 256;
-  static constexpr int kBytes = 144;
-  static void scale_min(const uint8_t* block, int sub, float& scale, float& min) {
-    const uint8_t* scales = block + 4;
-    int sc, m;
-    if (sub < 4) {
-      sc = scales[sub] & 63;
-      m = scales[sub + 4] & 63;
-    } else {
-      sc = (scales[sub + 4] & 0x0F) | ((scales[sub - 4] >> 6) << 4);
-      m = (scales[sub + 4] >> 4) | ((scales[sub] >> 6) << 4);
-    }
-    scale = fp16_to_float(block) * static_cast<float>(sc);
-    min = fp16_to_float(block + 2) * static_cast<float>(m);
-  }
-  static void dequant(const uint8_t* block, int sub, float* w) {
-    float scale, min;
-    scale_min(block, sub, scale, min);
-    const uint8_t* qs = block + 16 + 32 * (sub / 2);
-    const int shift = 4 * (sub % 2);
-    for (int j = 0; j < kBlockSize; ++j) w[j] = scale * static_cast<float>((qs[j] >> shift) & 0x0F) - min;
-  }
-#ifdef PAGEDRS_QUANT_AVX512
-  static void dequant(const uint8_t* block, int sub, __m512& lo, __m512& hi) {
-    float scale, min;
-    scale_min(block, sub, scale, min);
-    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(scale), nibble_values(), _mm512_set1_ps(-min));
-    look_up_nibbles(block + 16 + 32 * (sub / 2), 4 * (sub % 2), table, lo, hi);
-  }
-#endif
-#ifdef PAGEDRS_QUANT_AVX2
-  static void dequant_avx2(const uint8_t* block, int sub, __m256 (&w)[4]) {
-    float scale, min;
-    scale_min(block, sub, scale, min);
-    const __m256 d = _mm256_set1_ps(scale), neg_m = _mm256_set1_ps(-min);
-    const uint8_t* qs = block + 16 + 32 * (sub / 2);
-    const __m128i shift = _mm_cvtsi32_si128(4 * (sub % 2));
-    for (int h = 0; h < 2; ++h) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * h));
-      __m256 q[2];
-      bytes_to_float_avx2(_mm_and_si128(_mm_srl_epi16(bytes, shift), _mm_set1_epi8(0x0F)), q);
-      w[2 * h] = _mm256_fmadd_ps(d, q[0], neg_m);
-      w[2 * h + 1] = _mm256_fmadd_ps(d, q[1], neg_m);
-    }
-  }
-#endif
-};
-
-// Q6_K: a 256-weight superblock in two halves of 128; weight 32k + l of half n (k < 4, l < 32)
-// is q - 32 with q's low 4 bits from byte 64n + 32 (k % 2) + l of ql (low nibble for k < 2,
-// high for k >= 2) and its high 2 bits from bits 2k, 2k + 1 of byte 32n + l of qh, weighing
-// (d * sc) * (q - 32) with the int8 scale sc[(128n + 32k + l) / 16]. d * sc is exact in
-// float32 (11 by 8 bits); the product with q - 32 rounds once, as in gguf.
-struct Q6_K {
-  static constexpr int kWeights = 256;
-  static constexpr int kBytes = 210;
-  static int quant(const uint8_t* block, int sub, int l) {
-    const int n = sub / 4, k = sub % 4;
-    const int low = (block[64 * n + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0F;
-    const int high = (block[128 + 32 * n + l] >> (2 * k)) & 0x03;
-    return (low | (high << 4)) - 32;
-  }
-  static float scale(const uint8_t* block, int sub, int half) {
-    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
-    return fp16_to_float(block + 208) * static_cast<float>(scales[2 * sub + half]);
-  }
-  static void dequant(const uint8_t* block, int sub, float* w) {
-    for (int j = 0; j < kBlockSize; ++j) w[j] = scale(block, sub, j / 16) * static_cast<float>(quant(block, sub, j));
-  }
-#ifdef PAGEDRS_QUANT_AVX512
-  // Weights 16h .. 16h + 15 of sub-block sub.
-  static __m512 half_of(const uint8_t* block, int sub, int h) {
-    const int n = sub / 4, k = sub % 4;
-    const __m128i low_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 * n + 32 * (k % 2) + 16 * h));
-    const __m128i high_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 128 + 32 * n + 16 * h));
-    const __m128i low = _mm_and_si128(_mm_srl_epi16(low_bytes, _mm_cvtsi32_si128(4 * (k / 2))), _mm_set1_epi8(0x0F));
-    const __m128i high = _mm_and_si128(_mm_srl_epi16(high_bytes, _mm_cvtsi32_si128(2 * k)), _mm_set1_epi8(0x03));
-    const __m128i q = _mm_or_si128(low, _mm_slli_epi16(high, 4));  // high <= 3: no bit crosses a byte
-    const __m512i centered = _mm512_sub_epi32(_mm512_cvtepu8_epi32(q), _mm512_set1_epi32(32));
-    return _mm512_mul_ps(_mm512_set1_ps(scale(block, sub, h)), _mm512_cvtepi32_ps(centered));
-  }
-  static void dequant(const uint8_t* block, int sub, __m512& lo, __m512& hi) {
-    lo = half_of(block, sub, 0);
-    hi = half_of(block, sub, 1);
-  }
-#endif
-#ifdef PAGEDRS_QUANT_AVX2
-  static void dequant_avx2(const uint8_t* block, int sub, __m256 (&w)[4]) {
-    const int n = sub / 4, k = sub % 4;
-    for (int h = 0; h < 2; ++h) {
-      const __m128i low_bytes =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 * n + 32 * (k % 2) + 16 * h));
-      const __m128i high_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 128 + 32 * n + 16 * h));
-      const __m128i low = _mm_and_si128(_mm_srl_epi16(low_bytes, _mm_cvtsi32_si128(4 * (k / 2))), _mm_set1_epi8(0x0F));
-      const __m128i high = _mm_and_si128(_mm_srl_epi16(high_bytes, _mm_cvtsi32_si128(2 * k)), _mm_set1_epi8(0x03));
-      __m256 q[2];
-      bytes_to_float_avx2(_mm_or_si128(low, _mm_slli_epi16(high, 4)), q);  // high <= 3: no bit crosses a byte
-      const __m256 d = _mm256_set1_ps(scale(block, sub, h)), thirty_two = _mm256_set1_ps(32.f);
-      w[2 * h] = _mm256_mul_ps(d, _mm256_sub_ps(q[0], thirty_two));  // q - 32 is exact in float
-      w[2 * h + 1] = _mm256_mul_ps(d, _mm256_sub_ps(q[1], thirty_two));
-    }
-  }
-#endif
-};
-
-#ifdef PAGEDRS_QUANT_AVX2
-// Whether a format dequantizes a block into four 8-lane registers (Format::dequant_avx2).
-template <class Format, class = void>
-struct HasAvx2Dequant : std::false_type {};
-template <class Format>
-struct HasAvx2Dequant<Format, std::void_t<decltype(&Format::dequant_avx2)>> : std::true_type {};
-#endif
-
-// out[t * out_stride] = sum_k x[t, k] * w[k] for the kTokens tokens of x (rows x_stride apart)
-// and one packed weight row of num_blocks blocks.
-template <class Format, int kTokens>
-inline void dot_row(const float* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ row,
-                    int64_t num_blocks, float* __restrict__ out, int64_t out_stride) {
-#ifdef PAGEDRS_QUANT_AVX512
-  // Two accumulators per token (weights 0..15 and 16..31 of a block): two independent FMA chains
-  // even for a single token.
-  __m512 acc_lo[kTokens], acc_hi[kTokens];
-  for (int t = 0; t < kTokens; ++t) acc_lo[t] = acc_hi[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    for (int sub = 0; sub < Format::kWeights / kBlockSize; ++sub) {
-      __m512 w_lo, w_hi;
-      Format::dequant(row + b * Format::kBytes, sub, w_lo, w_hi);
-      const float* xb = x + b * Format::kWeights + sub * kBlockSize;
-      for (int t = 0; t < kTokens; ++t) {
-        acc_lo[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + t * x_stride), w_lo, acc_lo[t]);
-        acc_hi[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + t * x_stride + 16), w_hi, acc_hi[t]);
-      }
-    }
-  }
-  for (int t = 0; t < kTokens; ++t) out[t * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[t], acc_hi[t]));
-#else
-#ifdef PAGEDRS_QUANT_AVX2
-  if constexpr (HasAvx2Dequant<Format>::value) {
-    // Up to 4 tokens: two accumulators each (two independent FMA chains even for one token);
-    // more: one each (16 registers hold 8 accumulators and the 4 weight registers).
-    constexpr int kAcc = kTokens <= 4 ? 2 : 1;
-    __m256 acc[kTokens][kAcc];
-    for (int t = 0; t < kTokens; ++t)
-      for (int a = 0; a < kAcc; ++a) acc[t][a] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      for (int sub = 0; sub < Format::kWeights / kBlockSize; ++sub) {
-        __m256 w[4];
-        Format::dequant_avx2(row + b * Format::kBytes, sub, w);
-        const float* xb = x + b * Format::kWeights + sub * kBlockSize;
-        for (int t = 0; t < kTokens; ++t) {
-          for (int i = 0; i < 4; ++i) {
-            acc[t][i % kAcc] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + t * x_stride + 8 * i), w[i], acc[t][i % kAcc]);
-          }
-        }
-      }
-    }
-    for (int t = 0; t < kTokens; ++t) {
-      __m256 sum = kAcc == 2 ? _mm256_add_ps(acc[t][0], acc[t][kAcc - 1]) : acc[t][0];
-      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-      const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      out[t * out_stride] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
-    }
-    return;
-  }
-#endif
-  float acc[kTokens][kBlockSize] = {};
-  float w[kBlockSize];
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    for (int sub = 0; sub < Format::kWeights / kBlockSize; ++sub) {
-      Format::dequant(row + b * Format::kBytes, sub, w);
-      const float* xb = x + b * Format::kWeights + sub * kBlockSize;
-      for (int t = 0; t < kTokens; ++t) {
-#pragma omp simd
-        for (int j = 0; j < kBlockSize; ++j) acc[t][j] += xb[t * x_stride + j] * w[j];
-      }
-    }
-  }
-  for (int t = 0; t < kTokens; ++t) {
-    float sum = 0.f;
-    for (int j = 0; j < kBlockSize; ++j) sum += acc[t][j];
-    out[t * out_stride] = sum;
-  }
-#endif
-}
-
-// Weight rows are read once a step, from memory, in order. Hardware prefetchers do not always
-// follow that stream: on a Sapphire Rapids VM the exact kernel read 1.8 GB/s a thread from
-// memory, each row waiting on its own misses, 3.4x slower than from cache, and single-stream
-// decode ran at half its speed. So the walk asks for the bytes kPrefetchAhead past each row
-// before it reads the row, never past `end` (1 KB measured best of 0.5-4 KB there).
-constexpr int64_t kPrefetchAhead = 1024;
-
-inline void prefetch_ahead(const uint8_t* begin, int64_t bytes, const uint8_t* end) {
-  const uint8_t* to = std::min(begin + kPrefetchAhead + bytes, end);
-  for (const uint8_t* p = begin + kPrefetchAhead; p < to; p += 64) __builtin_prefetch(p, 0, 3);
-}
-
-// The token count of a tile as a compile-time constant, so the accumulators live in registers.
-template <class Format>
-inline void dot_row_tokens(int num_tokens, const float* x, int64_t x_stride, const uint8_t* row, int64_t num_blocks,
-                           float* out, int64_t out_stride) {
-  static_assert(kTokenTile == 8);
-  switch (num_tokens) {
-    case 1: return dot_row<Format, 1>(x, x_stride, row, num_blocks, out, out_stride);
-    case 2: return dot_row<Format, 2>(x, x_stride, row, num_blocks, out, out_stride);
-    case 3: return dot_row<Format, 3>(x, x_stride, row, num_blocks, out, out_stride);
-    case 4: return dot_row<Format, 4>(x, x_stride, row, num_blocks, out, out_stride);
-    case 5: return dot_row<Format, 5>(x, x_stride, row, num_blocks, out, out_stride);
-    case 6: return dot_row<Format, 6>(x, x_stride, row, num_blocks, out, out_stride);
-    case 7: return dot_row<Format, 7>(x, x_stride, row, num_blocks, out, out_stride);
-    default: return dot_row<Format, 8>(x, x_stride, row, num_blocks, out, out_stride);
-  }
-}
-
-// out[t * out_stride + n] for weight rows n in [row_begin, row_end), on the calling thread.
-template <class Format>
-void matmul_rows(const float* x, int64_t x_stride, const uint8_t* weight, float* out, int64_t out_stride,
-                 int64_t num_tokens, int64_t in_features, int64_t row_begin, int64_t row_end) {
-  const int64_t num_blocks = in_features / Format::kWeights;
-  const int64_t row_bytes = num_blocks * Format::kBytes;
-  for (int64_t chunk = row_begin; chunk < row_end; chunk += kRowChunk) {
-    const int64_t chunk_end = std::min(row_end, chunk + kRowChunk);
-    for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
-      const int tile = static_cast<int>(std::min<int64_t>(kTokenTile, num_tokens - t0));
-      for (int64_t n = chunk; n < chunk_end; ++n) {
-        if (t0 == 0) prefetch_ahead(weight + n * row_bytes, row_bytes, weight + row_end * row_bytes);
-        dot_row_tokens<Format>(tile, x + t0 * x_stride, x_stride, weight + n * row_bytes, num_blocks,
-                               out + t0 * out_stride + n, out_stride);
-      }
-    }
-  }
-}
-
 // Steps of many tokens (a prompt's prefill, an embedding batch) are compute-bound, and there the
-// per-row kernel above, which dequantizes each block once per tile of 8 tokens, loses to torch's
+// per-row kernel (quant_blocks.h), which dequantizes each block once per tile of 8 tokens, loses to torch's
 // sgemm on float weights (0.64x on a 2048-token step of the default model, Zen 3 AVX2). From
 // kGemmTokens tokens on, panels of weight rows (kPanelBytes of them) are dequantized to float32 (exactly
 // the values the per-row kernel multiplies by) and multiplied with at::mm, so the dequantization

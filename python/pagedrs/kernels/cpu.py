@@ -29,7 +29,7 @@ SOURCES = (
     "moe.cpp",
     "decoder_stack.cpp",
 )
-HEADERS = ("cpu_kernels.h",)
+HEADERS = ("cpu_kernels.h", "quant_blocks.h")
 
 
 def sources_dir() -> Path:
@@ -114,7 +114,12 @@ def describe() -> str:
         "avx512": "blocks dequantized into AVX-512 registers",
         "avx2": "blocks dequantized into AVX2 registers",
         "avxvnni": "blocks dequantized into AVX2 registers",
-    }.get(target, "blocks dequantized by scalar code")
+    }.get(
+        target,
+        "blocks dequantized into NEON registers"
+        if platform.machine().lower() in ("aarch64", "arm64")
+        else "blocks dequantized by scalar code",
+    )
     int8_path = load().int8_activation_path()
     vnni = f", {int8_path}" if "vnni" in int8_path else ""
     return (

@@ -1,0 +1,235 @@
+// quant_blocks.h without torch, on whichever vector path the compiler targets (NEON, AVX2,
+// AVX-512 or none): for each format, matmul_rows on random blocks against a double-precision sum
+// over the scalar dequant (within 1e-5 of sum |x * w|: float32 sums in another order), the vector
+// dequant against the scalar one bit for bit, and fp16_to_float against the bit-level conversion
+// for all 65536 halves. make neon-check runs it for aarch64 under qemu-user and natively.
+// Exits 1 at the first mismatch.
+// HasAvx2Dequant takes the address of a function of __m256 values: GCC (with AVX2) warns that
+// their alignment attribute is dropped there, which is harmless.
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#include "../quant_blocks.h"
+
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <initializer_list>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace {
+
+#if defined(PAGEDRS_QUANT_AVX512)
+constexpr const char* kPath = "avx512";
+#elif defined(PAGEDRS_QUANT_AVX2)
+constexpr const char* kPath = "avx2";
+#elif defined(PAGEDRS_QUANT_NEON)
+constexpr const char* kPath = "neon";
+#else
+constexpr const char* kPath = "scalar";
+#endif
+
+[[noreturn]] void fail(const char* format, ...) {
+  std::fprintf(stderr, "quant_blocks_check (%s): FAILED: ", kPath);
+  va_list args;
+  va_start(args, format);
+  std::vfprintf(stderr, format, args);
+  va_end(args);
+  std::fputc('\n', stderr);
+  std::exit(1);
+}
+
+uint32_t bits_of(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+// A finite normal half with its exponent field in [min_exponent, max_exponent] (1..30: all of them).
+uint16_t random_half(std::mt19937& rng, int min_exponent, int max_exponent) {
+  const uint32_t exponent = std::uniform_int_distribution<uint32_t>(min_exponent, max_exponent)(rng);
+  return static_cast<uint16_t>(((rng() & 1) << 15) | (exponent << 10) | (rng() & 0x3FF));
+}
+
+// Random bytes, but finite normal halves where the format keeps its fp16 fields (any other bytes
+// make a valid block, the k-quants' packed scales included).
+template <class Format>
+std::vector<uint8_t> random_blocks(std::mt19937& rng, int64_t num_blocks, std::initializer_list<int> halves,
+                                   int min_exponent, int max_exponent) {
+  std::vector<uint8_t> bytes(num_blocks * Format::kBytes);
+  for (uint8_t& byte : bytes) byte = static_cast<uint8_t>(rng());
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    for (int at : halves) {
+      const uint16_t half = random_half(rng, min_exponent, max_exponent);
+      std::memcpy(bytes.data() + b * Format::kBytes + at, &half, sizeof(half));
+    }
+  }
+  return bytes;
+}
+
+// Weights sub * 32 .. sub * 32 + 31 of a block by the compiled vector path; false where there is none.
+template <class Format>
+bool vector_dequant(const uint8_t* block, int sub, float* w) {
+#if defined(PAGEDRS_QUANT_AVX512)
+  __m512 lo, hi;
+  Format::dequant(block, sub, lo, hi);
+  _mm512_storeu_ps(w, lo);
+  _mm512_storeu_ps(w + 16, hi);
+  return true;
+#elif defined(PAGEDRS_QUANT_AVX2)
+  __m256 v[4];
+  Format::dequant_avx2(block, sub, v);
+  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w + 8 * i, v[i]);
+  return true;
+#elif defined(PAGEDRS_QUANT_NEON)
+  float32x4_t v[8];
+  Format::dequant_neon(block, sub, v);
+  for (int i = 0; i < 8; ++i) vst1q_f32(w + 4 * i, v[i]);
+  return true;
+#else
+  (void)block, (void)sub, (void)w;
+  return false;
+#endif
+}
+
+struct Counts {
+  int matmuls = 0;
+  int64_t outputs = 0;
+  int64_t dequants = 0;
+};
+
+template <class Format>
+void check_dequant(const char* name, std::initializer_list<int> halves, std::mt19937& rng, Counts& counts) {
+  constexpr int kBlocks = 2000;
+  const std::vector<uint8_t> blocks = random_blocks<Format>(rng, kBlocks, halves, 1, 30);
+  for (int b = 0; b < kBlocks; ++b) {
+    for (int sub = 0; sub < Format::kWeights / kBlockSize; ++sub) {
+      const uint8_t* block = blocks.data() + b * Format::kBytes;
+      float scalar[kBlockSize], vector[kBlockSize];
+      Format::dequant(block, sub, scalar);
+      if (!vector_dequant<Format>(block, sub, vector)) return;
+      for (int j = 0; j < kBlockSize; ++j) {
+        if (bits_of(scalar[j]) != bits_of(vector[j])) {
+          fail("%s block %d sub-block %d weight %d: vector dequant %.9g (0x%08x), scalar %.9g (0x%08x)", name, b, sub,
+               j, vector[j], bits_of(vector[j]), scalar[j], bits_of(scalar[j]));
+        }
+      }
+      ++counts.dequants;
+    }
+  }
+}
+
+template <class Format>
+void check_matmul(const char* name, std::initializer_list<int> halves, std::mt19937& rng, Counts& counts) {
+  // Scales within a factor of 2^6 of each other: no block's sum is lost in another's rounding,
+  // so a wrong weight or activation anywhere shows.
+  constexpr int kMinExponent = 12, kMaxExponent = 18;
+  const int64_t widths[] = {1, 7};  // blocks per row (Q4_K/Q6_K: superblocks of 256)
+  const int64_t row_counts[] = {1, 7, 70};  // 70: two chunks of kRowChunk rows
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  for (int64_t width : widths) {
+    const int64_t num_blocks = Format::kWeights == kBlockSize ? width : std::min<int64_t>(width, 2);
+    const int64_t in_features = num_blocks * Format::kWeights;
+    const int64_t x_stride = in_features + 4;  // padded rows: the kernel must honour the stride
+    for (int64_t num_rows : row_counts) {
+      const std::vector<uint8_t> weight =
+          random_blocks<Format>(rng, num_rows * num_blocks, halves, kMinExponent, kMaxExponent);
+      std::vector<float> w(num_rows * in_features);
+      for (int64_t i = 0; i < num_rows * num_blocks; ++i) {
+        for (int sub = 0; sub < Format::kWeights / kBlockSize; ++sub) {
+          Format::dequant(weight.data() + i * Format::kBytes, sub, w.data() + i * Format::kWeights + sub * kBlockSize);
+        }
+      }
+      for (int num_tokens = 1; num_tokens <= 9; ++num_tokens) {
+        std::vector<float> x(num_tokens * x_stride);
+        for (float& value : x) value = uniform(rng);
+        const int64_t out_stride = num_rows + 3;
+        std::vector<float> out(num_tokens * out_stride, std::numeric_limits<float>::quiet_NaN());
+        // Two ranges of rows, as two threads would take them.
+        const int64_t split = num_rows / 3;
+        matmul_rows<Format>(x.data(), x_stride, weight.data(), out.data(), out_stride, num_tokens, in_features, 0,
+                            split);
+        matmul_rows<Format>(x.data(), x_stride, weight.data(), out.data(), out_stride, num_tokens, in_features, split,
+                            num_rows);
+        ++counts.matmuls;
+        for (int t = 0; t < num_tokens; ++t) {
+          for (int64_t n = 0; n < out_stride; ++n) {
+            const float got = out[t * out_stride + n];
+            if (n >= num_rows) {
+              if (!std::isnan(got)) fail("%s wrote past its rows: token %d, column %lld", name, t, (long long)n);
+              continue;
+            }
+            double sum = 0, magnitude = 0;
+            for (int64_t k = 0; k < in_features; ++k) {
+              const double product = static_cast<double>(x[t * x_stride + k]) * w[n * in_features + k];
+              sum += product;
+              magnitude += std::fabs(product);
+            }
+            if (!(std::fabs(got - sum) <= 1e-5 * magnitude)) {
+              fail("%s, %lld input features, %lld rows, %d tokens: out[%d, %lld] = %.9g, reference %.9g (sum |x*w| "
+                   "%.6g)",
+                   name, (long long)in_features, (long long)num_rows, num_tokens, t, (long long)n, got, sum,
+                   magnitude);
+            }
+            ++counts.outputs;
+          }
+        }
+      }
+    }
+  }
+}
+
+void check_fp16() {
+  // The bit-level conversion at known points, then the compiled fp16_to_float (F16C, __fp16 or
+  // the bit-level one itself) against it for every half.
+  const struct {
+    uint16_t half;
+    float value;
+  } known[] = {{0x0000, 0.f},       {0x8000, -0.f},       {0x3C00, 1.f},         {0xC000, -2.f},
+               {0x7BFF, 65504.f},   {0x0400, 0x1p-14f},   {0x0001, 0x1p-24f},    {0x83FF, -0x3FFp-24f},
+               {0x3555, 0x1.554p-2f}, {0x7C00, INFINITY}, {0xFC00, -INFINITY}};
+  for (const auto& [half, value] : known) {
+    if (bits_of(fp16_bits_to_float(half)) != bits_of(value)) {
+      fail("fp16_bits_to_float(0x%04x) = %.9g, expected %.9g", half, fp16_bits_to_float(half), value);
+    }
+  }
+  if (bits_of(fp16_bits_to_float(0x7C01)) != 0x7FC02000u || bits_of(fp16_bits_to_float(0xFE00)) != 0xFFC00000u) {
+    fail("fp16_bits_to_float: NaNs 0x7c01, 0xfe00 -> 0x%08x, 0x%08x, expected 0x7fc02000, 0xffc00000",
+         bits_of(fp16_bits_to_float(0x7C01)), bits_of(fp16_bits_to_float(0xFE00)));
+  }
+  for (uint32_t half = 0; half < 0x10000; ++half) {
+    const uint16_t bits = static_cast<uint16_t>(half);
+    uint8_t bytes[2];
+    std::memcpy(bytes, &bits, sizeof(bits));
+    const float converted = fp16_to_float(bytes), expected = fp16_bits_to_float(bits);
+    if (bits_of(converted) != bits_of(expected)) {
+      fail("fp16_to_float(0x%04x) = 0x%08x, bit-level conversion 0x%08x", half, bits_of(converted), bits_of(expected));
+    }
+  }
+}
+
+template <class Format>
+void check(const char* name, std::initializer_list<int> halves, std::mt19937& rng, Counts& counts) {
+  check_dequant<Format>(name, halves, rng, counts);
+  check_matmul<Format>(name, halves, rng, counts);
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937 rng(20251203);
+  Counts counts;
+  check_fp16();
+  check<Q8_0>("Q8_0", {0}, rng, counts);
+  check<Q4_0>("Q4_0", {0}, rng, counts);
+  check<Q4_1>("Q4_1", {0, 2}, rng, counts);
+  check<Q4_K>("Q4_K", {0, 2}, rng, counts);
+  check<Q6_K>("Q6_K", {208}, rng, counts);
+  std::printf(
+      "quant_blocks_check (%s): ok: Q8_0 Q4_0 Q4_1 Q4_K Q6_K, %d matmuls (1-9 tokens, 1/7/70 rows, %lld outputs) "
+      "within 1e-5 of sum |x*w|, %lld vector dequants bit-exact%s, fp16 conversion of all 65536 halves\n",
+      kPath, counts.matmuls, (long long)counts.outputs, (long long)counts.dequants,
+      counts.dequants ? "" : " (no vector path compiled)");
+  return 0;
+}
