@@ -108,8 +108,8 @@ neon-check:
 	@missing=; for tool in $(NEON_TOOLS); do command -v $$tool >/dev/null || missing=1; done; \
 	if [ -n "$$missing" ]; then \
 		echo "neon-check: installing g++-aarch64-linux-gnu and qemu-user"; \
-		apt-get install -y --no-install-recommends g++-aarch64-linux-gnu qemu-user || \
-			{ apt-get update && apt-get install -y --no-install-recommends g++-aarch64-linux-gnu qemu-user; }; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++-aarch64-linux-gnu qemu-user || \
+			{ apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++-aarch64-linux-gnu qemu-user; }; \
 		for tool in $(NEON_TOOLS); do command -v $$tool >/dev/null || { \
 			echo "neon-check: $$tool is missing and could not be installed: install the Debian packages" \
 				"g++-aarch64-linux-gnu and qemu-user (apt-get install g++-aarch64-linux-gnu qemu-user)" >&2; \
