@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 import textwrap
@@ -63,13 +62,14 @@ LLAMA_CPP = textwrap.dedent(
 
 
 def make_jobs(mixed: int) -> list[tuple[str | list[int], int]]:
-    """The requests of one run: the fixed prompt alone, or ``mixed`` seeded mixed-length ones."""
+    """The requests of one run: the fixed prompt alone, or ``mixed`` seeded mixed-length ones
+    (the `mixed-lengths` preset's lengths, drawn by `pagedrs bench`'s own generator)."""
     if mixed == 0:
         return [(PROMPT, NUM_TOKENS)]
-    rng = random.Random(0)
-    return [
-        ([rng.randrange(1000, 40000) for _ in range(rng.randint(16, 64))], rng.randint(8, 256)) for _ in range(mixed)
-    ]
+    from pagedrs.bench.workloads import Lengths, generate
+
+    specs = generate(mixed, Lengths(16, 64), Lengths(8, 256), seed=0, token_range=(1000, 40000))
+    return [(spec.prompt, spec.output_len) for spec in specs]
 
 
 def pagedrs_rows(jobs: list[tuple[str | list[int], int]], repeats: int, threads: int, activations: str) -> list[dict]:
