@@ -18,6 +18,26 @@
 namespace pagedrs_cpu {
 
 // ---------------------------------------------------------------------------------------------
+// An fp8 (e4m3) KV cache (--kv-cache-dtype fp8): scale 1.0, as vLLM's without calibrated scales.
+// Rows are clamped to the largest finite e4m3 value and rounded by c10's conversion (torch's
+// own, so the decoder stack and Python's write_kv store the same bytes); they are read back
+// through a table of all 256 byte values.
+
+constexpr float kFp8Max = 448.f;
+
+inline c10::Float8_e4m3fn to_fp8(float x) { return c10::Float8_e4m3fn(std::clamp(x, -kFp8Max, kFp8Max)); }
+
+// float32 of each e4m3 byte value, c10's conversion computed once.
+inline const float* fp8_values() {
+  static const std::vector<float> values = [] {
+    std::vector<float> v(256);
+    for (int b = 0; b < 256; ++b) v[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    return v;
+  }();
+  return values.data();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Registered ops (schemas in torch_bindings.cpp)
 
 // paged_attention.cpp: query rows [num_rows, num_heads, head_size] against their paged context

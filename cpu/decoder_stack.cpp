@@ -49,8 +49,8 @@
 //   cos, sin            one [num_tokens, rotary_dim] float32 pair per rotary embedding: the
 //                       factors of each row's position; the first rotary_dim of each head rotate
 //   key/value caches    one pair per layer, [num_blocks, block_size, num_kv_heads, D] float32,
-//                       bfloat16 or float16 (--kv-cache-dtype: rows rounded as they are stored,
-//                       read back as float32)
+//                       bfloat16, float16 or float8_e4m3fn (--kv-cache-dtype: rows rounded as
+//                       they are stored, read back as float32)
 //   attention views     one per (KV layer group, window) the layers use, each the layout of a
 //                       CpuAttentionMetadata: the cache slot of each row's key and value
 //                       ([num_tokens] int64), the block tables of the rows the kernel attends
@@ -98,14 +98,19 @@ struct Linear {
   }
 };
 
-// One row of n float32 values into a cache (float32, bfloat16 or float16, checked by the
-// caller) at element offset `at`.
+// One row of n float32 values into a cache (float32, bfloat16, float16 or float8_e4m3fn,
+// checked by the caller) at element offset `at`.
 void store_row(const float* row, const at::Tensor& cache, int64_t at, int64_t n) {
   switch (cache.scalar_type()) {
     case at::kFloat: std::copy(row, row + n, cache.data_ptr<float>() + at); break;
     case at::kBFloat16: {
       c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + at;
       for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(row[i]);
+      break;
+    }
+    case at::kFloat8_e4m3fn: {
+      c10::Float8_e4m3fn* dst = cache.data_ptr<c10::Float8_e4m3fn>() + at;
+      for (int64_t i = 0; i < n; ++i) dst[i] = pagedrs_cpu::to_fp8(row[i]);
       break;
     }
     default: {
@@ -760,11 +765,14 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     for (size_t l = 0; l < layers_.size(); ++l) {
       for (const at::Tensor* cache : {&key_caches[l], &value_caches[l]}) {
         const auto dtype = cache->scalar_type();
-        TORCH_CHECK(cache->device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+        const bool readable =
+            dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat8_e4m3fn;
+        TORCH_CHECK(cache->device().is_cpu() && readable &&
                         dtype == key_caches[0].scalar_type() && cache->is_contiguous() && cache->dim() == 4 &&
                         cache->size(2) == num_kv_heads_ && cache->size(3) == head_size_ &&
                         cache->sizes() == key_caches[0].sizes(),
-                    "pagedrs_cpu: every cache must be contiguous float32, bfloat16 or float16 (all one dtype) "
+                    "pagedrs_cpu: every cache must be contiguous float32, bfloat16, float16 or float8_e4m3fn (all "
+                    "one dtype) "
                     "[num_blocks, block_size, ", num_kv_heads_, ", ", head_size_, "], got ", cache->sizes(), " ",
                     dtype);
       }
@@ -814,7 +822,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       const int64_t num_keys = mask.has_value() ? mask->size(1) : context_len;
       // [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].
       const at::Tensor q = query.slice(0, start, end).transpose(0, 1).unflatten(0, {num_kv_heads_, group});
-      // A 16-bit cache's rows as float32, as the query (the gather copies them anyway).
+      // A 16-bit or fp8 cache's rows as float32, as the query (the gather copies them anyway).
       const auto gather = [&](const at::Tensor& cache) {
         return cache.index_select(0, blocks).to(at::kFloat).flatten(0, 1).slice(0, 0, num_keys).transpose(0, 1).unsqueeze(1);
       };

@@ -16,8 +16,9 @@
 // Layouts:
 //   query, out      [num_rows, num_heads, head_size]; heads contiguous, any row stride
 //   key/value cache [num_blocks, block_size, num_kv_heads, head_size], contiguous; the
-//                   query's dtype, or bfloat16 / float16 under float32 queries (a 16-bit
-//                   cache of a float32 model: each row is converted to float32 as it is read)
+//                   query's dtype, or bfloat16 / float16 / float8_e4m3fn under float32
+//                   queries (a 16-bit or fp8 cache of a float32 model: each row is converted
+//                   to float32 as it is read)
 //   block_tables    [num_seqs, max_blocks_per_seq] int32
 //   cu_seqlens_q    [num_seqs + 1] int32: rows of sequence s are cu_seqlens_q[s] .. [s + 1]
 //   context_lens    [num_seqs] int32: tokens sequence s attends to, its new rows included
@@ -66,6 +67,13 @@ template <typename T>
 inline void load_row(const T* __restrict__ src, float* __restrict__ dst, int n, float factor) {
 #pragma omp simd
   for (int d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]) * factor;
+}
+
+// An fp8 cache's row: each byte looked up (c10's conversion is a dozen branches an element).
+inline void load_row(const c10::Float8_e4m3fn* __restrict__ src, float* __restrict__ dst, int n, float factor) {
+  const float* __restrict__ values = pagedrs_cpu::fp8_values();
+  const uint8_t* __restrict__ bytes = reinterpret_cast<const uint8_t*>(src);
+  for (int d = 0; d < n; ++d) dst[d] = values[bytes[d]] * factor;
 }
 
 // Lanes of the partial sums of a dot product: one AVX-512 register, two AVX2 or four NEON ones.
@@ -236,8 +244,8 @@ inline const float* as_float(const T* row, float* buf, int n) {
   }
 }
 
-// T: the query's and the output's dtype; C: the caches' (the query's, or a 16-bit cache under
-// float32 queries).
+// T: the query's and the output's dtype; C: the caches' (the query's, or a 16-bit or fp8 cache
+// under float32 queries).
 template <typename T, typename C>
 void attend_item(const Args& args, const WorkItem& item, Scratch& scratch) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -400,7 +408,7 @@ void check_rows(const at::Tensor& t, const char* name, const at::Tensor& key_cac
               " must be [num_rows, num_heads, ", key_cache.size(3), "], got ", t.sizes());
   TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "pagedrs_cpu: ", name,
               "'s heads must be contiguous within a row (a row stride is fine)");
-  // The cache's dtype, or float32 rows over a 16-bit cache (--kv-cache-dtype).
+  // The cache's dtype, or float32 rows over a 16-bit or fp8 cache (--kv-cache-dtype).
   TORCH_CHECK(t.scalar_type() == key_cache.scalar_type() || t.scalar_type() == at::kFloat, "pagedrs_cpu: ", name,
               " dtype ", t.scalar_type(), " differs from the cache's ", key_cache.scalar_type(),
               " (only float32 rows may read a cache of another dtype)");
@@ -429,8 +437,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == value_cache.scalar_type(),
               "pagedrs_cpu: key_cache and value_cache differ in shape or dtype");
   const auto dtype = key_cache.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "pagedrs_cpu: paged_attention supports float32, bfloat16 and float16, got ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat8_e4m3fn,
+              "pagedrs_cpu: paged_attention supports float32, bfloat16, float16 and float8_e4m3fn caches, got ",
+              dtype);
   check_rows(query, "query", key_cache);
   check_rows(out, "out", key_cache);
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "pagedrs_cpu: out and query differ in dtype");
@@ -499,6 +508,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       float_rows ? run<float, c10::BFloat16>(args, items) : run<c10::BFloat16, c10::BFloat16>(args, items);
       break;
     case at::kHalf: float_rows ? run<float, c10::Half>(args, items) : run<c10::Half, c10::Half>(args, items); break;
+    case at::kFloat8_e4m3fn:
+      TORCH_CHECK(float_rows, "pagedrs_cpu: an fp8 cache is read by float32 queries only, got ", query.scalar_type());
+      run<float, c10::Float8_e4m3fn>(args, items);
+      break;
     default: break;  // refused above
   }
 }

@@ -26,7 +26,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "cuda", "triton"]
 Quantization = Literal["auto", "none", "int8", "fp8"]
 ActivationQuantization = Literal["none", "int8"]
-KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DistributedBackend = Literal["gloo", "nccl"]
 
@@ -124,8 +124,9 @@ class EngineConfig:
     )
     kv_cache_dtype: KVCacheDtype = knob(
         "auto",
-        "the KV cache's dtype: auto (the model's), or bfloat16 / float16 under a float32 model on the CPU "
-        "(half the KV bytes, rows rounded as stored; docs/cpu.md)",
+        "the KV cache's dtype: auto (the model's), or bfloat16 / float16 (half the KV bytes) or fp8 = fp8_e4m3 "
+        "(a quarter, e4m3 with a scale of 1.0: a measurable accuracy cost) under a float32 model on the CPU; "
+        "rows rounded as stored (docs/cpu.md)",
     )
     cpu_activation_quantization: ActivationQuantization = knob(
         "none",
@@ -353,16 +354,24 @@ def default_kv_cache_memory(device: torch.device, weight_bytes: int = 0) -> int:
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: the model's (``"auto"``), or a 16-bit one under a float32 model on
-    the CPU (the CPU kernels read it as float32). ``ValueError`` for any other pairing: the GPU
-    kernels and 16-bit models read their own dtype only."""
+    """The KV cache's dtype: the model's (``"auto"``), or a 16-bit or fp8 (e4m3) one under a
+    float32 model on the CPU (the CPU kernels read it as float32). ``ValueError`` for any other
+    pairing: the GPU kernels and 16-bit models read their own dtype only."""
     import torch
 
     if kv_cache_dtype == "auto":
         return dtype
-    chosen = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(kv_cache_dtype)
+    chosen = {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp8": torch.float8_e4m3fn,
+        "fp8_e4m3": torch.float8_e4m3fn,
+    }.get(kv_cache_dtype)
     if chosen is None:
-        raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {kv_cache_dtype!r}")
+        raise ValueError(
+            f"kv_cache_dtype must be auto, float32, bfloat16, float16, fp8 or fp8_e4m3, got {kv_cache_dtype!r}"
+        )
     if chosen == dtype:
         return chosen
     if device.type != "cpu" or dtype != torch.float32:

@@ -30,6 +30,7 @@ _DTYPE_BYTES = {
     "half": 2,
     "float8": 1,
     "fp8": 1,
+    "fp8_e4m3": 1,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
 }

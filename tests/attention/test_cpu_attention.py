@@ -11,7 +11,7 @@ import torch
 
 from pagedrs.attention import cpu_backend, select_backend
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
-from pagedrs.attention.torch_ref import AttentionMetadata
+from pagedrs.attention.torch_ref import AttentionMetadata, write_kv
 from pagedrs.kernels.cpu import available
 from tests.helpers.batches import make_step
 
@@ -200,12 +200,12 @@ def test_attention_sinks_match_the_reference(sliding_window, prefill_route):
     assert (expected - without).abs().max() > 1e-2  # the sinks change the result
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("sliding_window", [None, 5])
-def test_float32_queries_over_a_16_bit_cache_match_the_reference(cache_dtype, sliding_window, prefill_route):
-    """``kv_cache_dtype`` bfloat16 / float16 under a float32 model: the step's keys and values
-    are rounded as they are stored, and every read (kernel and SDPA chunks) takes them as
-    float32, as the torch reference does over the same 16-bit caches."""
+def test_float32_queries_over_a_smaller_cache_match_the_reference(cache_dtype, sliding_window, prefill_route):
+    """``kv_cache_dtype`` bfloat16 / float16 / fp8 under a float32 model: the step's keys and
+    values are rounded as they are stored, and every read (kernel and SDPA chunks) takes them as
+    float32, as the torch reference does over the same caches."""
     arrays, (query, key, value), caches = make_step(
         MIXED, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32
     )
@@ -218,5 +218,17 @@ def test_float32_queries_over_a_16_bit_cache_match_the_reference(cache_dtype, sl
         results.append((out, key_cache, value_cache))
     (expected, *expected_caches), (actual, *actual_caches) = results
     for ours, theirs in zip(actual_caches, expected_caches):
-        assert torch.equal(ours, theirs)  # the same rounding of the new rows
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))  # the same rounding of the new rows
     assert_close(actual, expected, torch.float32)
+
+
+def test_an_fp8_cache_clamps_what_e4m3_cannot_hold():
+    """Keys and values past e4m3's largest finite value (448) are stored as ±448, never NaN."""
+    key_cache = torch.zeros(2, 4, 1, 8, dtype=torch.float8_e4m3fn)
+    value_cache = torch.zeros_like(key_cache)
+    rows = torch.tensor([1000.0, -1e6, 448.0, 1.0, 0.1, -3.3, 1e-4, 0.0]).view(1, 1, 8)
+    write_kv(rows, -rows, key_cache, value_cache, torch.tensor([5]))
+    stored = key_cache.view(-1, 8)[5].float()
+    assert stored.tolist()[:4] == [448.0, -448.0, 448.0, 1.0]
+    assert torch.equal(value_cache.view(-1, 8)[5].float(), -stored)
+    assert torch.isfinite(key_cache.float()).all()
