@@ -22,7 +22,9 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--device", default=None, help="for --dtype auto and the default budget: cpu or cuda")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", help="as the server's: auto (the model's dtype), bfloat16, float16 or fp8 (e4m3)"
+        "--kv-cache-dtype",
+        default="auto",
+        help="as the server's: auto (the model's dtype), bfloat16, float16 or fp8 (e4m3)",
     )
     parser.add_argument(
         "--quantization",
