@@ -5,7 +5,8 @@ alone for every row (what the backend would do without the SDPA path).
 
     .venv/bin/python benches/bench_cpu_attention.py [--threads N] [--repeat R] [--cache-dtype bfloat16]
 
-``--cache-dtype``: the caches in bfloat16 or float16 under float32 queries (``kv_cache_dtype``).
+``--cache-dtype``: the caches in bfloat16, float16 or fp8 (e4m3) under float32 queries
+(``kv_cache_dtype``).
 
 Each number is the median over R calls of ``meta.attend`` (the write of the step's new keys
 and values included, the per-step metadata build not: it is shared by every layer), in ms,
@@ -65,9 +66,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp8"])
     args = parser.parse_args()
-    cache_dtype = getattr(torch, args.cache_dtype)
+    cache_dtype = torch.float8_e4m3fn if args.cache_dtype == "fp8" else getattr(torch, args.cache_dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     retain_freed_host_memory()  # as the engine does: no page faults on every call's temporaries

@@ -1,6 +1,7 @@
 """The CPU's approximate options against the exact path on the default model, side by side in
-one process: int8 activations (``cpu_activation_quantization="int8"``) and a 16-bit KV cache
-(``kv_cache_dtype="bfloat16"`` / ``"float16"``): what each costs in accuracy and buys in speed.
+one process: int8 activations (``cpu_activation_quantization="int8"``) and a 16-bit or fp8 KV
+cache (``kv_cache_dtype="bfloat16"`` / ``"float16"`` / ``"fp8"``): what each costs in accuracy
+and buys in speed.
 
 Accuracy, over a fixed text (the first ``TEXT_TOKENS`` tokens of this repository's README, one
 prompt, teacher-forced): the perplexity of each path, the mean and largest change of the text
@@ -13,7 +14,7 @@ batch of 64 requests decoding 64 tokens each after short prompts (useful tokens 
 prefill included), medians of 3, and the decode rate of a batch of 64 after 500-token prompts
 (attention's share grows with the context), one run (the prefills take minutes).
 
-    PYTHONPATH=python .venv/bin/python benches/bench_cpu_precision.py [--variants int8,bf16-kv,fp16-kv]
+    PYTHONPATH=python .venv/bin/python benches/bench_cpu_precision.py [--variants int8,bf16-kv,fp16-kv,fp8-kv]
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ VARIANTS = {
     "int8": {"cpu_activation_quantization": "int8"},
     "bf16-kv": {"kv_cache_dtype": "bfloat16"},
     "fp16-kv": {"kv_cache_dtype": "float16"},
+    "fp8-kv": {"kv_cache_dtype": "fp8"},
 }
 
 

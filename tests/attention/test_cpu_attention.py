@@ -232,3 +232,20 @@ def test_an_fp8_cache_clamps_what_e4m3_cannot_hold():
     assert stored.tolist()[:4] == [448.0, -448.0, 448.0, 1.0]
     assert torch.equal(value_cache.view(-1, 8)[5].float(), -stored)
     assert torch.isfinite(key_cache.float()).all()
+
+
+def test_the_kernel_reads_every_fp8_byte_as_torch_does():
+    """A query over a one-key context returns that key's value row: four such rows hold all 254
+    finite e4m3 byte values, and the kernel's conversion must give torch's float32 for each."""
+    from pagedrs.kernels.cpu import load
+
+    finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)] + [0, 0], dtype=torch.uint8)
+    value_cache = finite.view(4, 1, 1, 64).view(torch.float8_e4m3fn)
+    key_cache = torch.zeros_like(value_cache)
+    query = torch.randn(4, 1, 64)
+    out = torch.empty_like(query)
+    ones = torch.ones(4, dtype=torch.int32)
+    blocks = torch.arange(4, dtype=torch.int32).view(4, 1)
+    cu_seqlens_q = torch.arange(5, dtype=torch.int32)
+    load().paged_attention(out, query, key_cache, value_cache, blocks, cu_seqlens_q, ones, 0.125, 0, 0.0, None)
+    assert torch.equal(out.view(4, 64), value_cache.float().view(4, 64))
