@@ -100,9 +100,10 @@ cpu-isa-check: cpu-kernels
 # The packed matmul's formats and per-row kernel (cpu/quant_blocks.h) against their scalar
 # dequant, cross-compiled for aarch64 (the NEON path) and run under qemu-user, then natively
 # (this machine's x86 path): cpu/tests/quant_blocks_check.cpp, no torch needed; then
-# quant_matmul.cpp compiled for aarch64 (object code only: there is no aarch64 torch to run it). Installs the
-# cross compiler and qemu (Debian packages) once if they are missing. No -Wall natively: GCC 12's
-# own AVX-512 headers warn there (their _mm512_undefined_* values).
+# quant_matmul.cpp and paged_attention.cpp compiled for aarch64 (object code only: there is no
+# aarch64 torch to run them). Installs the cross compiler and qemu (Debian packages) once if they
+# are missing. No -Wall natively: GCC 12's own AVX-512 headers warn there (their
+# _mm512_undefined_* values).
 NEON_TOOLS = aarch64-linux-gnu-g++ qemu-aarch64
 neon-check:
 	@missing=; for tool in $(NEON_TOOLS); do command -v $$tool >/dev/null || missing=1; done; \
@@ -120,10 +121,13 @@ neon-check:
 		-o $$dir/aarch64 cpu/tests/quant_blocks_check.cpp & cross=$$!; \
 	g++ -O2 -std=c++17 -march=native -o $$dir/native cpu/tests/quant_blocks_check.cpp; native=$$?; \
 	wait $$cross && [ $$native = 0 ] && qemu-aarch64 $$dir/aarch64 && $$dir/native
-	@echo "neon-check: cpu/quant_matmul.cpp for aarch64, against torch's headers"
-	@aarch64-linux-gnu-g++ -std=c++20 -O2 -march=armv8.2-a -fopenmp -fPIC -ffp-contract=fast -fno-trapping-math \
-		$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))") \
-		-I$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])") -c cpu/quant_matmul.cpp -o /dev/null
+	@echo "neon-check: cpu/quant_matmul.cpp and cpu/paged_attention.cpp for aarch64, against torch's headers"
+	@includes="$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))") \
+		-I$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])")"; \
+	for source in cpu/quant_matmul.cpp cpu/paged_attention.cpp; do \
+		aarch64-linux-gnu-g++ -std=c++20 -O2 -march=armv8.2-a -fopenmp -fPIC -ffp-contract=fast -fno-trapping-math \
+			$$includes -c $$source -o /dev/null || exit 1; \
+	done
 
 # Compiles every CUDA kernel for sm_80 and sm_90 and the torch binding against torch's
 # headers (no GPU needed); fails when a kernel does not build.

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -21,26 +20,12 @@ namespace pagedrs_cpu {
 // ---------------------------------------------------------------------------------------------
 // An fp8 (e4m3) KV cache (--kv-cache-dtype fp8): scale 1.0, as vLLM's without calibrated scales.
 // Rows are clamped to the largest finite e4m3 value and rounded by c10's conversion (torch's
-// own, so the decoder stack and Python's write_kv store the same bytes).
+// own, so the decoder stack and Python's write_kv store the same bytes); they are read back by
+// fp8_e4m3.h.
 
 constexpr float kFp8Max = 448.f;
 
 inline c10::Float8_e4m3fn to_fp8(float x) { return c10::Float8_e4m3fn(std::clamp(x, -kFp8Max, kFp8Max)); }
-
-// float32 of an e4m3 byte, in integer and float operations a compiler vectorizes: a normal
-// value's exponent is rebiased (7 -> 127) into a float32's bits; a subnormal one (exponent
-// field 0) is its 3-bit mantissa times 2^-9. NaN bytes (0x7F, 0xFF) are never stored (rows are
-// clamped) and read as 480. Equal to c10's conversion for every other byte (the CPU attention
-// tests read all 254).
-inline float fp8_to_float(uint8_t byte) {
-  const uint32_t magnitude = byte & 0x7Fu;
-  uint32_t normal_bits = (magnitude << 20) + (120u << 23);
-  float normal;
-  std::memcpy(&normal, &normal_bits, sizeof(normal));
-  const float subnormal = static_cast<float>(static_cast<int>(magnitude & 0x7u)) * 0x1p-9f;
-  const float value = (magnitude & 0x78u) != 0 ? normal : subnormal;
-  return (byte & 0x80u) != 0 ? -value : value;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Registered ops (schemas in torch_bindings.cpp)
@@ -52,6 +37,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                      const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap,
                      const std::optional<at::Tensor>& sinks);
+
+// paged_attention.cpp: a float32 copy of an fp8 (e4m3) tensor, any shape (a prefill chunk's
+// gathered cache blocks).
+at::Tensor fp8_as_float(const at::Tensor& x);
 
 // sampling.cpp: the sampled tokens' logprobs and ranks and each row's top logprobs (all four
 // outputs written) of logits [num_rows, vocab_size].

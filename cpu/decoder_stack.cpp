@@ -824,7 +824,10 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       const at::Tensor q = query.slice(0, start, end).transpose(0, 1).unflatten(0, {num_kv_heads_, group});
       // A 16-bit or fp8 cache's rows as float32, as the query (the gather copies them anyway).
       const auto gather = [&](const at::Tensor& cache) {
-        return cache.index_select(0, blocks).to(at::kFloat).flatten(0, 1).slice(0, 0, num_keys).transpose(0, 1).unsqueeze(1);
+        const at::Tensor rows = cache.index_select(0, blocks);
+        const at::Tensor as_float =
+            rows.scalar_type() == at::kFloat8_e4m3fn ? pagedrs_cpu::fp8_as_float(rows) : rows.to(at::kFloat);
+        return as_float.flatten(0, 1).slice(0, 0, num_keys).transpose(0, 1).unsqueeze(1);
       };
       const at::Tensor keys = gather(key_cache);
       const at::Tensor values = gather(value_cache);

@@ -11,6 +11,7 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
   // paged_attention.cpp
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor cu_seqlens_q, Tensor context_lens, float scale, int sliding_window, float softcap, Tensor? sinks=None) -> ()");
+  m.def("fp8_as_float(Tensor x) -> Tensor");
   // sampling.cpp
   m.def("logprob_stats(Tensor logits, Tensor token_ids, int num_top, Tensor(a!) logprobs, Tensor(b!) ranks, "
         "Tensor(c!) top_ids, Tensor(d!) top_logprobs) -> ()");
@@ -37,6 +38,7 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) {
   m.impl("paged_attention", &pagedrs_cpu::paged_attention);
+  m.impl("fp8_as_float", &pagedrs_cpu::fp8_as_float);
   m.impl("logprob_stats", &pagedrs_cpu::logprob_stats);
   m.impl("sample_from_rows", &pagedrs_cpu::sample_from_rows);
   m.impl("apply_token_bitmask", &pagedrs_cpu::apply_token_bitmask);

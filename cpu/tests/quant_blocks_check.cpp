@@ -1,12 +1,14 @@
 // quant_blocks.h without torch, on whichever vector path the compiler targets (NEON, AVX2,
 // AVX-512 or none): for each format, matmul_rows on random blocks against a double-precision sum
 // over the scalar dequant (within 1e-5 of sum |x * w|: float32 sums in another order), the vector
-// dequant against the scalar one bit for bit, and fp16_to_float against the bit-level conversion
-// for all 65536 halves. make neon-check runs it for aarch64 under qemu-user and natively.
+// dequant against the scalar one bit for bit, fp16_to_float against the bit-level conversion
+// for all 65536 halves, and fp8_e4m3.h's row conversion (an fp8 KV cache's) against e4m3's
+// definition for every byte. make neon-check runs it for aarch64 under qemu-user and natively.
 // Exits 1 at the first mismatch.
 // HasAvx2Dequant takes the address of a function of __m256 values: GCC (with AVX2) warns that
 // their alignment attribute is dropped there, which is harmless.
 #pragma GCC diagnostic ignored "-Wignored-attributes"
+#include "../fp8_e4m3.h"
 #include "../quant_blocks.h"
 
 #include <cmath>
@@ -209,6 +211,32 @@ void check_fp16() {
   }
 }
 
+// Every e4m3 byte by its definition (sign, 4 exponent bits with bias 7, 3 mantissa bits;
+// exponent 0: subnormal), through rows of 1-70 bytes at each offset (the vector loops and
+// their scalar tails), times a factor; NaN bytes read as ±480 (never stored by the cache).
+void check_fp8() {
+  std::vector<uint8_t> bytes(256 + 70);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 37 + 11);
+  std::vector<float> out(70);
+  for (int n = 1; n <= 70; ++n) {
+    for (int start = 0; start < 256; start += n) {
+      const float factor = n % 2 ? 1.f : 0.75f;
+      pagedrs_cpu::fp8_e4m3_row_to_float(bytes.data() + start, out.data(), n, factor);
+      for (int i = 0; i < n; ++i) {
+        const uint8_t byte = bytes[start + i];
+        const int exponent = (byte >> 3) & 0xF, mantissa = byte & 0x7;
+        const double magnitude = (byte & 0x7F) == 0x7F ? 480.0
+                                 : exponent == 0       ? std::ldexp(mantissa, -9)
+                                                       : std::ldexp(8 + mantissa, exponent - 10);
+        const float expected = static_cast<float>((byte & 0x80 ? -magnitude : magnitude) * factor);
+        if (bits_of(out[i]) != bits_of(expected)) {
+          fail("fp8_e4m3_row_to_float: byte 0x%02x (row of %d) = %g, e4m3 says %g", byte, n, out[i], expected);
+        }
+      }
+    }
+  }
+}
+
 template <class Format>
 void check(const char* name, std::initializer_list<int> halves, std::mt19937& rng, Counts& counts) {
   check_dequant<Format>(name, halves, rng, counts);
@@ -221,6 +249,7 @@ int main() {
   std::mt19937 rng(20251203);
   Counts counts;
   check_fp16();
+  check_fp8();
   check<Q8_0>("Q8_0", {0}, rng, counts);
   check<Q4_0>("Q4_0", {0}, rng, counts);
   check<Q4_1>("Q4_1", {0, 2}, rng, counts);
@@ -228,7 +257,8 @@ int main() {
   check<Q6_K>("Q6_K", {208}, rng, counts);
   std::printf(
       "quant_blocks_check (%s): ok: Q8_0 Q4_0 Q4_1 Q4_K Q6_K, %d matmuls (1-9 tokens, 1/7/70 rows, %lld outputs) "
-      "within 1e-5 of sum |x*w|, %lld vector dequants bit-exact%s, fp16 conversion of all 65536 halves\n",
+      "within 1e-5 of sum |x*w|, %lld vector dequants bit-exact%s, fp16 conversion of all 65536 halves, "
+      "fp8 (e4m3) conversion of all 256 bytes\n",
       kPath, counts.matmuls, (long long)counts.outputs, (long long)counts.dequants,
       counts.dequants ? "" : " (no vector path compiled)");
   return 0;

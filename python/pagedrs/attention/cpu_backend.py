@@ -235,8 +235,8 @@ def _attend_sdpa(
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_rows, num_heads = chunk.end - chunk.start, query.shape[1]
     if softcap or sinks is not None:
-        keys = key_cache[chunk.blocks].flatten(0, 1)[: chunk.num_keys]
-        values = value_cache[chunk.blocks].flatten(0, 1)[: chunk.num_keys]
+        keys = _as_float(key_cache[chunk.blocks], query.dtype).flatten(0, 1)[: chunk.num_keys]
+        values = _as_float(value_cache[chunk.blocks], query.dtype).flatten(0, 1)[: chunk.num_keys]
         mask = chunk.mask
         if mask is None:
             mask = torch.ones(num_rows, chunk.context_len, dtype=torch.bool).tril(chunk.context_len - num_rows)
@@ -252,10 +252,19 @@ def _attend_sdpa(
         return
     # [L, H, D] -> [KVH, group, L, D]; keys and values [C, KVH, D] -> [KVH, 1, C, D].
     q = query[chunk.start : chunk.end].transpose(0, 1).unflatten(0, (num_kv_heads, num_heads // num_kv_heads))
-    # A 16-bit cache under float32 queries: the gathered rows as float32.
-    keys = key_cache[chunk.blocks].to(query.dtype).flatten(0, 1)[: chunk.num_keys].transpose(0, 1).unsqueeze(1)
-    values = value_cache[chunk.blocks].to(query.dtype).flatten(0, 1)[: chunk.num_keys].transpose(0, 1).unsqueeze(1)
+    # A 16-bit or fp8 cache under float32 queries: the gathered rows as float32.
+    keys = _as_float(key_cache[chunk.blocks], query.dtype).flatten(0, 1)[: chunk.num_keys].transpose(0, 1).unsqueeze(1)
+    values = _as_float(value_cache[chunk.blocks], query.dtype).flatten(0, 1)[: chunk.num_keys]
+    values = values.transpose(0, 1).unsqueeze(1)
     attended = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale
     )
     out[chunk.start : chunk.end] = attended.flatten(0, 1).transpose(0, 1).reshape(num_rows, num_heads, head_dim)
+
+
+def _as_float(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows in the queries' dtype; an fp8 cache's through the kernel's conversion
+    (torch's own converts one element at a time: 30 times bfloat16's cost)."""
+    if rows.dtype == torch.float8_e4m3fn:
+        return cpu_kernels.load().fp8_as_float(rows)
+    return rows.to(dtype)

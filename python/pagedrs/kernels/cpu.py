@@ -29,7 +29,7 @@ SOURCES = (
     "moe.cpp",
     "decoder_stack.cpp",
 )
-HEADERS = ("cpu_kernels.h", "quant_blocks.h")
+HEADERS = ("cpu_kernels.h", "quant_blocks.h", "fp8_e4m3.h")
 
 
 def sources_dir() -> Path:
