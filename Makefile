@@ -98,7 +98,8 @@ cpu-isa-check: cpu-kernels
 	fi
 
 # The packed matmul's formats and per-row kernel (cpu/quant_blocks.h) against their scalar
-# dequant, cross-compiled for aarch64 (the NEON path) and run under qemu-user, then natively
+# dequant, the fp8 KV cache's conversion and NEON's int8-activation kernels, cross-compiled for
+# aarch64 (with and without the dot product, sdot) and run under qemu-user, then natively
 # (this machine's x86 path): cpu/tests/quant_blocks_check.cpp, no torch needed; then
 # quant_matmul.cpp and paged_attention.cpp compiled for aarch64 (object code only: there is no
 # aarch64 torch to run them). Installs the cross compiler and qemu (Debian packages) once if they
@@ -119,15 +120,19 @@ neon-check:
 	@dir=$$(mktemp -d) || exit 1; trap 'rm -rf "$$dir"' EXIT; \
 	aarch64-linux-gnu-g++ -O2 -std=c++17 -march=armv8.2-a -static -Wall -Wextra \
 		-o $$dir/aarch64 cpu/tests/quant_blocks_check.cpp & cross=$$!; \
+	aarch64-linux-gnu-g++ -O2 -std=c++17 -march=armv8.2-a+dotprod -static -Wall -Wextra \
+		-o $$dir/aarch64-dotprod cpu/tests/quant_blocks_check.cpp & dotprod=$$!; \
 	g++ -O2 -std=c++17 -march=native -o $$dir/native cpu/tests/quant_blocks_check.cpp; native=$$?; \
-	wait $$cross && [ $$native = 0 ] && qemu-aarch64 $$dir/aarch64 && $$dir/native
-	@echo "neon-check: cpu/quant_matmul.cpp and cpu/paged_attention.cpp for aarch64, against torch's headers"
+	wait $$cross && wait $$dotprod && [ $$native = 0 ] && qemu-aarch64 $$dir/aarch64 && \
+		qemu-aarch64 $$dir/aarch64-dotprod && $$dir/native
+	@echo "neon-check: cpu/quant_matmul.cpp (with and without sdot) and cpu/paged_attention.cpp for aarch64, against torch's headers"
 	@includes="$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))") \
 		-I$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])")"; \
-	for source in cpu/quant_matmul.cpp cpu/paged_attention.cpp; do \
-		aarch64-linux-gnu-g++ -std=c++20 -O2 -march=armv8.2-a -fopenmp -fPIC -ffp-contract=fast -fno-trapping-math \
-			$$includes -c $$source -o /dev/null || exit 1; \
-	done
+	compile() { aarch64-linux-gnu-g++ -std=c++20 -O2 -march=$$1 -fopenmp -fPIC -ffp-contract=fast -fno-trapping-math \
+		$$includes -c $$2 -o /dev/null; }; \
+	compile armv8.2-a cpu/quant_matmul.cpp & plain=$$!; \
+	compile armv8.2-a+dotprod cpu/quant_matmul.cpp & dotprod=$$!; \
+	compile armv8.2-a cpu/paged_attention.cpp && wait $$plain && wait $$dotprod
 
 # Compiles every CUDA kernel for sm_80 and sm_90 and the torch binding against torch's
 # headers (no GPU needed); fails when a kernel does not build.

@@ -21,7 +21,7 @@ namespace pagedrs_cpu {
 // An fp8 (e4m3) KV cache (--kv-cache-dtype fp8): scale 1.0, as vLLM's without calibrated scales.
 // Rows are clamped to the largest finite e4m3 value and rounded by c10's conversion (torch's
 // own, so the decoder stack and Python's write_kv store the same bytes); they are read back by
-// fp8_e4m3.h.
+// kv_rows.h.
 
 constexpr float kFp8Max = 448.f;
 

@@ -39,7 +39,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_kernels.h"
-#include "fp8_e4m3.h"
+#include "kv_rows.h"
 
 #include <algorithm>
 #include <atomic>
@@ -70,7 +70,12 @@ inline void load_row(const T* __restrict__ src, float* __restrict__ dst, int n, 
   for (int d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]) * factor;
 }
 
-// An fp8 cache's row, converted in vector registers (c10's conversion branches per element).
+// A float16 or fp8 cache's row, converted in vector registers (kv_rows.h: c10's conversions
+// do not vectorize).
+inline void load_row(const c10::Half* __restrict__ src, float* __restrict__ dst, int n, float factor) {
+  pagedrs_cpu::fp16_row_to_float(reinterpret_cast<const uint16_t*>(src), dst, n, factor);
+}
+
 inline void load_row(const c10::Float8_e4m3fn* __restrict__ src, float* __restrict__ dst, int n, float factor) {
   pagedrs_cpu::fp8_e4m3_row_to_float(reinterpret_cast<const uint8_t*>(src), dst, n, factor);
 }

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__AVX2__)
 #include <immintrin.h>
@@ -537,5 +538,109 @@ void matmul_rows(const float* x, int64_t x_stride, const uint8_t* weight, float*
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// int8 activations (opt-in; quant_matmul.cpp's header comment has the scheme). The quantized
+// rows are shared by every instruction set; x86's kernels are in quant_matmul.cpp, the NEON ones
+// below (here, so that the harness runs them under qemu).
+
+// x quantized per token and 32 features: q = round(x / d), d = max|x| / 127; d * sum(q) (what
+// Q4_1's minimum multiplies) and -zero * sum(q) (where a VNNI block sum starts: see VnniPanel).
+struct Int8Rows {
+  int64_t num_blocks = 0;      // per token
+  std::vector<int8_t> q;       // [num_tokens, num_blocks * 32]
+  std::vector<float> d;        // [num_tokens, num_blocks]
+  std::vector<float> sum;      // [num_tokens, num_blocks]
+  std::vector<int32_t> start;  // [num_tokens, num_blocks]
+};
+
+#ifdef PAGEDRS_QUANT_NEON
+// Four lanes of int32 sums of byte products: sdot (ARMv8.2's dot product, 4 products a lane)
+// where the target has it, else widening multiplies and pairwise adds (the same exact sums,
+// lanes holding other products).
+inline int32x4_t dot_bytes_neon(int32x4_t acc, int8x16_t a, int8x16_t b) {
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(acc, a, b);
+#else
+  return vpadalq_s16(vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b))), vmull_high_s8(a, b));
+#endif
+}
+
+// Tokens [t_begin, t_end) of x into `rows` (sized by the caller), rounded to nearest, ties to
+// even, as the x86 path rounds; weight_zero: see Int8Rows::start (0 here: sdot takes signed
+// weights as they are).
+inline void quantize_rows(const float* x, int64_t in_features, int64_t t_begin, int64_t t_end, int32_t weight_zero,
+                          Int8Rows& rows) {
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    for (int64_t b = 0; b < rows.num_blocks; ++b) {
+      const float* xb = x + t * in_features + b * kBlockSize;
+      float32x4_t v[8];
+      float32x4_t amax = vdupq_n_f32(0.f);
+      for (int i = 0; i < 8; ++i) {
+        v[i] = vld1q_f32(xb + 4 * i);
+        amax = vmaxq_f32(amax, vabsq_f32(v[i]));
+      }
+      const float d = vmaxvq_f32(amax) / 127.f;
+      const float inverse = d != 0.f ? 1.f / d : 0.f;
+      int16x8_t q16[4];
+      for (int i = 0; i < 4; ++i) {
+        q16[i] = vcombine_s16(vqmovn_s32(vcvtnq_s32_f32(vmulq_n_f32(v[2 * i], inverse))),
+                              vqmovn_s32(vcvtnq_s32_f32(vmulq_n_f32(v[2 * i + 1], inverse))));
+      }
+      const int8x16_t lo = vcombine_s8(vqmovn_s16(q16[0]), vqmovn_s16(q16[1]));
+      const int8x16_t hi = vcombine_s8(vqmovn_s16(q16[2]), vqmovn_s16(q16[3]));
+      int8_t* q = rows.q.data() + (t * rows.num_blocks + b) * kBlockSize;
+      vst1q_s8(q, lo);
+      vst1q_s8(q + 16, hi);
+      const int32_t total = vaddlvq_s8(lo) + vaddlvq_s8(hi);  // |total| <= 32 * 127
+      rows.d[t * rows.num_blocks + b] = d;
+      rows.sum[t * rows.num_blocks + b] = d * static_cast<float>(total);
+      rows.start[t * rows.num_blocks + b] = -weight_zero * total;
+    }
+  }
+}
+
+// The 32 weights of a block as signed bytes in order (Q4_1's unsigned nibbles too: 0..15 fit;
+// the caller adds its minimum).
+template <class Format>
+inline void block_bytes_neon(const uint8_t* block, int8x16_t& lo, int8x16_t& hi) {
+  if constexpr (std::is_same_v<Format, Q8_0>) {
+    lo = vld1q_s8(reinterpret_cast<const int8_t*>(block + 2));
+    hi = vld1q_s8(reinterpret_cast<const int8_t*>(block + 18));
+  } else {
+    constexpr bool kCentred = std::is_same_v<Format, Q4_0>;
+    const uint8x16_t packed = vld1q_u8(block + (kCentred ? 2 : 4));
+    const int8x16_t zero = vdupq_n_s8(kCentred ? 8 : 0);
+    lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(packed, vdupq_n_u8(0x0F))), zero);
+    hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(packed, 4)), zero);
+  }
+}
+
+// out[t * out_stride] for kTokens quantized tokens (from token t0 of `rows`) and one weight row:
+// each block's integer dot product, scaled by dw * dx; Q4_1's minimum adds m * dx * sum(q).
+template <class Format, int kTokens>
+inline void dot_row_int8(const Int8Rows& rows, int64_t t0, const uint8_t* __restrict__ row, float* __restrict__ out,
+                         int64_t out_stride) {
+  static_assert(std::is_same_v<Format, Q8_0> || std::is_same_v<Format, Q4_0> || std::is_same_v<Format, Q4_1>);
+  const int64_t num_blocks = rows.num_blocks;
+  float32x4_t acc[kTokens];
+  float minimums[kTokens] = {};
+  for (int t = 0; t < kTokens; ++t) acc[t] = vdupq_n_f32(0.f);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = row + b * Format::kBytes;
+    int8x16_t w_lo, w_hi;
+    block_bytes_neon<Format>(block, w_lo, w_hi);
+    const float dw = fp16_to_float(block);
+    for (int t = 0; t < kTokens; ++t) {
+      const int64_t at = (t0 + t) * num_blocks + b;
+      const int8_t* q = rows.q.data() + at * kBlockSize;
+      const int32x4_t dot = dot_bytes_neon(dot_bytes_neon(vdupq_n_s32(0), w_lo, vld1q_s8(q)), w_hi, vld1q_s8(q + 16));
+      acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(dot), dw * rows.d[at]);
+      if constexpr (std::is_same_v<Format, Q4_1>) minimums[t] += fp16_to_float(block + 2) * rows.sum[at];
+    }
+  }
+  for (int t = 0; t < kTokens; ++t) out[t * out_stride] = vaddvq_f32(acc[t]) + minimums[t];
+}
+#endif
 
 }  // namespace

@@ -36,16 +36,19 @@
 // Q8_0 / Q8_1 activations), and each block's dot product is an integer one (32 int8 x int8
 // products summed exactly in int32), scaled by dw * dx in float; Q4_1's minimum adds
 // m * dx * sum(qx). It changes results (the activations' rounding, about 0.4% of a block's largest
-// value); Q8_0, Q4_0 and Q4_1 with AVX2 take it, anything else runs the exact path. With VNNI
-// (vpdpbusd) the weights are regrouped in panels of 16 (AVX-512 VNNI) or 8 (AVX-VNNI) rows, one
-// row per int32 lane, so one instruction advances every row of the panel and each block's sum is
-// scaled once for all of them (VnniPanel); without, AVX2's maddubs + madd take one row at a time.
+// value); Q8_0, Q4_0 and Q4_1 with AVX2 or NEON take it, anything else runs the exact path. With
+// VNNI (vpdpbusd) the weights are regrouped in panels of 16 (AVX-512 VNNI) or 8 (AVX-VNNI) rows,
+// one row per int32 lane, so one instruction advances every row of the panel and each block's sum
+// is scaled once for all of them (VnniPanel); without, AVX2's maddubs + madd take one row at a
+// time, and so does NEON's sdot (ARMv8.2 dot product; widening multiplies without it, in
+// quant_blocks.h).
 //
 // Instruction sets: with AVX-512 each 32 weights dequantize into two 16-lane registers; with
 // AVX2 + FMA (no AVX-512) into four 8-lane ones; on aarch64 (NEON) into eight 4-lane ones;
 // elsewhere into a buffer (scalar code). The build targets the machine (-march=native, on aarch64
-// -mcpu=native), so only one of them is compiled, and on x86 one int8 path: AVX-512 VNNI (with
-// AVX-512 BW), else AVX-VNNI, else AVX2 (int8_activation_path() names it). The formats and the
+// -mcpu=native), so only one of them is compiled, and one int8 path: AVX-512 VNNI (with
+// AVX-512 BW), else AVX-VNNI, else AVX2 on x86; NEON with or without the dot product on
+// aarch64 (int8_activation_path() names it). The formats and the
 // per-row kernel are in quant_blocks.h, which needs no torch: make neon-check runs them for
 // aarch64 under qemu-user.
 //
@@ -143,16 +146,6 @@ constexpr const char* kInt8Path = "avx-vnni";
 #else
 constexpr const char* kInt8Path = "avx2";
 #endif
-
-// x quantized per token and 32 features: q = round(x / d), d = max|x| / 127; d * sum(q) (what
-// Q4_1's minimum multiplies) and -zero * sum(q) (where a VNNI block sum starts: see VnniPanel).
-struct Int8Rows {
-  int64_t num_blocks = 0;      // per token
-  std::vector<int8_t> q;       // [num_tokens, num_blocks * 32]
-  std::vector<float> d;        // [num_tokens, num_blocks]
-  std::vector<float> sum;      // [num_tokens, num_blocks]
-  std::vector<int32_t> start;  // [num_tokens, num_blocks]
-};
 
 inline float hsum_avx2(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -507,6 +500,18 @@ inline void dot_row_int8(const Int8Rows& rows, int64_t t0, const uint8_t* __rest
   for (int t = 0; t < kTokens; ++t) out[t * out_stride] = hsum_avx2(acc[t]) + minimums[t];
 }
 
+#endif  // PAGEDRS_INT8_VNNI
+#elif defined(PAGEDRS_QUANT_NEON)
+// quantize_rows and dot_row_int8 are NEON's (quant_blocks.h): sdot with ARMv8.2's dot product.
+#define PAGEDRS_INT8_ACTIVATIONS 1
+#if defined(__ARM_FEATURE_DOTPROD)
+constexpr const char* kInt8Path = "neon-dotprod";
+#else
+constexpr const char* kInt8Path = "neon";
+#endif
+#endif
+
+#if defined(PAGEDRS_INT8_ACTIVATIONS) && !defined(PAGEDRS_INT8_VNNI)
 template <class Format>
 void matmul_rows_int8(const Int8Rows& rows, const uint8_t* weight, float* out, int64_t out_stride, int64_t num_tokens,
                       int64_t row_begin, int64_t row_end) {
@@ -535,6 +540,7 @@ void matmul_rows_int8(const Int8Rows& rows, const uint8_t* weight, float* out, i
 }
 #endif
 
+#ifdef PAGEDRS_INT8_ACTIVATIONS
 // The int8-activation matmul, or false where this type has none (the caller runs the exact one).
 bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
                  int64_t out_features, int64_t ggml_type) {

@@ -2,13 +2,14 @@
 // AVX-512 or none): for each format, matmul_rows on random blocks against a double-precision sum
 // over the scalar dequant (within 1e-5 of sum |x * w|: float32 sums in another order), the vector
 // dequant against the scalar one bit for bit, fp16_to_float against the bit-level conversion
-// for all 65536 halves, and fp8_e4m3.h's row conversion (an fp8 KV cache's) against e4m3's
-// definition for every byte. make neon-check runs it for aarch64 under qemu-user and natively.
+// for all 65536 halves, kv_rows.h's row conversions (a float16 or fp8 KV cache's) against e4m3's
+// definition for every byte, and on aarch64 the int8-activation kernels (quantization and
+// integer dot products, with sdot or without) against scalar references. make neon-check runs it for aarch64 under qemu-user and natively.
 // Exits 1 at the first mismatch.
 // HasAvx2Dequant takes the address of a function of __m256 values: GCC (with AVX2) warns that
 // their alignment attribute is dropped there, which is harmless.
 #pragma GCC diagnostic ignored "-Wignored-attributes"
-#include "../fp8_e4m3.h"
+#include "../kv_rows.h"
 #include "../quant_blocks.h"
 
 #include <cmath>
@@ -211,9 +212,113 @@ void check_fp16() {
   }
 }
 
+#ifdef PAGEDRS_QUANT_NEON
+// The NEON int8-activation path (quant_blocks.h): quantize_rows against a scalar quantization
+// (round to nearest even of x / d, d = max|x| / 127; bytes, scales and sums equal), then
+// dot_row_int8 at 1-9 tokens against a float64 sum over the scalar dequant of the weights times
+// the quantized activations (within 1e-5 of the sum of magnitudes). Returns the outputs checked.
+template <class Format>
+int64_t check_int8(const char* name, std::initializer_list<int> halves, std::mt19937& rng) {
+  int64_t checked = 0;
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  for (int64_t num_blocks : {1, 7}) {
+    const int64_t in_features = num_blocks * kBlockSize, num_rows = 5;
+    const std::vector<uint8_t> weight = random_blocks<Format>(rng, num_rows * num_blocks, halves, 12, 18);
+    std::vector<float> w(num_rows * in_features);
+    for (int64_t i = 0; i < num_rows * num_blocks; ++i) Format::dequant(weight.data() + i * Format::kBytes, 0, w.data() + i * kBlockSize);
+    for (int num_tokens = 1; num_tokens <= 9; ++num_tokens) {
+      std::vector<float> x(num_tokens * in_features);
+      for (float& value : x) value = uniform(rng) * (rng() % 4 == 0 ? 100.f : 1.f);
+      std::fill(x.begin(), x.begin() + kBlockSize, 0.f);  // an all-zero block: d = 0
+      Int8Rows rows;
+      rows.num_blocks = num_blocks;
+      rows.q.resize(num_tokens * in_features);
+      rows.d.resize(num_tokens * num_blocks), rows.sum.resize(num_tokens * num_blocks);
+      rows.start.resize(num_tokens * num_blocks);
+      quantize_rows(x.data(), in_features, 0, num_tokens, 0, rows);
+      for (int64_t block = 0; block < num_tokens * num_blocks; ++block) {
+        const float* xb = x.data() + block * kBlockSize;
+        float amax = 0.f;
+        for (int j = 0; j < kBlockSize; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float d = amax / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
+        int total = 0;
+        for (int j = 0; j < kBlockSize; ++j) {
+          const int q = static_cast<int>(std::nearbyint(xb[j] * inverse));
+          total += q;
+          if (rows.q[block * kBlockSize + j] != q) {
+            fail("%s int8: block %lld feature %d quantized to %d, scalar %d", name, (long long)block, j,
+                 rows.q[block * kBlockSize + j], q);
+          }
+        }
+        if (bits_of(rows.d[block]) != bits_of(d) || bits_of(rows.sum[block]) != bits_of(d * static_cast<float>(total))) {
+          fail("%s int8: block %lld scale %g / sum %g, scalar %g / %g", name, (long long)block, rows.d[block],
+               rows.sum[block], d, d * static_cast<float>(total));
+        }
+      }
+      const int64_t out_stride = num_tokens;
+      std::vector<float> out(num_rows * out_stride);
+      for (int64_t n = 0; n < num_rows; ++n) {
+        const uint8_t* row = weight.data() + n * num_blocks * Format::kBytes;
+        for (int t0 = 0; t0 < num_tokens; t0 += 8) {
+          float* o = out.data() + n * out_stride + t0;
+          switch (std::min(8, num_tokens - t0)) {
+            case 1: dot_row_int8<Format, 1>(rows, t0, row, o, 1); break;
+            case 2: dot_row_int8<Format, 2>(rows, t0, row, o, 1); break;
+            case 3: dot_row_int8<Format, 3>(rows, t0, row, o, 1); break;
+            case 4: dot_row_int8<Format, 4>(rows, t0, row, o, 1); break;
+            case 5: dot_row_int8<Format, 5>(rows, t0, row, o, 1); break;
+            case 6: dot_row_int8<Format, 6>(rows, t0, row, o, 1); break;
+            case 7: dot_row_int8<Format, 7>(rows, t0, row, o, 1); break;
+            default: dot_row_int8<Format, 8>(rows, t0, row, o, 1); break;
+          }
+        }
+        for (int t = 0; t < num_tokens; ++t) {
+          double sum = 0, magnitude = 0;
+          for (int64_t k = 0; k < in_features; ++k) {
+            const int64_t block = t * num_blocks + k / kBlockSize;
+            const double product = static_cast<double>(w[n * in_features + k]) * rows.d[block] *
+                                   rows.q[t * in_features + k];
+            sum += product;
+            magnitude += std::fabs(product);
+          }
+          const float got = out[n * out_stride + t];
+          if (!(std::fabs(got - sum) <= 1e-5 * magnitude + 1e-30)) {
+            fail("%s int8, %lld features, %d tokens: out[%d, %lld] = %.9g, reference %.9g (sum |terms| %.6g)", name,
+                 (long long)in_features, num_tokens, t, (long long)n, got, sum, magnitude);
+          }
+          ++checked;
+        }
+      }
+    }
+  }
+  return checked;
+}
+#endif
+
 // Every e4m3 byte by its definition (sign, 4 exponent bits with bias 7, 3 mantissa bits;
 // exponent 0: subnormal), through rows of 1-70 bytes at each offset (the vector loops and
 // their scalar tails), times a factor; NaN bytes read as ±480 (never stored by the cache).
+// kv_rows.h's float16 rows: every half, in rows of 1-70 at each offset, times a factor,
+// against the bit-level conversion (NaNs quieted alike); then its fp8 rows.
+void check_fp16_rows() {
+  std::vector<uint16_t> halves(0x10000 + 70);
+  for (size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<uint16_t>(i * 40503u);  // odd: all of them
+  std::vector<float> out(70);
+  for (int n : {1, 7, 8, 9, 15, 16, 17, 33, 70}) {  // each vector loop, and their tails
+    for (int start = 0; start < 0x10000; start += n) {
+      const float factor = n % 2 ? 1.f : 0.75f;
+      pagedrs_cpu::fp16_row_to_float(halves.data() + start, out.data(), n, factor);
+      for (int i = 0; i < n; ++i) {
+        const float expected = fp16_bits_to_float(halves[start + i]) * factor;
+        if (bits_of(out[i]) != bits_of(expected)) {
+          fail("fp16_row_to_float: half 0x%04x (row of %d) = 0x%08x, bit-level 0x%08x", halves[start + i], n,
+               bits_of(out[i]), bits_of(expected));
+        }
+      }
+    }
+  }
+}
+
 void check_fp8() {
   std::vector<uint8_t> bytes(256 + 70);
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 37 + 11);
@@ -249,17 +354,32 @@ int main() {
   std::mt19937 rng(20251203);
   Counts counts;
   check_fp16();
+  check_fp16_rows();
   check_fp8();
   check<Q8_0>("Q8_0", {0}, rng, counts);
   check<Q4_0>("Q4_0", {0}, rng, counts);
   check<Q4_1>("Q4_1", {0, 2}, rng, counts);
   check<Q4_K>("Q4_K", {0, 2}, rng, counts);
   check<Q6_K>("Q6_K", {208}, rng, counts);
+  int64_t int8_outputs = 0;
+#ifdef PAGEDRS_QUANT_NEON
+  int8_outputs += check_int8<Q8_0>("Q8_0", {0}, rng);
+  int8_outputs += check_int8<Q4_0>("Q4_0", {0}, rng);
+  int8_outputs += check_int8<Q4_1>("Q4_1", {0, 2}, rng);
+#endif
   std::printf(
       "quant_blocks_check (%s): ok: Q8_0 Q4_0 Q4_1 Q4_K Q6_K, %d matmuls (1-9 tokens, 1/7/70 rows, %lld outputs) "
       "within 1e-5 of sum |x*w|, %lld vector dequants bit-exact%s, fp16 conversion of all 65536 halves, "
-      "fp8 (e4m3) conversion of all 256 bytes\n",
+      "float16 rows of all 65536 halves, fp8 (e4m3) rows of all 256 bytes, %lld int8-activation outputs (%s)\n",
       kPath, counts.matmuls, (long long)counts.outputs, (long long)counts.dequants,
-      counts.dequants ? "" : " (no vector path compiled)");
+      counts.dequants ? "" : " (no vector path compiled)", (long long)int8_outputs,
+#if defined(PAGEDRS_QUANT_NEON) && defined(__ARM_FEATURE_DOTPROD)
+      "sdot"
+#elif defined(PAGEDRS_QUANT_NEON)
+      "smull + sadalp"
+#else
+      "x86's are in quant_matmul.cpp"
+#endif
+  );
   return 0;
 }

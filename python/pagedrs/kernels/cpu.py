@@ -29,7 +29,7 @@ SOURCES = (
     "moe.cpp",
     "decoder_stack.cpp",
 )
-HEADERS = ("cpu_kernels.h", "quant_blocks.h", "fp8_e4m3.h")
+HEADERS = ("cpu_kernels.h", "quant_blocks.h", "kv_rows.h")
 
 
 def sources_dir() -> Path:
@@ -58,7 +58,9 @@ INT8_PATHS = {
     "avx512-vnni": "AVX-512 VNNI (vpdpbusd, 16 weight rows a register)",
     "avx-vnni": "AVX-VNNI (vpdpbusd, 8 weight rows a register)",
     "avx2": "AVX2 (maddubs + madd, one row at a time)",
-    "none": "not built (no AVX2): exact path",
+    "neon-dotprod": "NEON dot product (sdot, one row at a time)",
+    "neon": "NEON widening multiplies (smull + sadalp, one row at a time)",
+    "none": "not built (neither AVX2 nor NEON): exact path",
 }
 """What ``torch.ops.pagedrs_cpu.int8_activation_path()`` can name: the instructions of the
 opt-in int8-activation matmul in this build."""
