@@ -8,11 +8,12 @@ tensor-parallel shards of an FP8 layer put back together are the full weight; th
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from pagedrs import LLM, SamplingParams
 from pagedrs.checkpoint import ModelSource
@@ -283,3 +284,19 @@ def test_unsupported_checkpoints_and_fp8_on_a_gguf_are_refused(tmp_path, fp8_che
         load_weights(None, ModelSource(str(tmp_path), "model.gguf"), "fp8", torch.device("cpu"))
     with pytest.raises(ValueError, match="FP8 checkpoint"):
         LLM(fp8_checkpoint[0], quantization="int8")
+
+
+def test_calibrated_kv_cache_scales_are_refused_not_ignored(tmp_path):
+    """A checkpoint's calibrated ``k_scale`` / ``v_scale`` (an fp8 KV cache's scales): pagedrs
+    does not read them (its fp8 cache has a scale of 1.0, docs/cpu.md), so it refuses them at
+    load rather than run without them."""
+    directory = str(tmp_path)
+    write_fp8_checkpoint(directory, tiny_hf_llama(3))
+    save_word_tokenizer(directory, TINY["vocab_size"])
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.5)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected checkpoint tensor 'layers.0.self_attn.k_scale'"):
+        LLM(directory, kv_cache_memory="16MiB", kv_cache_dtype="fp8")
