@@ -771,10 +771,9 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                         dtype == key_caches[0].scalar_type() && cache->is_contiguous() && cache->dim() == 4 &&
                         cache->size(2) == num_kv_heads_ && cache->size(3) == head_size_ &&
                         cache->sizes() == key_caches[0].sizes(),
-                    "pagedrs_cpu: every cache must be contiguous float32, bfloat16, float16 or float8_e4m3fn (all "
-                    "one dtype) "
-                    "[num_blocks, block_size, ", num_kv_heads_, ", ", head_size_, "], got ", cache->sizes(), " ",
-                    dtype);
+                    "pagedrs_cpu: every cache must be contiguous float32, bfloat16, float16 or float8_e4m3fn "
+                    "(all one dtype) [num_blocks, block_size, ", num_kv_heads_, ", ", head_size_, "], got ",
+                    cache->sizes(), " ", dtype);
       }
     }
     TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&

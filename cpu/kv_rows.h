@@ -35,7 +35,9 @@ inline float fp16_value(uint16_t half) {
   if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
     return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, static_cast<float>(mantissa) * 0x1p-24f) | sign);
   }
-  if (exponent == 0x1F) return __builtin_bit_cast(float, sign | 0x7F800000u | (mantissa << 13) | (mantissa ? 0x00400000u : 0));
+  if (exponent == 0x1F) {  // infinity or NaN (quieted)
+    return __builtin_bit_cast(float, sign | 0x7F800000u | (mantissa << 13) | (mantissa ? 0x00400000u : 0));
+  }
   return __builtin_bit_cast(float, sign | ((exponent + 112) << 23) | (mantissa << 13));
 #endif
 }

@@ -4,7 +4,8 @@
 // dequant against the scalar one bit for bit, fp16_to_float against the bit-level conversion
 // for all 65536 halves, kv_rows.h's row conversions (a float16 or fp8 KV cache's) against e4m3's
 // definition for every byte, and on aarch64 the int8-activation kernels (quantization and
-// integer dot products, with sdot or without) against scalar references. make neon-check runs it for aarch64 under qemu-user and natively.
+// integer dot products, with sdot or without) against scalar references. make neon-check runs it
+// for aarch64 under qemu-user and natively.
 // Exits 1 at the first mismatch.
 // HasAvx2Dequant takes the address of a function of __m256 values: GCC (with AVX2) warns that
 // their alignment attribute is dropped there, which is harmless.
@@ -225,7 +226,9 @@ int64_t check_int8(const char* name, std::initializer_list<int> halves, std::mt1
     const int64_t in_features = num_blocks * kBlockSize, num_rows = 5;
     const std::vector<uint8_t> weight = random_blocks<Format>(rng, num_rows * num_blocks, halves, 12, 18);
     std::vector<float> w(num_rows * in_features);
-    for (int64_t i = 0; i < num_rows * num_blocks; ++i) Format::dequant(weight.data() + i * Format::kBytes, 0, w.data() + i * kBlockSize);
+    for (int64_t i = 0; i < num_rows * num_blocks; ++i) {
+      Format::dequant(weight.data() + i * Format::kBytes, 0, w.data() + i * kBlockSize);
+    }
     for (int num_tokens = 1; num_tokens <= 9; ++num_tokens) {
       std::vector<float> x(num_tokens * in_features);
       for (float& value : x) value = uniform(rng) * (rng() % 4 == 0 ? 100.f : 1.f);
@@ -250,9 +253,10 @@ int64_t check_int8(const char* name, std::initializer_list<int> halves, std::mt1
                  rows.q[block * kBlockSize + j], q);
           }
         }
-        if (bits_of(rows.d[block]) != bits_of(d) || bits_of(rows.sum[block]) != bits_of(d * static_cast<float>(total))) {
+        const float sum = d * static_cast<float>(total);
+        if (bits_of(rows.d[block]) != bits_of(d) || bits_of(rows.sum[block]) != bits_of(sum)) {
           fail("%s int8: block %lld scale %g / sum %g, scalar %g / %g", name, (long long)block, rows.d[block],
-               rows.sum[block], d, d * static_cast<float>(total));
+               rows.sum[block], d, sum);
         }
       }
       const int64_t out_stride = num_tokens;
