@@ -96,3 +96,24 @@ def test_the_start_log_names_the_kernel_paths_and_the_approximations(tiny_llama,
     if cpu_kernels_available():
         assert any(message.startswith("CPU kernels for ") and "packed matmul" in message for message in messages)
     assert "approximate arithmetic asked for: KV cache float16, activations none" in messages
+
+
+@pytest.mark.parametrize("cache_dtype", ["float16", "fp8"])
+def test_a_cached_prefix_in_a_smaller_cache_gives_what_recomputing_it_gives(tiny_llama, cache_dtype):
+    """Prefix reuse stays exact under a rounded cache: a prompt's own chunks read their keys and
+    values back from the cache, rounded, so blocks another request left there hold the very
+    values a recomputation would."""
+    shape = {"kv_cache_memory": 64 * 2**10, "block_size": 4, "max_num_batched_tokens": 8, "max_num_seqs": 4}
+    cached = LLM(tiny_llama, **shape, kv_cache_dtype=cache_dtype)
+    fresh = LLM(tiny_llama, **shape, kv_cache_dtype=cache_dtype, enable_prefix_caching=False)
+    prompt = list(range(10, 40))
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    first = cached.generate([prompt], params, use_tqdm=False)[0]
+    again = cached.generate([prompt + [77]], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 28
+    expected = fresh.generate([prompt + [77]], params, use_tqdm=False)[0]
+    assert first.outputs[0].token_ids  # the first request ran
+    assert again.outputs[0].token_ids == expected.outputs[0].token_ids
+    ours = [entry[token].logprob for entry, token in zip(again.outputs[0].logprobs, again.outputs[0].token_ids)]
+    theirs = [entry[token].logprob for entry, token in zip(expected.outputs[0].logprobs, expected.outputs[0].token_ids)]
+    assert ours == pytest.approx(theirs, abs=1e-5)
