@@ -100,7 +100,8 @@ cpu-isa-check: cpu-kernels
 # The packed matmul's formats and per-row kernel (cpu/quant_blocks.h) against their scalar
 # dequant, the fp8 KV cache's conversion and NEON's int8-activation kernels, cross-compiled for
 # aarch64 (with and without the dot product, sdot) and run under qemu-user, then natively
-# (this machine's x86 path): cpu/tests/quant_blocks_check.cpp, no torch needed; then
+# (this machine's x86 path, and the scalar code of plain x86-64), with the extension's
+# floating-point flags: cpu/tests/quant_blocks_check.cpp, no torch needed; then
 # quant_matmul.cpp and paged_attention.cpp compiled for aarch64 (object code only: there is no
 # aarch64 torch to run them). Installs the cross compiler and qemu (Debian packages) once if they
 # are missing. No -Wall natively: GCC 12's own AVX-512 headers warn there (their
@@ -118,13 +119,15 @@ neon-check:
 			exit 1; }; done; \
 	fi
 	@dir=$$(mktemp -d) || exit 1; trap 'rm -rf "$$dir"' EXIT; \
-	aarch64-linux-gnu-g++ -O2 -std=c++17 -march=armv8.2-a -static -Wall -Wextra \
+	flags="-O3 -ffp-contract=fast -fno-trapping-math -std=c++17"; \
+	aarch64-linux-gnu-g++ $$flags -march=armv8.2-a -static -Wall -Wextra \
 		-o $$dir/aarch64 cpu/tests/quant_blocks_check.cpp & cross=$$!; \
-	aarch64-linux-gnu-g++ -O2 -std=c++17 -march=armv8.2-a+dotprod -static -Wall -Wextra \
+	aarch64-linux-gnu-g++ $$flags -march=armv8.2-a+dotprod -static -Wall -Wextra \
 		-o $$dir/aarch64-dotprod cpu/tests/quant_blocks_check.cpp & dotprod=$$!; \
-	g++ -O2 -std=c++17 -march=native -o $$dir/native cpu/tests/quant_blocks_check.cpp; native=$$?; \
+	g++ $$flags -march=native -o $$dir/native cpu/tests/quant_blocks_check.cpp && \
+		g++ $$flags -march=x86-64 -o $$dir/scalar cpu/tests/quant_blocks_check.cpp; native=$$?; \
 	wait $$cross && wait $$dotprod && [ $$native = 0 ] && qemu-aarch64 $$dir/aarch64 && \
-		qemu-aarch64 $$dir/aarch64-dotprod && $$dir/native
+		qemu-aarch64 $$dir/aarch64-dotprod && $$dir/native && $$dir/scalar
 	@echo "neon-check: cpu/quant_matmul.cpp (with and without sdot) and cpu/paged_attention.cpp for aarch64, against torch's headers"
 	@includes="$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))") \
 		-I$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])")"; \

@@ -27,6 +27,7 @@ import torch
 from pagedrs.attention import cpu_backend
 from pagedrs.attention.cpu_backend import CpuAttentionMetadata
 from pagedrs.attention.torch_ref import AttentionMetadata
+from pagedrs.config import resolve_kv_cache_dtype
 from pagedrs.engine.host_memory import retain_freed_host_memory
 from pagedrs.kernels.cpu import load
 
@@ -66,9 +67,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp8"])
+    parser.add_argument(
+        "--cache-dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp8", "fp8_e4m3"]
+    )
     args = parser.parse_args()
-    cache_dtype = torch.float8_e4m3fn if args.cache_dtype == "fp8" else getattr(torch, args.cache_dtype)
+    cache_dtype = resolve_kv_cache_dtype(args.cache_dtype, torch.float32, torch.device("cpu"))
     if args.threads:
         torch.set_num_threads(args.threads)
     retain_freed_host_memory()  # as the engine does: no page faults on every call's temporaries

@@ -63,12 +63,16 @@ LLAMA_CPP = textwrap.dedent(
 
 def make_jobs(mixed: int) -> list[tuple[str | list[int], int]]:
     """The requests of one run: the fixed prompt alone, or ``mixed`` seeded mixed-length ones
-    (the `mixed-lengths` preset's lengths, drawn by `pagedrs bench`'s own generator)."""
+    (the `mixed-lengths` preset's lengths, drawn by `pagedrs bench`'s own generator; token ids
+    from 1000 to 40000, as recorded in docs/bench)."""
     if mixed == 0:
         return [(PROMPT, NUM_TOKENS)]
-    from pagedrs.bench.workloads import Lengths, generate
+    from pagedrs.bench.workloads import PRESETS, Lengths, generate
 
-    specs = generate(mixed, Lengths(16, 64), Lengths(8, 256), seed=0, token_range=(1000, 40000))
+    preset = PRESETS["mixed-lengths"]
+    specs = generate(
+        mixed, Lengths.parse(preset.input_len), Lengths.parse(preset.output_len), seed=0, token_range=(1000, 40000)
+    )
     return [(spec.prompt, spec.output_len) for spec in specs]
 
 

@@ -20,12 +20,18 @@ namespace pagedrs_cpu {
 // ---------------------------------------------------------------------------------------------
 // An fp8 (e4m3) KV cache (--kv-cache-dtype fp8): scale 1.0, as vLLM's without calibrated scales.
 // Rows are clamped to the largest finite e4m3 value and rounded by c10's conversion (torch's
-// own, so the decoder stack and Python's write_kv store the same bytes); they are read back by
-// kv_rows.h.
+// own, so the decoder stack and Python's write_kv store the same bytes; NaN stays NaN); they are
+// read back by kv_rows.h.
 
 constexpr float kFp8Max = 448.f;
 
 inline c10::Float8_e4m3fn to_fp8(float x) { return c10::Float8_e4m3fn(std::clamp(x, -kFp8Max, kFp8Max)); }
+
+// The dtypes a KV cache may have (the attention kernel and the decoder stack read them all as
+// float32).
+inline bool is_kv_cache_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat8_e4m3fn;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Registered ops (schemas in torch_bindings.cpp)

@@ -765,9 +765,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     for (size_t l = 0; l < layers_.size(); ++l) {
       for (const at::Tensor* cache : {&key_caches[l], &value_caches[l]}) {
         const auto dtype = cache->scalar_type();
-        const bool readable =
-            dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat8_e4m3fn;
-        TORCH_CHECK(cache->device().is_cpu() && readable &&
+        TORCH_CHECK(cache->device().is_cpu() && pagedrs_cpu::is_kv_cache_dtype(dtype) &&
                         dtype == key_caches[0].scalar_type() && cache->is_contiguous() && cache->dim() == 4 &&
                         cache->size(2) == num_kv_heads_ && cache->size(3) == head_size_ &&
                         cache->sizes() == key_caches[0].sizes(),

@@ -441,7 +441,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == value_cache.scalar_type(),
               "pagedrs_cpu: key_cache and value_cache differ in shape or dtype");
   const auto dtype = key_cache.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat8_e4m3fn,
+  TORCH_CHECK(pagedrs_cpu::is_kv_cache_dtype(dtype),
               "pagedrs_cpu: paged_attention supports float32, bfloat16, float16 and float8_e4m3fn caches, got ",
               dtype);
   check_rows(query, "query", key_cache);

@@ -1,18 +1,20 @@
 // The packed GGUF block formats and the per-row matmul kernel of quant_matmul.cpp (layouts,
 // values, instruction sets and the work split: its header comment), kept free of torch so that
 // cpu/tests/quant_blocks_check.cpp can test them where there is no torch for the target: aarch64
-// under qemu-user (make neon-check). Everything is in an anonymous namespace, as it was inside
-// quant_matmul.cpp: each source that includes it has its own copy.
+// under qemu-user (make neon-check), with NEON's int8-activation kernels. Everything is in an
+// anonymous namespace, as it was inside quant_matmul.cpp: each source that includes it has its
+// own copy. The fp16 conversion is kv_rows.h's.
 #pragma once
+
+#include "kv_rows.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
-#if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__AVX2__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -33,41 +35,13 @@ constexpr int kBlockSize = 32;   // weights one dequant call makes: a block, or 
 constexpr int kTokenTile = 8;    // tokens that share one dequantization of a weight block
 constexpr int kRowChunk = 64;    // weight rows walked by every token tile before the next rows
 
-// fp16 bits as a float, exactly, where neither F16C nor __fp16 converts them (and the harness's
-// reference for those that do): a NaN keeps its payload and comes back quiet, as vcvtph2ps and
-// fcvt return it.
-inline float fp16_bits_to_float(uint16_t half) {
-  const uint32_t sign = static_cast<uint32_t>(half & 0x8000) << 16;
-  const uint32_t exponent = (half >> 10) & 0x1F, mantissa = half & 0x3FF;
-  uint32_t bits;
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, a normal float (exact)
-    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
-    std::memcpy(&bits, &magnitude, sizeof(bits));
-    bits |= sign;
-  } else if (exponent == 0x1F) {
-    bits = sign | 0x7F800000 | (mantissa << 13) | (mantissa != 0 ? 0x00400000 : 0);
-  } else {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  }
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
+using pagedrs_cpu::fp16_bits_to_float;  // kv_rows.h: the conversions shared with the KV cache's rows
 
+// A block's fp16 field (unaligned) as a float.
 inline float fp16_to_float(const uint8_t* p) {
-#if defined(__F16C__)
   uint16_t bits;
   std::memcpy(&bits, p, sizeof(bits));
-  return _cvtsh_ss(bits);
-#elif defined(__aarch64__)
-  __fp16 half;  // IEEE binary16 on aarch64; converts with fcvt
-  std::memcpy(&half, p, sizeof(half));
-  return half;
-#else
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return fp16_bits_to_float(bits);
-#endif
+  return pagedrs_cpu::fp16_value(bits);
 }
 
 #ifdef PAGEDRS_QUANT_NEON
@@ -81,13 +55,21 @@ inline void bytes_to_float_neon(int8x16_t bytes, float32x4_t* q) {
   q[3] = vcvtq_f32_s32(vmovl_high_s16(hi));
 }
 
-// The 32 nibbles of a Q4 block less `zero`, weights in order: the low halves of bytes 0..15, then
-// their high halves.
-inline void nibbles_to_float_neon(const uint8_t* qs, int8_t zero, float32x4_t (&q)[8]) {
+// The 32 nibbles of a Q4 block less `zero` as signed bytes, weights in order: the low halves of
+// bytes 0..15 (lo), then their high halves (hi).
+inline void nibble_bytes_neon(const uint8_t* qs, int8_t zero, int8x16_t& lo, int8x16_t& hi) {
   const uint8x16_t bytes = vld1q_u8(qs);
   const int8x16_t z = vdupq_n_s8(zero);
-  bytes_to_float_neon(vsubq_s8(vreinterpretq_s8_u8(vandq_u8(bytes, vdupq_n_u8(0x0F))), z), q);
-  bytes_to_float_neon(vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(bytes, 4)), z), q + 4);
+  lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(bytes, vdupq_n_u8(0x0F))), z);
+  hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(bytes, 4)), z);
+}
+
+// The same as floats.
+inline void nibbles_to_float_neon(const uint8_t* qs, int8_t zero, float32x4_t (&q)[8]) {
+  int8x16_t lo, hi;
+  nibble_bytes_neon(qs, zero, lo, hi);
+  bytes_to_float_neon(lo, q);
+  bytes_to_float_neon(hi, q + 4);
 }
 #endif
 
@@ -607,12 +589,10 @@ inline void block_bytes_neon(const uint8_t* block, int8x16_t& lo, int8x16_t& hi)
   if constexpr (std::is_same_v<Format, Q8_0>) {
     lo = vld1q_s8(reinterpret_cast<const int8_t*>(block + 2));
     hi = vld1q_s8(reinterpret_cast<const int8_t*>(block + 18));
+  } else if constexpr (std::is_same_v<Format, Q4_0>) {
+    nibble_bytes_neon(block + 2, 8, lo, hi);
   } else {
-    constexpr bool kCentred = std::is_same_v<Format, Q4_0>;
-    const uint8x16_t packed = vld1q_u8(block + (kCentred ? 2 : 4));
-    const int8x16_t zero = vdupq_n_s8(kCentred ? 8 : 0);
-    lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(packed, vdupq_n_u8(0x0F))), zero);
-    hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(packed, 4)), zero);
+    nibble_bytes_neon(block + 4, 0, lo, hi);
   }
 }
 
@@ -631,12 +611,13 @@ inline void dot_row_int8(const Int8Rows& rows, int64_t t0, const uint8_t* __rest
     int8x16_t w_lo, w_hi;
     block_bytes_neon<Format>(block, w_lo, w_hi);
     const float dw = fp16_to_float(block);
+    const float minimum = std::is_same_v<Format, Q4_1> ? fp16_to_float(block + 2) : 0.f;
     for (int t = 0; t < kTokens; ++t) {
       const int64_t at = (t0 + t) * num_blocks + b;
       const int8_t* q = rows.q.data() + at * kBlockSize;
       const int32x4_t dot = dot_bytes_neon(dot_bytes_neon(vdupq_n_s32(0), w_lo, vld1q_s8(q)), w_hi, vld1q_s8(q + 16));
       acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(dot), dw * rows.d[at]);
-      if constexpr (std::is_same_v<Format, Q4_1>) minimums[t] += fp16_to_float(block + 2) * rows.sum[at];
+      if constexpr (std::is_same_v<Format, Q4_1>) minimums[t] += minimum * rows.sum[at];
     }
   }
   for (int t = 0; t < kTokens; ++t) out[t * out_stride] = vaddvq_f32(acc[t]) + minimums[t];

@@ -70,9 +70,6 @@
 #include <utility>
 #include <vector>
 
-#ifdef __AVX2__
-#include <immintrin.h>  // the int8 path
-#endif
 
 namespace {
 
@@ -484,6 +481,7 @@ inline void dot_row_int8(const Int8Rows& rows, int64_t t0, const uint8_t* __rest
     const uint8_t* block = row + b * Format::kBytes;
     const __m256i w = block_bytes<Format>(block);
     const __m256 dw = _mm256_set1_ps(fp16_to_float(block));
+    const float minimum = kUnsigned ? fp16_to_float(block + 2) : 0.f;
     // maddubs multiplies unsigned by signed bytes: signed weights go in as |w|, their signs
     // moved onto the activations.
     const __m256i w_unsigned = kUnsigned ? w : _mm256_sign_epi8(w, w);
@@ -494,7 +492,7 @@ inline void dot_row_int8(const Int8Rows& rows, int64_t t0, const uint8_t* __rest
       const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w_unsigned, q), ones);
       const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(rows.d.data() + at));
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[t]);
-      if constexpr (kUnsigned) minimums[t] += fp16_to_float(block + 2) * rows.sum[at];
+      if constexpr (kUnsigned) minimums[t] += minimum * rows.sum[at];
     }
   }
   for (int t = 0; t < kTokens; ++t) out[t * out_stride] = hsum_avx2(acc[t]) + minimums[t];
@@ -502,7 +500,8 @@ inline void dot_row_int8(const Int8Rows& rows, int64_t t0, const uint8_t* __rest
 
 #endif  // PAGEDRS_INT8_VNNI
 #elif defined(PAGEDRS_QUANT_NEON)
-// quantize_rows and dot_row_int8 are NEON's (quant_blocks.h): sdot with ARMv8.2's dot product.
+// quantize_rows and dot_row_int8 are NEON's (quant_blocks.h): sdot with ARMv8.2's dot product,
+// smull + sadalp without it.
 #define PAGEDRS_INT8_ACTIVATIONS 1
 #if defined(__ARM_FEATURE_DOTPROD)
 constexpr const char* kInt8Path = "neon-dotprod";
@@ -556,7 +555,7 @@ bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_
 #ifdef PAGEDRS_INT8_VNNI
   const int32_t weight_zero = ggml_type == kQ8_0 ? kWeightZero<Q8_0> : ggml_type == kQ4_0 ? kWeightZero<Q4_0> : 0;
 #else
-  const int32_t weight_zero = 0;  // maddubs takes the weights as they are
+  const int32_t weight_zero = 0;  // maddubs and sdot take the weights as they are
 #endif
   at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
     quantize_rows(x, in_features, begin, end, weight_zero, rows);

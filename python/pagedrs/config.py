@@ -361,17 +361,16 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torc
 
     if kv_cache_dtype == "auto":
         return dtype
-    chosen = {
+    by_name = {
         "float32": torch.float32,
         "bfloat16": torch.bfloat16,
         "float16": torch.float16,
         "fp8": torch.float8_e4m3fn,
         "fp8_e4m3": torch.float8_e4m3fn,
-    }.get(kv_cache_dtype)
+    }
+    chosen = by_name.get(kv_cache_dtype)
     if chosen is None:
-        raise ValueError(
-            f"kv_cache_dtype must be auto, float32, bfloat16, float16, fp8 or fp8_e4m3, got {kv_cache_dtype!r}"
-        )
+        raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(by_name)}, got {kv_cache_dtype!r}")
     if chosen == dtype:
         return chosen
     if device.type != "cpu" or dtype != torch.float32:

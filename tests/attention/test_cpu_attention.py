@@ -249,3 +249,6 @@ def test_the_kernel_reads_every_fp8_byte_as_torch_does():
     cu_seqlens_q = torch.arange(5, dtype=torch.int32)
     load().paged_attention(out, query, key_cache, value_cache, blocks, cu_seqlens_q, ones, 0.125, 0, 0.0, None)
     assert torch.equal(out.view(4, 64), value_cache.float().view(4, 64))
+    # The SDPA chunks' conversion of gathered blocks: every byte, NaNs (0x7F, 0xFF) as NaN, as torch.
+    every_byte = torch.arange(256, dtype=torch.uint8).repeat(3)[1:].view(torch.float8_e4m3fn)  # odd length: tails
+    torch.testing.assert_close(load().fp8_as_float(every_byte), every_byte.float(), rtol=0, atol=0, equal_nan=True)

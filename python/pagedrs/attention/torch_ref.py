@@ -124,19 +124,6 @@ class AttentionMetadata:
         return paged_attention(query, key, value, key_cache, value_cache, self, scale, softcap, sinks)
 
 
-FP8_MAX = 448.0
-"""The largest finite e4m3 value: an fp8 cache's rows are clamped to it before rounding (the
-cache's scale is 1.0, as vLLM's without calibrated scales)."""
-
-
-def cache_rows(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """``rows`` rounded to the cache's dtype (an e4m3 cache's clamped to ``FP8_MAX`` first,
-    as the compiled decoder stack stores them)."""
-    if cache_dtype == torch.float8_e4m3fn:
-        return rows.float().clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
-    return rows.to(cache_dtype)
-
-
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -145,13 +132,16 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Writes ``[T, KVH, D]`` keys/values into ``[num_blocks, block_size, KVH, D]`` caches
-    (rounded to the caches' dtype where it differs: a 16-bit or fp8 cache of a float32 model)."""
+    (rounded to the caches' dtype where it differs: a 16-bit or fp8 cache of a float32 model; an
+    fp8 cache's rows clamped to e4m3's largest value first, scale 1.0, as the compiled decoder
+    stack stores them)."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     for rows, cache in ((key, key_cache), (value, value_cache)):
-        rows = cache_rows(rows, cache.dtype)
-        if cache.dtype == torch.float8_e4m3fn:  # torch's CPU index_copy_ has no fp8: copy the bytes
-            rows, cache = rows.view(torch.uint8), cache.view(torch.uint8)
-        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, rows)
+        if cache.dtype == torch.float8_e4m3fn:
+            largest = torch.finfo(torch.float8_e4m3fn).max
+            # torch's CPU index_copy_ has no fp8: the bytes are copied.
+            rows, cache = rows.clamp(-largest, largest).to(cache.dtype).view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, rows.to(cache.dtype))
 
 
 def attend_gathered(
