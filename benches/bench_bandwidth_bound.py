@@ -1,0 +1,163 @@
+"""Single-stream decode of the default model against this machine's memory-bandwidth bound.
+
+The bound: a decode step reads every weight once (the layers' linears and norms, and the head;
+of an untied embedding table only one row), so no step can be shorter than those bytes over
+the machine's read bandwidth. Measured here, in one run:
+
+- read bandwidth (`read_bandwidth`, on the threads given): over a working set as large as the
+  weights (the bound's), and over 1 GiB (memory's: before and after the decode runs, the larger;
+  reported beside it). Where the last-level cache holds the weights (the 480 MiB L3 of the
+  Sapphire Rapids VM of 2026-12-04), the first is the cache's and far above the second;
+- weight bytes a token: every parameter and buffer of the loaded model, as stored (packed GGUF
+  blocks count their bytes), less an untied embedding table;
+- for each activation path (exact, int8): the decode step alone (the median of ``--steps``
+  `LLMEngine.step` calls of one sequence, after 18 prompt tokens) and the rate a user sees (128
+  new tokens a request, prefill included, the median of 3 requests), greedy and at temperature
+  1.0. Each is also stated as a share of the bound.
+
+Run on an idle machine:
+
+    .venv/bin/python benches/bench_bandwidth_bound.py [--threads 2] [--activations none,int8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from pagedrs import LLM, SamplingParams
+from pagedrs.kernels import cpu as cpu_kernels
+
+PROMPT_TOKENS = list(range(1000, 1018))
+NEW_TOKENS = 128
+SETTINGS = {
+    "greedy": SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+    "t1.0": SamplingParams(temperature=1.0, seed=1, max_tokens=NEW_TOKENS, ignore_eos=True),
+}
+
+
+def read_bandwidth(num_bytes: int, repeats: int = 20) -> float:
+    """Bytes a second read by passes over ``num_bytes`` of float32, the fastest of ``repeats``
+    passes by each of two readers (a sum; a dot product of the tensor with itself, which reads
+    it faster on some machines). The same data is read pass after pass, as a decode step
+    rereads the weights: a working set that fits in a large last-level cache is read from it."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    readers = [data.sum, lambda: torch.dot(data, data)]
+    best = 0.0
+    for read in readers:
+        read()  # pages faulted in, code warm
+        for _ in range(repeats):
+            start = time.perf_counter()
+            read()
+            best = max(best, data.numel() * data.element_size() / (time.perf_counter() - start))
+    return best
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes a decode step reads of the model's tensors: all of them once, but an untied
+    embedding table (one row of it is read)."""
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", None) is not None and embed is not None:
+        for t in list(embed.parameters()) + list(embed.buffers()):
+            tensors.pop(id(t), None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def step_ms(llm: LLM, params: SamplingParams, steps: int) -> float:
+    """The median decode step of one sequence, in ms."""
+    engine = llm.engine
+    decode = dataclasses.replace(params, max_tokens=steps + 8)
+    engine.add_request("bound", PROMPT_TOKENS, decode)
+    for _ in range(4):  # the prefill and a few steps before timing
+        engine.step()
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        seconds.append(time.perf_counter() - start)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return statistics.median(seconds) * 1e3
+
+
+def request_rate(llm: LLM, params: SamplingParams, runs: int = 3) -> float:
+    """New tokens a second of one request (prefill included), the median of ``runs``."""
+    rates = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": PROMPT_TOKENS}], params, use_tqdm=False)
+        rates.append(NEW_TOKENS / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--activations", default="none,int8", help="cpu_activation_quantization values")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--json", default=None, help="write the results here too")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    gib = 1 << 30
+    before = read_bandwidth(gib, repeats=10)
+    measured: dict[str, dict[str, tuple[float, float]]] = {}  # path: setting: (step ms, request tok/s)
+    weight_bytes = 0
+    for activations in args.activations.split(","):
+        llm = LLM(kv_cache_memory="512MiB", cpu_activation_quantization=activations)
+        weight_bytes = weight_bytes_per_token(llm.engine.runner.model)
+        llm.generate([{"prompt_token_ids": PROMPT_TOKENS}], SamplingParams(max_tokens=8), use_tqdm=False)
+        measured[activations] = {
+            name: (step_ms(llm, params, args.steps), request_rate(llm, params)) for name, params in SETTINGS.items()
+        }
+        del llm
+    memory = max(before, read_bandwidth(gib, repeats=10))
+    bandwidth = read_bandwidth(weight_bytes)
+    bound_ms = weight_bytes / bandwidth * 1e3
+    record = {
+        "cpu": platform.processor() or platform.machine(),
+        "kernels": cpu_kernels.describe(),
+        "threads": args.threads,
+        "read_bandwidth_GBps": {"weights_sized": round(bandwidth / 1e9, 2), "1GiB": round(memory / 1e9, 2)},
+        "weight_MB_per_token": round(weight_bytes / 1e6, 2),
+        "bound_ms": round(bound_ms, 3),
+        "paths": {
+            activations: {
+                name: {
+                    "step_ms": round(step, 3),
+                    "step_share_of_bound": round(bound_ms / step, 3),
+                    "request_tok_per_s": round(rate, 1),
+                    "request_share_of_bound": round(rate * bound_ms / 1e3, 3),
+                }
+                for name, (step, rate) in settings.items()
+            }
+            for activations, settings in measured.items()
+        },
+    }
+    print(record["kernels"])
+    print(
+        f"read bandwidth ({args.threads} threads): {bandwidth / 1e9:.1f} GB/s over {weight_bytes / 1e6:.1f} MB (the "
+        f"weights a token), {memory / 1e9:.1f} GB/s over 1 GiB; bound {bound_ms:.3f} ms ({1e3 / bound_ms:.0f} tok/s); "
+        f"against 1 GiB's bandwidth the shares would be x{bandwidth / memory:.2f}"
+    )
+    print(f"{'path':<6} {'setting':<7} {'step ms':>8} {'share':>6} {'request tok/s':>14} {'share':>6}")
+    for activations, path in record["paths"].items():
+        for name, row in path.items():
+            print(
+                f"{activations:<6} {name:<7} {row['step_ms']:>8.2f} {row['step_share_of_bound']:>6.0%} "
+                f"{row['request_tok_per_s']:>14.1f} {row['request_share_of_bound']:>6.0%}"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
