@@ -13,7 +13,8 @@ the machine's read bandwidth. Measured here, in one run:
 - for each activation path (exact, int8): the decode step alone (the median of ``--steps``
   `LLMEngine.step` calls of one sequence, after 18 prompt tokens) and the rate a user sees (128
   new tokens a request, prefill included, the median of 3 requests), greedy and at temperature
-  1.0. Each is also stated as a share of the bound.
+  1.0. Each is also stated as a share of the bound; the step is split into its decoder layers
+  (the compiled stack's call), the head and the rest (embedding, final norm, sampler, Python).
 
 Run on an idle machine:
 
@@ -34,6 +35,7 @@ from torch import nn
 
 from pagedrs import LLM, SamplingParams
 from pagedrs.kernels import cpu as cpu_kernels
+from pagedrs.models.cpu_stack import CpuDecoderStack
 
 PROMPT_TOKENS = list(range(1000, 1018))
 NEW_TOKENS = 128
@@ -41,6 +43,17 @@ SETTINGS = {
     "greedy": SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
     "t1.0": SamplingParams(temperature=1.0, seed=1, max_tokens=NEW_TOKENS, ignore_eos=True),
 }
+
+
+def cpu_name() -> str:
+    """The CPU's model name, family and model (Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        fields = {key.strip(): value.strip() for key, value in fields.items()}
+        return f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
+    except (OSError, KeyError):
+        return platform.processor() or platform.machine()
 
 
 def read_bandwidth(num_bytes: int, repeats: int = 20) -> float:
@@ -71,21 +84,55 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def step_ms(llm: LLM, params: SamplingParams, steps: int) -> float:
-    """The median decode step of one sequence, in ms."""
+class PartTimer:
+    """Adds up the seconds spent in chosen methods (patched on their classes while it lives)."""
+
+    def __init__(self, **methods: tuple[type, str]):
+        self.seconds = dict.fromkeys(methods, 0.0)
+        self._originals = [(cls, name, getattr(cls, name)) for cls, name in methods.values()]
+        for part, (cls, name) in methods.items():
+            setattr(cls, name, self._timed(part, getattr(cls, name)))
+
+    def _timed(self, part: str, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+
+        return timed
+
+    def restore(self) -> None:
+        for cls, name, method in self._originals:
+            setattr(cls, name, method)
+
+
+def step_ms(llm: LLM, params: SamplingParams, steps: int) -> dict[str, float]:
+    """The median decode step of one sequence and the medians of its parts (the decoder
+    layers, the head, the rest), in ms."""
     engine = llm.engine
     decode = dataclasses.replace(params, max_tokens=steps + 8)
     engine.add_request("bound", PROMPT_TOKENS, decode)
     for _ in range(4):  # the prefill and a few steps before timing
         engine.step()
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        seconds.append(time.perf_counter() - start)
+    timer = PartTimer(layers=(CpuDecoderStack, "__call__"), head=(type(engine.runner.model), "compute_logits"))
+    parts: dict[str, list[float]] = {"step": [], "layers": [], "head": [], "rest": []}
+    try:
+        for _ in range(steps):
+            timer.seconds = dict.fromkeys(timer.seconds, 0.0)
+            start = time.perf_counter()
+            engine.step()
+            step = time.perf_counter() - start
+            parts["step"].append(step)
+            parts["layers"].append(timer.seconds["layers"])
+            parts["head"].append(timer.seconds["head"])
+            parts["rest"].append(step - timer.seconds["layers"] - timer.seconds["head"])
+    finally:
+        timer.restore()
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(seconds) * 1e3
+    return {part: statistics.median(values) * 1e3 for part, values in parts.items()}
 
 
 def request_rate(llm: LLM, params: SamplingParams, runs: int = 3) -> float:
@@ -108,7 +155,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gib = 1 << 30
     before = read_bandwidth(gib, repeats=10)
-    measured: dict[str, dict[str, tuple[float, float]]] = {}  # path: setting: (step ms, request tok/s)
+    measured: dict[str, dict[str, tuple[dict[str, float], float]]] = {}  # path: setting: (step parts, tok/s)
     weight_bytes = 0
     for activations in args.activations.split(","):
         llm = LLM(kv_cache_memory="512MiB", cpu_activation_quantization=activations)
@@ -122,7 +169,7 @@ def main() -> None:
     bandwidth = read_bandwidth(weight_bytes)
     bound_ms = weight_bytes / bandwidth * 1e3
     record = {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "kernels": cpu_kernels.describe(),
         "threads": args.threads,
         "read_bandwidth_GBps": {"weights_sized": round(bandwidth / 1e9, 2), "1GiB": round(memory / 1e9, 2)},
@@ -131,8 +178,9 @@ def main() -> None:
         "paths": {
             activations: {
                 name: {
-                    "step_ms": round(step, 3),
-                    "step_share_of_bound": round(bound_ms / step, 3),
+                    "step_ms": round(step["step"], 3),
+                    "step_parts_ms": {part: round(step[part], 3) for part in ("layers", "head", "rest")},
+                    "step_share_of_bound": round(bound_ms / step["step"], 3),
                     "request_tok_per_s": round(rate, 1),
                     "request_share_of_bound": round(rate * bound_ms / 1e3, 3),
                 }
@@ -147,11 +195,17 @@ def main() -> None:
         f"weights a token), {memory / 1e9:.1f} GB/s over 1 GiB; bound {bound_ms:.3f} ms ({1e3 / bound_ms:.0f} tok/s); "
         f"against 1 GiB's bandwidth the shares would be x{bandwidth / memory:.2f}"
     )
-    print(f"{'path':<6} {'setting':<7} {'step ms':>8} {'share':>6} {'request tok/s':>14} {'share':>6}")
+    print(record["cpu"])
+    print(
+        f"{'path':<6} {'setting':<7} {'step ms':>8} {'layers':>7} {'head':>6} {'rest':>6} {'share':>6} "
+        f"{'request tok/s':>14} {'share':>6}"
+    )
     for activations, path in record["paths"].items():
         for name, row in path.items():
+            parts = row["step_parts_ms"]
             print(
-                f"{activations:<6} {name:<7} {row['step_ms']:>8.2f} {row['step_share_of_bound']:>6.0%} "
+                f"{activations:<6} {name:<7} {row['step_ms']:>8.2f} {parts['layers']:>7.2f} {parts['head']:>6.2f} "
+                f"{parts['rest']:>6.2f} {row['step_share_of_bound']:>6.0%} "
                 f"{row['request_tok_per_s']:>14.1f} {row['request_share_of_bound']:>6.0%}"
             )
     if args.json:
