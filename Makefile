@@ -4,8 +4,8 @@
 VENV ?= .venv
 PYTHON_FOR_VENV ?= python3
 PY := $(VENV)/bin/python
-# --no-cache-dir: torch and its CUDA wheels are ~4 GB; a copy of them in pip's cache as well
-# ran a CI machine out of disk during this install (2026-12-03).
+# --no-cache-dir: torch and its CUDA wheels are ~4 GB, and pip would keep a second copy in its
+# cache; a CI run of 2026-12-03 ran out of disk during this install.
 PIP := $(VENV)/bin/pip
 PIP_INSTALL := $(PIP) install --quiet --no-cache-dir
 MATURIN := $(VENV)/bin/maturin
