@@ -31,6 +31,7 @@ import statistics
 import time
 
 import torch
+from bench_host_overhead import _Clock  # the same timing of named calls
 from torch import nn
 
 from pagedrs import LLM, SamplingParams
@@ -84,30 +85,6 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-class PartTimer:
-    """Adds up the seconds spent in chosen methods (patched on their classes while it lives)."""
-
-    def __init__(self, **methods: tuple[type, str]):
-        self.seconds = dict.fromkeys(methods, 0.0)
-        self._originals = [(cls, name, getattr(cls, name)) for cls, name in methods.values()]
-        for part, (cls, name) in methods.items():
-            setattr(cls, name, self._timed(part, getattr(cls, name)))
-
-    def _timed(self, part: str, method):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.seconds[part] += time.perf_counter() - start
-
-        return timed
-
-    def restore(self) -> None:
-        for cls, name, method in self._originals:
-            setattr(cls, name, method)
-
-
 def step_ms(llm: LLM, params: SamplingParams, steps: int) -> dict[str, float]:
     """The median decode step of one sequence and the medians of its parts (the decoder
     layers, the head, the rest), in ms."""
@@ -116,20 +93,26 @@ def step_ms(llm: LLM, params: SamplingParams, steps: int) -> dict[str, float]:
     engine.add_request("bound", PROMPT_TOKENS, decode)
     for _ in range(4):  # the prefill and a few steps before timing
         engine.step()
-    timer = PartTimer(layers=(CpuDecoderStack, "__call__"), head=(type(engine.runner.model), "compute_logits"))
+    clock = _Clock()
+    model_class = type(engine.runner.model)
+    timed = {"layers": (CpuDecoderStack, "__call__"), "head": (model_class, "compute_logits")}
+    originals = {part: getattr(cls, name) for part, (cls, name) in timed.items()}
+    for part, (cls, name) in timed.items():
+        setattr(cls, name, clock.wrap(part, originals[part]))
     parts: dict[str, list[float]] = {"step": [], "layers": [], "head": [], "rest": []}
     try:
         for _ in range(steps):
-            timer.seconds = dict.fromkeys(timer.seconds, 0.0)
+            clock.seconds = {"layers": 0.0, "head": 0.0}
             start = time.perf_counter()
             engine.step()
             step = time.perf_counter() - start
             parts["step"].append(step)
-            parts["layers"].append(timer.seconds["layers"])
-            parts["head"].append(timer.seconds["head"])
-            parts["rest"].append(step - timer.seconds["layers"] - timer.seconds["head"])
+            parts["layers"].append(clock.seconds["layers"])
+            parts["head"].append(clock.seconds["head"])
+            parts["rest"].append(step - clock.seconds["layers"] - clock.seconds["head"])
     finally:
-        timer.restore()
+        for part, (cls, name) in timed.items():
+            setattr(cls, name, originals[part])
     while engine.has_unfinished_requests():
         engine.step()
     return {part: statistics.median(values) * 1e3 for part, values in parts.items()}
