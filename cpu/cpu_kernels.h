@@ -58,6 +58,10 @@ void logprob_stats(const at::Tensor& logits, const at::Tensor& token_ids, int64_
 void sample_from_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& min_p,
                       const at::Tensor& top_p, const at::Tensor& uniforms, at::Tensor& token_ids);
 
+// sampling.cpp: token_ids [num_rows] (written): each row's first index of its largest logit (of
+// its first NaN, if any), as torch.argmax.
+void argmax_rows(const at::Tensor& logits, at::Tensor& token_ids);
+
 // sampling.cpp: -inf into logits (written) of the tokens each masked row's grammar bitmask
 // [num_masked, num_words] forbids.
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask);

@@ -464,6 +464,56 @@ void sample_from_rows(const at::Tensor& logits, const at::Tensor& temperature, c
 //   logits:  float32 [num_rows, vocab_size]   (written)
 //   rows:    int64   [num_masked]             rows of logits, each in [0, num_rows)
 //   bitmask: int32   [num_masked, num_words]  num_words * 32 >= vocab_size
+// token_ids[r] = the first index of row r's largest logit, or of its first NaN where it has one
+// (torch.argmax's answer), in one pass: kLanes running maxima with the index where each was first
+// seen (a compare and two blends a vector), then the largest of them at the lowest index.
+void argmax_rows(const at::Tensor& logits, at::Tensor& token_ids) {
+  check_logits(logits);
+  check_cpu_contiguous(token_ids, "token_ids", at::kLong);
+  const int64_t num_rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(token_ids.dim() == 1 && token_ids.size(0) == num_rows, "pagedrs_cpu: token_ids must be [", num_rows,
+              "], got ", token_ids.sizes());
+  TORCH_CHECK(vocab < (int64_t{1} << 31), "pagedrs_cpu: argmax_rows takes fewer than 2^31 columns");
+  constexpr int kLanes = 16;
+  const float* in = logits.data_ptr<float>();
+  int64_t* out = token_ids.data_ptr<int64_t>();
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = in + r * vocab;
+      float best[kLanes];
+      int32_t at[kLanes], nan[kLanes];
+      for (int l = 0; l < kLanes; ++l) best[l] = -std::numeric_limits<float>::infinity(), at[l] = l, nan[l] = 0;
+      const int64_t whole = vocab / kLanes * kLanes;
+      for (int64_t j = 0; j < whole; j += kLanes) {
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) {
+          const float value = row[j + l];
+          const bool larger = value > best[l];
+          best[l] = larger ? value : best[l];
+          at[l] = larger ? static_cast<int32_t>(j + l) : at[l];
+          nan[l] |= value != value;
+        }
+      }
+      int64_t index = whole < vocab ? whole : at[0];  // start from the tail's first, or lane 0
+      float top = whole < vocab ? row[whole] : best[0];
+      bool any_nan = whole < vocab && row[whole] != row[whole];
+      for (int64_t j = whole + 1; j < vocab; ++j) {
+        if (row[j] > top) top = row[j], index = j;
+        any_nan |= row[j] != row[j];
+      }
+      for (int l = 0; l < kLanes && whole > 0; ++l) {
+        any_nan |= nan[l] != 0;
+        if (best[l] > top || (best[l] == top && at[l] < index)) top = best[l], index = at[l];
+      }
+      if (any_nan) {  // torch's argmax: the first NaN
+        index = 0;
+        while (row[index] == row[index]) ++index;
+      }
+      out[r] = index;
+    }
+  });
+}
+
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask) {
   check_logits(logits);
   check_cpu_contiguous(rows, "rows", at::kLong);

@@ -18,6 +18,7 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
   m.def("sample_from_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor top_p, Tensor uniforms, "
         "Tensor(a!) token_ids) -> ()");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
+  m.def("argmax_rows(Tensor logits, Tensor(a!) token_ids) -> ()");
   // quant_matmul.cpp
   m.def("quant_matmul(Tensor x, Tensor weight, int ggml_type, int in_features) -> Tensor");
   m.def("int8_activation_path() -> str", &pagedrs_cpu::int8_activation_path);  // no tensors: any device
@@ -42,6 +43,7 @@ TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) {
   m.impl("logprob_stats", &pagedrs_cpu::logprob_stats);
   m.impl("sample_from_rows", &pagedrs_cpu::sample_from_rows);
   m.impl("apply_token_bitmask", &pagedrs_cpu::apply_token_bitmask);
+  m.impl("argmax_rows", &pagedrs_cpu::argmax_rows);
   m.impl("quant_matmul", &pagedrs_cpu::quant_matmul);
   m.impl("fused_experts", &pagedrs_cpu::fused_experts);
 }

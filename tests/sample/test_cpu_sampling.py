@@ -339,3 +339,28 @@ def test_token_bitmask_blocks_exactly_the_clear_bits(fused):
         expected[row, torch.from_numpy(~bits[i])] = float("-inf")
     Sampler(vocab, 0, "cpu", fused=fused)._mask(logits, rows, bitmask)
     assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize("vocab", [49_152, 1_000, 7, 1])
+def test_argmax_rows_is_torchs_argmax(vocab):
+    torch.manual_seed(vocab)
+    logits = torch.randn(9, vocab)
+    logits[1] = 0.5  # all tied: index 0
+    logits[2, [vocab // 3, vocab // 2, vocab - 1]] = 9.0  # tied maxima: the first
+    logits[3, -1] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, [vocab // 2, vocab - 1]] = float("nan")  # torch's argmax: the first NaN
+    logits[6] = -0.0
+    logits[6, vocab - 1] = 0.0  # -0.0 == 0.0: the first
+    assert cpu_sampling.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+    ties = torch.randint(0, 3, (64, vocab)).float()  # many tied maxima in every row: the first wins
+    assert cpu_sampling.argmax_rows(ties).tolist() == ties.argmax(dim=-1).tolist()
+
+
+def test_argmax_rows_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="float32"):
+        cpu_sampling.argmax_rows(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_sampling.argmax_rows(torch.zeros(8, 2).T)
+    with pytest.raises(ValueError, match="at least one column"):
+        cpu_sampling.argmax_rows(torch.zeros(2, 0))

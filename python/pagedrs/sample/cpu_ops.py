@@ -5,7 +5,9 @@ in one call each, every row read in place a few times, no ``[rows, vocab]`` temp
   the same rule as ``Sampler._sample_full`` with the uniforms drawn by the caller (so a seeded
   row draws from its own generator);
 - `logprob_stats`: the sampled tokens' logprobs and ranks and the top logprobs, as
-  ``Sampler._to_host`` computes them.
+  ``Sampler._to_host`` computes them;
+- `argmax_rows`: greedy rows, as ``argmax`` (one read of a row for its maximum, one from cache
+  for its first index).
 
 Arguments are checked here (`ValueError`); the ops check them again (``RuntimeError``), since
 they read memory by those shapes."""
@@ -51,6 +53,17 @@ def _check_logits(logits: torch.Tensor) -> tuple[int, int]:
     if vocab_size == 0:
         raise ValueError("logits must have at least one column (the vocabulary is empty)")
     return num_rows, vocab_size
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first index of its largest value, or of its first NaN where it has one (what
+    ``logits.argmax(-1)`` returns): ``int64 [R]`` of ``logits`` ``float32 [R, V]``, contiguous."""
+    num_rows, _ = _check_logits(logits)
+    if not logits.is_contiguous():
+        raise ValueError("logits must be contiguous")
+    token_ids = torch.empty(num_rows, dtype=torch.int64)
+    _ops().argmax_rows(logits, token_ids)
+    return token_ids
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:

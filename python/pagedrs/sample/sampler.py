@@ -249,16 +249,23 @@ class Sampler:
             if allowed is not None:
                 self._mask(logits, *allowed)
         if not batch.random:
-            token_ids = chunked_argmax(logits)
+            token_ids = self._argmax(logits)
         elif not batch.greedy:
             token_ids = self._sample(logits, batch)
         else:
             token_ids = torch.empty(len(logits), dtype=torch.long, device=logits.device)
-            token_ids[batch.greedy_index] = chunked_argmax(logits[batch.greedy_index])
+            token_ids[batch.greedy_index] = self._argmax(logits[batch.greedy_index])
             token_ids[batch.random_index] = self._sample(logits[batch.random_index], batch)
         if batch.any_penalties:
             self.penalties.record(batch.penalty_slots, batch.penalty_slots_host, token_ids[batch.penalty_rows])
         return self._to_host(raw, token_ids, batch)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy rows' tokens: the fused kernel's (one call) on the CPU, else chunk maxima
+        in torch ops."""
+        if self.fused and logits.is_contiguous():
+            return cpu_ops.argmax_rows(logits)
+        return chunked_argmax(logits)
 
     def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
         """Sets the logits of every token a constrained row may not sample to -inf."""
