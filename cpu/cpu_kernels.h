@@ -70,6 +70,11 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::T
 // [out_features, row_bytes] of ggml_type; returns [num_tokens, out_features] in x's dtype.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type, int64_t in_features);
 
+// quant_matmul.cpp: float32 [num_tokens, in_features], the dequantized rows token_ids [num_tokens]
+// of a packed uint8 table [num_rows, row_bytes] of ggml_type.
+at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids, int64_t ggml_type,
+                          int64_t in_features);
+
 // moe.cpp: x [num_tokens, hidden_size] through each token's top-k experts (topk_ids, topk_weights
 // [num_tokens, top_k]), experts' gate_up [E, 2 * I, ...] and down [E, H, ...] float32 or packed
 // of their ggml type; returns [num_tokens, hidden_size] float32.

@@ -679,4 +679,48 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t g
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// out[i] = the float32 weights of packed row token_ids[i] (an embedding lookup), the values the
+// matmul multiplies by. In Python the same takes ~10 small ops a step.
+//   weight:    uint8 [num_rows, in_features / block_weights * block_bytes] (of ggml_type)
+//   token_ids: int64 [num_tokens], each in [0, num_rows)
+//   returns    float32 [num_tokens, in_features]
+at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids, int64_t ggml_type,
+                          int64_t in_features) {
+  const int64_t bytes = pagedrs_cpu::quant_block_bytes(ggml_type);
+  const int64_t block_weights = pagedrs_cpu::quant_block_weights(ggml_type);
+  TORCH_CHECK(weight.device().is_cpu() && token_ids.device().is_cpu(), "pagedrs_cpu: embedding_rows needs CPU tensors");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.dim() == 2,
+              "pagedrs_cpu: weight must be contiguous uint8 [num_rows, row_bytes] (packed blocks)");
+  TORCH_CHECK(in_features > 0 && in_features % block_weights == 0 &&
+                  weight.size(1) == in_features / block_weights * bytes,
+              "pagedrs_cpu: weight must be [num_rows, ", in_features / block_weights * bytes, "] for type ", ggml_type,
+              " and ", in_features, " features, got ", weight.sizes());
+  TORCH_CHECK(token_ids.scalar_type() == at::kLong && token_ids.is_contiguous() && token_ids.dim() == 1,
+              "pagedrs_cpu: token_ids must be contiguous int64 [num_tokens]");
+  const int64_t num_tokens = token_ids.size(0), num_rows = weight.size(0);
+  const int64_t* ids = token_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_rows, "pagedrs_cpu: token id ", ids[i], " is not a row of the ", num_rows,
+                "-row table");
+  }
+  at::Tensor out = at::empty({num_tokens, in_features}, weight.options().dtype(at::kFloat));
+  const uint8_t* table = weight.data_ptr<uint8_t>();
+  float* rows = out.data_ptr<float>();
+  const int64_t row_bytes = weight.size(1);
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* row = table + ids[i] * row_bytes;
+      float* dst = rows + i * in_features;
+      switch (ggml_type & ~kInt8Activations) {  // the weights' values, whatever the activations
+        case kQ8_0: dequant_rows<Q8_0>(row, in_features, 0, 1, dst); break;
+        case kQ4_0: dequant_rows<Q4_0>(row, in_features, 0, 1, dst); break;
+        case kQ4_1: dequant_rows<Q4_1>(row, in_features, 0, 1, dst); break;
+        case kQ4_K: dequant_rows<Q4_K>(row, in_features, 0, 1, dst); break;
+        default: dequant_rows<Q6_K>(row, in_features, 0, 1, dst); break;
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace pagedrs_cpu

@@ -21,6 +21,7 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
   m.def("argmax_rows(Tensor logits, Tensor(a!) token_ids) -> ()");
   // quant_matmul.cpp
   m.def("quant_matmul(Tensor x, Tensor weight, int ggml_type, int in_features) -> Tensor");
+  m.def("embedding_rows(Tensor weight, Tensor token_ids, int ggml_type, int in_features) -> Tensor");
   m.def("int8_activation_path() -> str", &pagedrs_cpu::int8_activation_path);  // no tensors: any device
   // moe.cpp
   m.def("fused_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, int gate_up_type, "
@@ -45,5 +46,6 @@ TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) {
   m.impl("apply_token_bitmask", &pagedrs_cpu::apply_token_bitmask);
   m.impl("argmax_rows", &pagedrs_cpu::argmax_rows);
   m.impl("quant_matmul", &pagedrs_cpu::quant_matmul);
+  m.impl("embedding_rows", &pagedrs_cpu::embedding_rows);
   m.impl("fused_experts", &pagedrs_cpu::fused_experts);
 }

@@ -133,6 +133,22 @@ def test_torch_dequantize_equals_gguf(qtype):
     assert torch.equal(ggml_blocks.dequantize(packed, qtype), weight)
 
 
+@pytest.mark.parametrize("qtype", FORMATS + K_QUANTS, ids=lambda t: t.name)
+def test_embedding_rows_are_gguf_dequantized_rows(qtype):
+    packed, weight = packed_weight(qtype, 50, 512, seed=11)
+    ids = torch.tensor([7, 0, 49, 7, 3])  # a repeat, the first and the last row
+    rows = cpu_kernels.load().embedding_rows(packed, ids, int(qtype), 512)
+    assert torch.equal(rows, weight[ids])
+    assert cpu_kernels.load().embedding_rows(packed, ids[:0], int(qtype), 512).shape == (0, 512)
+
+
+def test_embedding_rows_refuse_ids_outside_the_table():
+    packed, _ = packed_weight(GGMLQuantizationType.Q8_0, 4, 64, seed=1)
+    for bad in (4, -1):
+        with pytest.raises(RuntimeError, match="not a row"):
+            cpu_kernels.load().embedding_rows(packed, torch.tensor([0, bad]), int(GGMLQuantizationType.Q8_0), 64)
+
+
 def test_q8_0_quantizer_equals_gguf_bit_for_bit():
     weight = torch.randn(9, 128, generator=torch.Generator().manual_seed(4))
     weight[0, :32] = 0  # an all-zero block (scale 0)

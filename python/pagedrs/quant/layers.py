@@ -160,9 +160,9 @@ class QuantVocabEmbedding(_Packed):
         self.weight[: self.num_rows].copy_(_packed_slice(weight, self.ggml_type, rows, slice(None)))
 
     def _lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
-        flat = token_ids.reshape(-1)
-        rows = ggml_blocks.dequantize(self.weight[flat], self.ggml_type).to(self.dtype)
-        return rows.reshape(*token_ids.shape, self.in_features)
+        flat = token_ids.reshape(-1).to(torch.int64).contiguous()
+        rows = cpu_kernels.load().embedding_rows(self.weight, flat, int(self.ggml_type), self.in_features)
+        return rows.to(self.dtype).reshape(*token_ids.shape, self.in_features)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
