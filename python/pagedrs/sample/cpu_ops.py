@@ -6,8 +6,7 @@ in one call each, every row read in place a few times, no ``[rows, vocab]`` temp
   row draws from its own generator);
 - `logprob_stats`: the sampled tokens' logprobs and ranks and the top logprobs, as
   ``Sampler._to_host`` computes them;
-- `argmax_rows`: greedy rows, as ``argmax`` (one read of a row for its maximum, one from cache
-  for its first index).
+- `argmax_rows`: greedy rows, as ``argmax``, in one read of each row.
 
 Arguments are checked here (`ValueError`); the ops check them again (``RuntimeError``), since
 they read memory by those shapes."""
