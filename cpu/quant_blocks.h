@@ -215,15 +215,16 @@ struct Q4_1 {
     const __m256 m = _mm256_set1_ps(fp16_to_float(block + 2));
     __m256i q[4];
     unpack_nibbles_avx2(block + 4, q);
-    // d * q + m, rounded twice as gguf's dequantize rounds it (not one fused multiply-add)
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[i])), m);
+    // d * q + m: d * q is exact in float32 (11 by 4 bits), so one fused multiply-add rounds as
+    // gguf's dequantize does (once, the sum)
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[i]), m);
   }
 #endif
 #ifdef PAGEDRS_QUANT_NEON
   static void dequant_neon(const uint8_t* block, int /*sub*/, float32x4_t (&w)[8]) {
     const float32x4_t d = vdupq_n_f32(fp16_to_float(block)), m = vdupq_n_f32(fp16_to_float(block + 2));
     nibbles_to_float_neon(block + 4, 0, w);
-    for (int i = 0; i < 8; ++i) w[i] = vaddq_f32(vmulq_f32(d, w[i]), m);  // two roundings, as above
+    for (int i = 0; i < 8; ++i) w[i] = vfmaq_f32(m, d, w[i]);  // one rounding, as above
   }
 #endif
 };
