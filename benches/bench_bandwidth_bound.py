@@ -26,15 +26,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import time
 
 import torch
 from bench_host_overhead import _Clock  # the same timing of named calls
+from bench_single_stream import median_rate  # the same request rate
 from torch import nn
 
 from pagedrs import LLM, SamplingParams
+from pagedrs.envinfo import environment
 from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.models.cpu_stack import CpuDecoderStack
 
@@ -44,17 +45,6 @@ SETTINGS = {
     "greedy": SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
     "t1.0": SamplingParams(temperature=1.0, seed=1, max_tokens=NEW_TOKENS, ignore_eos=True),
 }
-
-
-def cpu_name() -> str:
-    """The CPU's model name, family and model (Linux), else what platform knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
-        fields = {key.strip(): value.strip() for key, value in fields.items()}
-        return f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
-    except (OSError, KeyError):
-        return platform.processor() or platform.machine()
 
 
 def read_bandwidth(num_bytes: int, repeats: int = 20) -> float:
@@ -118,16 +108,6 @@ def step_ms(llm: LLM, params: SamplingParams, steps: int) -> dict[str, float]:
     return {part: statistics.median(values) * 1e3 for part, values in parts.items()}
 
 
-def request_rate(llm: LLM, params: SamplingParams, runs: int = 3) -> float:
-    """New tokens a second of one request (prefill included), the median of ``runs``."""
-    rates = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": PROMPT_TOKENS}], params, use_tqdm=False)
-        rates.append(NEW_TOKENS / (time.perf_counter() - start))
-    return statistics.median(rates)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -145,14 +125,15 @@ def main() -> None:
         weight_bytes = weight_bytes_per_token(llm.engine.runner.model)
         llm.generate([{"prompt_token_ids": PROMPT_TOKENS}], SamplingParams(max_tokens=8), use_tqdm=False)
         measured[activations] = {
-            name: (step_ms(llm, params, args.steps), request_rate(llm, params)) for name, params in SETTINGS.items()
+            name: (step_ms(llm, params, args.steps), median_rate(llm, PROMPT_TOKENS, params))
+            for name, params in SETTINGS.items()
         }
         del llm
     memory = max(before, read_bandwidth(gib, repeats=10))
     bandwidth = read_bandwidth(weight_bytes)
     bound_ms = weight_bytes / bandwidth * 1e3
     record = {
-        "cpu": cpu_name(),
+        "environment": environment(),
         "kernels": cpu_kernels.describe(),
         "threads": args.threads,
         "read_bandwidth_GBps": {"weights_sized": round(bandwidth / 1e9, 2), "1GiB": round(memory / 1e9, 2)},
@@ -178,7 +159,7 @@ def main() -> None:
         f"weights a token), {memory / 1e9:.1f} GB/s over 1 GiB; bound {bound_ms:.3f} ms ({1e3 / bound_ms:.0f} tok/s); "
         f"against 1 GiB's bandwidth the shares would be x{bandwidth / memory:.2f}"
     )
-    print(record["cpu"])
+    print(record["environment"]["cpu"])
     print(
         f"{'path':<6} {'setting':<7} {'step ms':>8} {'layers':>7} {'head':>6} {'rest':>6} {'share':>6} "
         f"{'request tok/s':>14} {'share':>6}"
