@@ -75,6 +75,12 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t g
 at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids, int64_t ggml_type,
                           int64_t in_features);
 
+// quant_matmul.cpp: a Q8_0, Q4_0 or Q4_1 weight [out_features, row_bytes] rearranged into the
+// stored int8 panels (the same shape), for type ids with kInt8Panels; out_features a multiple of
+// int8_panel_rows(), the rows of a panel: 16 with AVX-512 VNNI, 8 with AVX-VNNI, 0 (none) elsewhere.
+at::Tensor pack_int8_panels(const at::Tensor& weight, int64_t ggml_type, int64_t in_features);
+int64_t int8_panel_rows();
+
 // moe.cpp: x [num_tokens, hidden_size] through each token's top-k experts (topk_ids, topk_weights
 // [num_tokens, top_k]), experts' gate_up [E, 2 * I, ...] and down [E, H, ...] float32 or packed
 // of their ggml type; returns [num_tokens, hidden_size] float32.
@@ -152,6 +158,10 @@ c10::intrusive_ptr<DecoderStack> make_decoder_stack(int64_t hidden_size, int64_t
 // quantized to int8 per 32 features before the matmul (quant_matmul.cpp's "int8 activations";
 // Q8_0, Q4_0 and Q4_1 with AVX2; other types and machines run the exact path).
 constexpr int64_t kInt8Activations = 1 << 8;
+// ORed with kInt8Activations: the weight's bytes are in quant_matmul.cpp's stored int8 panels
+// (pack_int8_panels), which only the int8 path of a VNNI build reads.
+constexpr int64_t kInt8Panels = 1 << 9;
+constexpr int64_t kKernelFlags = kInt8Activations | kInt8Panels;  // a type id less these is the ggml type
 
 // quant_matmul.cpp: out [num_tokens, out_features] = x [num_tokens, in_features] @
 // dequant(weight)^T, all float32 and contiguous, weight packed in a GGUF block format
@@ -191,7 +201,7 @@ void fused_experts_f32(const at::Tensor& x, const int64_t* topk_ids, const float
 std::string int8_activation_path();
 
 // quant_matmul.cpp: bytes and weights of one stored block of a supported ggml type (32
-// weights, 256 for the k-quants; kInt8Activations ignored); both fail loudly on any other type.
+// weights, 256 for the k-quants; kKernelFlags ignored); both fail loudly on any other type.
 int64_t quant_block_bytes(int64_t ggml_type);
 int64_t quant_block_weights(int64_t ggml_type);
 

@@ -203,6 +203,7 @@ struct VnniLanes {
   using Int = __m512i;
   using Float = __m512;
   static Int load(const int32_t* p) { return _mm512_load_si512(p); }
+  static Int loadu(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static void store(int32_t* p, Int v) { _mm512_store_si512(p, v); }
   static Int set1(int32_t v) { return _mm512_set1_epi32(v); }
   static Int dpbusd(Int sum, Int unsigned_bytes, Int signed_bytes) {
@@ -224,6 +225,7 @@ struct VnniLanes {
   static Int high_nibbles(Int v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
   static Int flip_sign_bits(Int v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
   static Float halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p))); }
+  static Float halvesu(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static Float fzero() { return _mm512_setzero_ps(); }
   static Float fset1(float v) { return _mm512_set1_ps(v); }
   static Float to_float(Int v) { return _mm512_cvtepi32_ps(v); }
@@ -242,6 +244,7 @@ struct VnniLanes {
   using Int = __m256i;
   using Float = __m256;
   static Int load(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+  static Int loadu(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static void store(int32_t* p, Int v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
   static Int set1(int32_t v) { return _mm256_set1_epi32(v); }
   static Int dpbusd(Int sum, Int unsigned_bytes, Int signed_bytes) {
@@ -260,6 +263,7 @@ struct VnniLanes {
   static Int high_nibbles(Int v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
   static Int flip_sign_bits(Int v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
   static Float halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(p))); }
+  static Float halvesu(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static Float fzero() { return _mm256_setzero_ps(); }
   static Float fset1(float v) { return _mm256_set1_ps(v); }
   static Float to_float(Int v) { return _mm256_cvtepi32_ps(v); }
@@ -444,6 +448,120 @@ void matmul_rows_int8(const Int8Rows& x, const uint8_t* weight, float* out, int6
     }
   }
 }
+
+// The stored panel layout (pack_int8_panels, type ids with kInt8Panels): the weight's bytes
+// permuted once at load so that the int8 kernel reads one stream, in the order it multiplies,
+// with no regrouping per call. Panel p (rows p * kPanelRows ..) keeps the bytes of its rows, as
+// kPanelBlockBytes for each block b in turn:
+//   kQuantWords registers of kPanelRows int32 lanes: register k, lane r = bytes 4k .. 4k + 3 of
+//     row r's stored quants in block b (Q8_0: its int8 weights, each + 128 as vpdpbusd's
+//     unsigned operand; Q4_0 and Q4_1: its packed nibbles, split in registers)
+//   kPanelRows fp16 d (lane r: row r's), then for Q4_1 kPanelRows fp16 m
+// A panel of Q4_1 blocks is 16 x 20 = 320 bytes a block, as many as the rows it replaces: the
+// tensor keeps its shape and size. Needs out_features a multiple of kPanelRows.
+template <class Format>
+constexpr int kQuantWords = std::is_same_v<Format, Q8_0> ? 8 : 4;
+template <class Format>
+constexpr int64_t kPanelBlockBytes = kPanelRows * Format::kBytes;
+template <class Format>
+constexpr int64_t kPanelScalesAt = 4 * kQuantWords<Format> * kPanelRows;  // bytes into a panel's block
+
+template <class Format>
+void pack_panels(const uint8_t* weight, uint8_t* packed, int64_t out_features, int64_t num_blocks) {
+  constexpr int64_t kQuantsAt = Format::kBytes - 4 * kQuantWords<Format>;  // after d (and Q4_1's m)
+  const int64_t row_bytes = num_blocks * Format::kBytes;
+  at::parallel_for(0, out_features / kPanelRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        uint8_t* to = packed + (p * num_blocks + b) * kPanelBlockBytes<Format>;
+        for (int r = 0; r < kPanelRows; ++r) {
+          const uint8_t* block = weight + (p * kPanelRows + r) * row_bytes + b * Format::kBytes;
+          for (int k = 0; k < kQuantWords<Format>; ++k) {
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = block[kQuantsAt + 4 * k + j];
+              to[(k * kPanelRows + r) * 4 + j] = std::is_same_v<Format, Q8_0> ? byte ^ 0x80 : byte;
+            }
+          }
+          std::memcpy(to + kPanelScalesAt<Format> + 2 * r, block, 2);
+          if constexpr (std::is_same_v<Format, Q4_1>) {
+            std::memcpy(to + kPanelScalesAt<Format> + 2 * kPanelRows + 2 * r, block + 2, 2);
+          }
+        }
+      }
+    }
+  });
+}
+
+// out[t * out_stride + r] for the kPanelRows rows of one stored panel and kTokens quantized
+// tokens from t0: panel_dot's sums (the same integers, scaled and added in the same order, so
+// the same floats), read from the stored layout.
+template <class Format, int kTokens>
+void stored_panel_dot(const Int8Rows& x, int64_t t0, const uint8_t* __restrict__ panel, float* __restrict__ out,
+                      int64_t out_stride) {
+  using V = VnniLanes;
+  constexpr bool kMinimum = std::is_same_v<Format, Q4_1>;
+  const int64_t num_blocks = x.num_blocks;
+  V::Float acc[kTokens], minimums[kTokens];
+  for (int t = 0; t < kTokens; ++t) acc[t] = minimums[t] = V::fzero();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = panel + b * kPanelBlockBytes<Format>;
+    const int8_t* activations = x.q.data() + (t0 * num_blocks + b) * kBlockSize;  // token t0's block b
+    const auto word = [&](int t, int k) {  // activations 4k .. 4k + 3 of token t0 + t, one per byte
+      int32_t bits;
+      std::memcpy(&bits, activations + t * num_blocks * kBlockSize + 4 * k, sizeof(bits));
+      return V::set1(bits);
+    };
+    V::Int sums[kTokens];
+    for (int t = 0; t < kTokens; ++t) sums[t] = V::set1(x.start[(t0 + t) * num_blocks + b]);
+    if constexpr (std::is_same_v<Format, Q8_0>) {
+      for (int k = 0; k < 8; ++k) {
+        const V::Int w = V::loadu(block + 4 * k * kPanelRows);
+        for (int t = 0; t < kTokens; ++t) sums[t] = V::dpbusd(sums[t], w, word(t, k));
+      }
+    } else {
+      for (int k = 0; k < 4; ++k) {  // byte j of the nibbles: weight j (low), j + 16 (high)
+        const V::Int nibbles = V::loadu(block + 4 * k * kPanelRows);
+        const V::Int low = V::low_nibbles(nibbles), high = V::high_nibbles(nibbles);
+        for (int t = 0; t < kTokens; ++t) {
+          sums[t] = V::dpbusd(sums[t], low, word(t, k));
+          sums[t] = V::dpbusd(sums[t], high, word(t, 4 + k));
+        }
+      }
+    }
+    const V::Float dw = V::halvesu(block + kPanelScalesAt<Format>);
+    for (int t = 0; t < kTokens; ++t) {
+      const int64_t at = (t0 + t) * num_blocks + b;
+      acc[t] = V::fmadd(V::to_float(sums[t]), V::mul(dw, V::fset1(x.d[at])), acc[t]);
+      if constexpr (kMinimum) {
+        const V::Float dm = V::halvesu(block + kPanelScalesAt<Format> + 2 * kPanelRows);
+        minimums[t] = V::fmadd(dm, V::fset1(x.sum[at]), minimums[t]);
+      }
+    }
+  }
+  for (int t = 0; t < kTokens; ++t) {
+    V::store_rows(out + t * out_stride, kMinimum ? V::add(acc[t], minimums[t]) : acc[t], kPanelRows);
+  }
+}
+
+template <class Format, int... kTiles>
+void stored_panel_dot_tile(int tile, const Int8Rows& x, int64_t t0, const uint8_t* panel, float* out,
+                           int64_t out_stride, std::integer_sequence<int, kTiles...>) {
+  ((tile == kTiles + 1 ? stored_panel_dot<Format, kTiles + 1>(x, t0, panel, out, out_stride) : void()), ...);
+}
+
+// Stored panels [panel_begin, panel_end) times every token.
+template <class Format>
+void matmul_stored_panels(const Int8Rows& x, const uint8_t* weight, float* out, int64_t out_stride,
+                          int64_t num_tokens, int64_t panel_begin, int64_t panel_end) {
+  constexpr auto kTiles = std::make_integer_sequence<int, VnniLanes::kTokens>();
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    const uint8_t* panel = weight + p * x.num_blocks * kPanelBlockBytes<Format>;
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += VnniLanes::kTokens) {
+      const int tile = static_cast<int>(std::min<int64_t>(VnniLanes::kTokens, num_tokens - t0));
+      stored_panel_dot_tile<Format>(tile, x, t0, panel, out + t0 * out_stride + p * kPanelRows, out_stride, kTiles);
+    }
+  }
+}
 #else
 // The 32 weights of a block as bytes in order: signed for Q8_0 and Q4_0, unsigned nibbles for
 // Q4_1 (whose minimum the caller adds).
@@ -541,8 +659,9 @@ void matmul_rows_int8(const Int8Rows& rows, const uint8_t* weight, float* out, i
 
 #ifdef PAGEDRS_INT8_ACTIVATIONS
 // The int8-activation matmul, or false where this type has none (the caller runs the exact one).
+// stored_panels: the weight is in the stored panel layout (pack_int8_panels).
 bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
-                 int64_t out_features, int64_t ggml_type) {
+                 int64_t out_features, int64_t ggml_type, bool stored_panels) {
   if (ggml_type != kQ8_0 && ggml_type != kQ4_0 && ggml_type != kQ4_1) return false;
   // Reused across calls (no allocation per matmul once grown); the workers below read the
   // calling thread's buffers through this reference.
@@ -561,8 +680,19 @@ bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_
     quantize_rows(x, in_features, begin, end, weight_zero, rows);
   });
 #ifdef PAGEDRS_INT8_VNNI
+  if (stored_panels) {
+    at::parallel_for(0, out_features / kPanelRows, 1, [&](int64_t begin, int64_t end) {
+      switch (ggml_type) {
+        case kQ8_0: matmul_stored_panels<Q8_0>(rows, weight, out, out_features, num_tokens, begin, end); break;
+        case kQ4_0: matmul_stored_panels<Q4_0>(rows, weight, out, out_features, num_tokens, begin, end); break;
+        default: matmul_stored_panels<Q4_1>(rows, weight, out, out_features, num_tokens, begin, end); break;
+      }
+    });
+    return true;
+  }
   constexpr int64_t kRowsPerUnit = kPanelRows;  // threads take whole panels
 #else
+  TORCH_CHECK(!stored_panels, "pagedrs_cpu: this build has no stored int8 panels");
   constexpr int64_t kRowsPerUnit = 1;
 #endif
   const int64_t num_units = (out_features + kRowsPerUnit - 1) / kRowsPerUnit;
@@ -590,8 +720,48 @@ std::string int8_activation_path() {
 #endif
 }
 
+int64_t int8_panel_rows() {
+#ifdef PAGEDRS_INT8_VNNI
+  return kPanelRows;
+#else
+  return 0;
+#endif
+}
+
+// The weight's bytes in the stored int8 panel layout (see pack_panels), a new tensor of the same
+// shape, for type ids with kInt8Panels.
+//   weight: uint8 [out_features, in_features / 32 * block_bytes] of ggml_type (Q8_0, Q4_0, Q4_1),
+//           out_features a multiple of int8_panel_rows()
+at::Tensor pack_int8_panels(const at::Tensor& weight, int64_t ggml_type, int64_t in_features) {
+  const int64_t format = ggml_type & ~kKernelFlags;
+  TORCH_CHECK(int8_panel_rows() > 0, "pagedrs_cpu: this build (int8 path ", int8_activation_path(),
+              ") has no stored int8 panels");
+  TORCH_CHECK(format == kQ8_0 || format == kQ4_0 || format == kQ4_1,
+              "pagedrs_cpu: stored int8 panels hold Q8_0 (8), Q4_0 (2) or Q4_1 (3) blocks, got type ", ggml_type);
+  const int64_t bytes = quant_block_bytes(format);
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                  weight.dim() == 2 && in_features > 0 && in_features % kBlockSize == 0 &&
+                  weight.size(1) == in_features / kBlockSize * bytes,
+              "pagedrs_cpu: weight must be contiguous uint8 [out_features, ", in_features / kBlockSize * bytes,
+              "] for type ", ggml_type, " and ", in_features, " input features, got ", weight.sizes());
+  TORCH_CHECK(weight.size(0) % int8_panel_rows() == 0, "pagedrs_cpu: stored int8 panels take whole panels of ",
+              int8_panel_rows(), " rows, got ", weight.size(0));
+  at::Tensor packed = at::empty_like(weight);
+#ifdef PAGEDRS_INT8_VNNI
+  const auto args = [&](auto run) {
+    run(weight.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(), weight.size(0), in_features / kBlockSize);
+  };
+  switch (format) {
+    case kQ8_0: args(pack_panels<Q8_0>); break;
+    case kQ4_0: args(pack_panels<Q4_0>); break;
+    default: args(pack_panels<Q4_1>); break;
+  }
+#endif
+  return packed;
+}
+
 int64_t quant_block_bytes(int64_t ggml_type) {
-  switch (ggml_type & ~kInt8Activations) {
+  switch (ggml_type & ~kKernelFlags) {
     case kQ8_0: return Q8_0::kBytes;
     case kQ4_0: return Q4_0::kBytes;
     case kQ4_1: return Q4_1::kBytes;
@@ -607,16 +777,17 @@ int64_t quant_block_bytes(int64_t ggml_type) {
 
 int64_t quant_block_weights(int64_t ggml_type) {
   quant_block_bytes(ggml_type);  // fails on an unsupported type
-  const int64_t format = ggml_type & ~kInt8Activations;
+  const int64_t format = ggml_type & ~kKernelFlags;
   return format == kQ4_K || format == kQ6_K ? 256 : kBlockSize;
 }
 
 void quant_matmul_rows_f32(const float* x, int64_t x_stride, const uint8_t* weight, float* out, int64_t out_stride,
                            int64_t num_tokens, int64_t in_features, int64_t row_begin, int64_t row_end,
                            int64_t ggml_type) {
+  TORCH_CHECK(!(ggml_type & kInt8Panels), "pagedrs_cpu: stored int8 panels are read by quant_matmul only");
   if (num_tokens == 0 || row_begin >= row_end) return;
   const auto args = [&](auto run) { run(x, x_stride, weight, out, out_stride, num_tokens, in_features, row_begin, row_end); };
-  switch (ggml_type & ~kInt8Activations) {  // always exact (the experts' kernel calls it)
+  switch (ggml_type & ~kKernelFlags) {  // always exact (the experts' kernel calls it)
     case kQ8_0: args(matmul_rows<Q8_0>); break;
     case kQ4_0: args(matmul_rows<Q4_0>); break;
     case kQ4_1: args(matmul_rows<Q4_1>); break;
@@ -629,14 +800,20 @@ void quant_matmul_rows_f32(const float* x, int64_t x_stride, const uint8_t* weig
 void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
                       int64_t out_features, int64_t ggml_type) {
   quant_block_bytes(ggml_type);  // fails on an unsupported type, before any thread starts
+  const bool stored_panels = ggml_type & kInt8Panels;
+  TORCH_CHECK(!stored_panels || ((ggml_type & kInt8Activations) && int8_panel_rows() > 0 &&
+                                 out_features % int8_panel_rows() == 0),
+              "pagedrs_cpu: stored int8 panels (type ", ggml_type, ") need int8 activations, a VNNI build and ",
+              "whole panels of ", int8_panel_rows(), " rows; got ", out_features, " rows");
 #ifdef PAGEDRS_INT8_ACTIVATIONS
   if ((ggml_type & kInt8Activations) &&
-      matmul_int8(x, weight, out, num_tokens, in_features, out_features, ggml_type & ~kInt8Activations)) {
+      matmul_int8(x, weight, out, num_tokens, in_features, out_features, ggml_type & ~kKernelFlags, stored_panels)) {
     return;
   }
 #endif
+  TORCH_CHECK(!stored_panels, "pagedrs_cpu: stored int8 panels hold Q8_0, Q4_0 or Q4_1 blocks only");
   if (num_tokens >= kGemmTokens) {
-    switch (ggml_type & ~kInt8Activations) {
+    switch (ggml_type & ~kKernelFlags) {
       case kQ8_0: return matmul_dequant_gemm<Q8_0>(x, weight, out, num_tokens, in_features, out_features);
       case kQ4_0: return matmul_dequant_gemm<Q4_0>(x, weight, out, num_tokens, in_features, out_features);
       case kQ4_1: return matmul_dequant_gemm<Q4_1>(x, weight, out, num_tokens, in_features, out_features);
@@ -688,6 +865,7 @@ at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids,
                           int64_t in_features) {
   const int64_t bytes = pagedrs_cpu::quant_block_bytes(ggml_type);
   const int64_t block_weights = pagedrs_cpu::quant_block_weights(ggml_type);
+  TORCH_CHECK(!(ggml_type & kInt8Panels), "pagedrs_cpu: embedding_rows reads rows as GGUF stores them, not panels");
   TORCH_CHECK(weight.device().is_cpu() && token_ids.device().is_cpu(), "pagedrs_cpu: embedding_rows needs CPU tensors");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.dim() == 2,
               "pagedrs_cpu: weight must be contiguous uint8 [num_rows, row_bytes] (packed blocks)");
@@ -711,7 +889,7 @@ at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids,
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = table + ids[i] * row_bytes;
       float* dst = rows + i * in_features;
-      switch (ggml_type & ~kInt8Activations) {  // the weights' values, whatever the activations
+      switch (ggml_type & ~kKernelFlags) {  // the weights' values, whatever the activations
         case kQ8_0: dequant_rows<Q8_0>(row, in_features, 0, 1, dst); break;
         case kQ4_0: dequant_rows<Q4_0>(row, in_features, 0, 1, dst); break;
         case kQ4_1: dequant_rows<Q4_1>(row, in_features, 0, 1, dst); break;

@@ -23,6 +23,8 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
   m.def("quant_matmul(Tensor x, Tensor weight, int ggml_type, int in_features) -> Tensor");
   m.def("embedding_rows(Tensor weight, Tensor token_ids, int ggml_type, int in_features) -> Tensor");
   m.def("int8_activation_path() -> str", &pagedrs_cpu::int8_activation_path);  // no tensors: any device
+  m.def("pack_int8_panels(Tensor weight, int ggml_type, int in_features) -> Tensor");
+  m.def("int8_panel_rows() -> int", &pagedrs_cpu::int8_panel_rows);
   // moe.cpp
   m.def("fused_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, int gate_up_type, "
         "Tensor down, int down_type, int intermediate_size, int activation, Tensor? gate_up_bias=None, "
@@ -47,5 +49,6 @@ TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) {
   m.impl("argmax_rows", &pagedrs_cpu::argmax_rows);
   m.impl("quant_matmul", &pagedrs_cpu::quant_matmul);
   m.impl("embedding_rows", &pagedrs_cpu::embedding_rows);
+  m.impl("pack_int8_panels", &pagedrs_cpu::pack_int8_panels);
   m.impl("fused_experts", &pagedrs_cpu::fused_experts);
 }

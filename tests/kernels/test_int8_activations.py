@@ -5,7 +5,10 @@ build runs (AVX-512 VNNI, AVX-VNNI or AVX2's maddubs; ``PAGEDRS_CPU_ISA`` picks 
   in float32), scaled by ``d_w * d_x`` in float32;
 - a token's row does not depend on the batch it is in, bit for bit (one token, a tile of them,
   many tiles, a last panel of fewer rows);
-- the kernels name the path they run, and it is the best one the build's instruction set has."""
+- the kernels name the path they run, and it is the best one the build's instruction set has;
+- with VNNI, a weight rearranged into stored panels (``pack_int8_panels``, ``INT8_PANELS``) holds
+  the layout the kernel's header describes and multiplies to the same floats, bit for bit; the
+  panels are refused where they cannot be read."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from pagedrs.kernels import cpu as cpu_kernels
-from pagedrs.quant.layers import INT8_ACTIVATIONS
+from pagedrs.quant.layers import INT8_ACTIVATIONS, INT8_PANELS
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available() or cpu_kernels.load().int8_activation_path() == "none",
@@ -133,3 +136,82 @@ def test_the_kernels_name_the_best_int8_path_of_their_instruction_set():
         expected = {"avx2": "avx2", "avxvnni": "avx-vnni", "avx512": "avx2"}[isa]
     assert path == expected
     assert cpu_kernels.INT8_PATHS[path] in cpu_kernels.describe()
+
+
+def _panel_rows() -> int:
+    return int(cpu_kernels.load().int8_panel_rows())
+
+
+def _reference_panels(packed: torch.Tensor, qtype: GGMLQuantizationType, rows: int) -> np.ndarray:
+    """The stored panel layout, from the kernel's header: per panel of ``rows`` rows and block,
+    the quants' 4-byte words k of every row (word-major; Q8_0's bytes + 128), then the rows'
+    fp16 d, then (Q4_1) their fp16 m."""
+    block_bytes = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}[qtype]
+    num_panels = packed.shape[0] // rows
+    raw = packed.numpy().reshape(num_panels, rows, -1, block_bytes)  # [panel, row, block, byte]
+    quants_at = block_bytes - (32 if qtype == GGMLQuantizationType.Q8_0 else 16)
+    quants = raw[..., quants_at:].reshape(num_panels, rows, raw.shape[2], -1, 4)  # [.., word, byte]
+    if qtype == GGMLQuantizationType.Q8_0:
+        quants = quants ^ 0x80
+    parts = [quants.transpose(0, 2, 3, 1, 4), raw[..., 0:2].transpose(0, 2, 1, 3)]
+    if qtype == GGMLQuantizationType.Q4_1:
+        parts.append(raw[..., 2:4].transpose(0, 2, 1, 3))
+    blocks = [part.reshape(num_panels, raw.shape[2], -1) for part in parts]
+    return np.concatenate(blocks, axis=-1).reshape(packed.shape)
+
+
+needs_panels = pytest.mark.skipif(
+    not cpu_kernels.available() or cpu_kernels.load().int8_panel_rows() == 0,
+    reason="stored int8 panels are a VNNI build's",
+)
+
+
+@needs_panels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("panels", [1, 3, 6])
+@pytest.mark.parametrize("in_features", [32, 96, 576])
+def test_stored_panels_hold_the_layout_and_multiply_to_the_same_floats(qtype, panels, in_features):
+    rows = _panel_rows()
+    packed = _packed(qtype, panels * rows, in_features, seed=panels * 7 + in_features)
+    ops = cpu_kernels.load()
+    stored = ops.pack_int8_panels(packed, int(qtype), in_features)
+    assert stored.shape == packed.shape and stored.dtype == torch.uint8
+    assert np.array_equal(stored.numpy(), _reference_panels(packed, qtype, rows))
+    x = torch.randn(67, in_features, generator=torch.Generator().manual_seed(3)) * 2
+    x[1, :32] = 0.0
+    for num_tokens in (1, 2, 7, 8, 9, 17, 67):
+        rows_out = ops.quant_matmul(x[:num_tokens], packed, int(qtype) | INT8_ACTIVATIONS, in_features)
+        panel_out = ops.quant_matmul(x[:num_tokens], stored, int(qtype) | INT8_ACTIVATIONS | INT8_PANELS, in_features)
+        assert torch.equal(panel_out, rows_out)
+
+
+@needs_panels
+def test_stored_panels_are_refused_where_they_cannot_be_read():
+    rows = _panel_rows()
+    ops = cpu_kernels.load()
+    q4_1 = GGMLQuantizationType.Q4_1
+    short = _packed(q4_1, rows + 1, 64, seed=1)
+    with pytest.raises(RuntimeError, match="whole panels"):
+        ops.pack_int8_panels(short, int(q4_1), 64)
+    with pytest.raises(RuntimeError, match="Q8_0 .8., Q4_0 .2. or Q4_1 .3."):
+        ops.pack_int8_panels(torch.zeros(rows, 144, dtype=torch.uint8), int(GGMLQuantizationType.Q4_K), 256)
+    with pytest.raises(RuntimeError, match="must be contiguous uint8"):
+        ops.pack_int8_panels(_packed(q4_1, rows, 64, seed=2), int(q4_1), 96)
+    stored = ops.pack_int8_panels(_packed(q4_1, rows, 64, seed=3), int(q4_1), 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="need int8 activations"):  # the exact path reads GGUF rows
+        ops.quant_matmul(x, stored, int(q4_1) | INT8_PANELS, 64)
+    with pytest.raises(RuntimeError, match="not panels"):
+        ops.embedding_rows(stored, torch.tensor([0]), int(q4_1) | INT8_ACTIVATIONS | INT8_PANELS, 64)
+    short_stored = torch.zeros(rows + 1, 40, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="whole panels"):
+        ops.quant_matmul(x, short_stored, int(q4_1) | INT8_ACTIVATIONS | INT8_PANELS, 64)
+
+
+def test_builds_without_vnni_have_no_stored_panels():
+    ops = cpu_kernels.load()
+    vnni = "vnni" in ops.int8_activation_path()
+    assert ops.int8_panel_rows() == ({"avx512-vnni": 16, "avx-vnni": 8}[ops.int8_activation_path()] if vnni else 0)
+    if not vnni:
+        with pytest.raises(RuntimeError, match="has no stored int8 panels"):
+            ops.pack_int8_panels(_packed(GGMLQuantizationType.Q8_0, 16, 32, seed=1), 8, 32)

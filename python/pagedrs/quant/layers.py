@@ -35,6 +35,9 @@ from pagedrs.quant.sharding import ColumnShardBias, ReplicatedBias
 INT8_ACTIVATIONS = 1 << 8
 """A kernel type id ORed with it quantizes the activations to int8 (``cpu/cpu_kernels.h``'s
 ``kInt8Activations``)."""
+INT8_PANELS = 1 << 9
+"""ORed with `INT8_ACTIVATIONS`: the weight's bytes are in the kernel's stored int8 panels
+(``pack_int8_panels``, ``cpu/cpu_kernels.h``'s ``kInt8Panels``)."""
 INT8_ACTIVATION_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
 """The formats the kernel multiplies by int8 activations (the others stay exact)."""
 
@@ -71,27 +74,40 @@ class _Packed(nn.Module):
         self.in_features = in_features
         self.int8_activations = False
         """Multiply by int8-quantized activations (`use_int8_activations`); exact otherwise."""
+        self.int8_panels = False
+        """``weight`` holds the kernel's stored int8 panels, not the GGUF rows (`use_int8_activations`)."""
         packed = torch.empty(rows, ggml_blocks.row_bytes(ggml_type, in_features), dtype=torch.uint8)
         self.weight = nn.Parameter(packed, requires_grad=False)
 
     @property
     def kernel_type(self) -> int:
         """The CPU kernels' id of how to multiply by this weight."""
-        return int(self.ggml_type) | (INT8_ACTIVATIONS if self.int8_activations else 0)
+        flags = (INT8_ACTIVATIONS if self.int8_activations else 0) | (INT8_PANELS if self.int8_panels else 0)
+        return int(self.ggml_type) | flags
 
     def extra_repr(self) -> str:
         activations = ", int8 activations" if self.int8_activations else ""
+        activations += " (stored panels)" if self.int8_panels else ""
         return f"{self.ggml_type.name}, out={self.weight.shape[0]}, in={self.in_features}{activations}"
 
 
 def use_int8_activations(model: nn.Module) -> int:
     """Switches every packed linear (and the packed head) whose format has the integer path
-    to int8 activations; returns how many."""
+    to int8 activations; returns how many. Where this build has stored panels (VNNI), the
+    linears' weights are rearranged into them (the same bytes, in the order the integer kernel
+    reads them: one stream, no regrouping per call), except those read as rows too: the
+    vocabulary embedding, and a linear whose rows are not whole panels."""
+    panel_rows = cpu_kernels.load().int8_panel_rows()
     switched = 0
     for module in model.modules():
         if isinstance(module, _Packed) and module.ggml_type in INT8_ACTIVATION_TYPES:
             module.int8_activations = True
             switched += 1
+            rows = module.weight.shape[0]
+            if panel_rows and not isinstance(module, QuantVocabEmbedding) and rows % panel_rows == 0:
+                packed = cpu_kernels.load().pack_int8_panels(module.weight, int(module.ggml_type), module.in_features)
+                module.weight = nn.Parameter(packed, requires_grad=False)
+                module.int8_panels = True
     return switched
 
 
