@@ -77,7 +77,8 @@ at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids,
 
 // quant_matmul.cpp: a Q8_0, Q4_0 or Q4_1 weight [out_features, row_bytes] rearranged into the
 // stored int8 panels (the same shape), for type ids with kInt8Panels; out_features a multiple of
-// int8_panel_rows(), the rows of a panel: 16 with AVX-512 VNNI, 8 with AVX-VNNI, 0 (none) elsewhere.
+// int8_panel_rows(), the rows of a panel: 16 with AVX-512 VNNI, 8 with AVX-VNNI or AVX2, 0 (none)
+// elsewhere (NEON, scalar builds).
 at::Tensor pack_int8_panels(const at::Tensor& weight, int64_t ggml_type, int64_t in_features);
 int64_t int8_panel_rows();
 
@@ -159,7 +160,7 @@ c10::intrusive_ptr<DecoderStack> make_decoder_stack(int64_t hidden_size, int64_t
 // Q8_0, Q4_0 and Q4_1 with AVX2; other types and machines run the exact path).
 constexpr int64_t kInt8Activations = 1 << 8;
 // ORed with kInt8Activations: the weight's bytes are in quant_matmul.cpp's stored int8 panels
-// (pack_int8_panels), which only the int8 path of a VNNI build reads.
+// (pack_int8_panels), which only the int8 path of an x86 build reads.
 constexpr int64_t kInt8Panels = 1 << 9;
 constexpr int64_t kKernelFlags = kInt8Activations | kInt8Panels;  // a type id less these is the ggml type
 

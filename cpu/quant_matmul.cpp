@@ -449,119 +449,6 @@ void matmul_rows_int8(const Int8Rows& x, const uint8_t* weight, float* out, int6
   }
 }
 
-// The stored panel layout (pack_int8_panels, type ids with kInt8Panels): the weight's bytes
-// permuted once at load so that the int8 kernel reads one stream, in the order it multiplies,
-// with no regrouping per call. Panel p (rows p * kPanelRows ..) keeps the bytes of its rows, as
-// kPanelBlockBytes for each block b in turn:
-//   kQuantWords registers of kPanelRows int32 lanes: register k, lane r = bytes 4k .. 4k + 3 of
-//     row r's stored quants in block b (Q8_0: its int8 weights, each + 128 as vpdpbusd's
-//     unsigned operand; Q4_0 and Q4_1: its packed nibbles, split in registers)
-//   kPanelRows fp16 d (lane r: row r's), then for Q4_1 kPanelRows fp16 m
-// A panel of Q4_1 blocks is 16 x 20 = 320 bytes a block, as many as the rows it replaces: the
-// tensor keeps its shape and size. Needs out_features a multiple of kPanelRows.
-template <class Format>
-constexpr int kQuantWords = std::is_same_v<Format, Q8_0> ? 8 : 4;
-template <class Format>
-constexpr int64_t kPanelBlockBytes = kPanelRows * Format::kBytes;
-template <class Format>
-constexpr int64_t kPanelScalesAt = 4 * kQuantWords<Format> * kPanelRows;  // bytes into a panel's block
-
-template <class Format>
-void pack_panels(const uint8_t* weight, uint8_t* packed, int64_t out_features, int64_t num_blocks) {
-  constexpr int64_t kQuantsAt = Format::kBytes - 4 * kQuantWords<Format>;  // after d (and Q4_1's m)
-  const int64_t row_bytes = num_blocks * Format::kBytes;
-  at::parallel_for(0, out_features / kPanelRows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        uint8_t* to = packed + (p * num_blocks + b) * kPanelBlockBytes<Format>;
-        for (int r = 0; r < kPanelRows; ++r) {
-          const uint8_t* block = weight + (p * kPanelRows + r) * row_bytes + b * Format::kBytes;
-          for (int k = 0; k < kQuantWords<Format>; ++k) {
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t byte = block[kQuantsAt + 4 * k + j];
-              to[(k * kPanelRows + r) * 4 + j] = std::is_same_v<Format, Q8_0> ? byte ^ 0x80 : byte;
-            }
-          }
-          std::memcpy(to + kPanelScalesAt<Format> + 2 * r, block, 2);
-          if constexpr (std::is_same_v<Format, Q4_1>) {
-            std::memcpy(to + kPanelScalesAt<Format> + 2 * kPanelRows + 2 * r, block + 2, 2);
-          }
-        }
-      }
-    }
-  });
-}
-
-// out[t * out_stride + r] for the kPanelRows rows of one stored panel and kTokens quantized
-// tokens from t0: panel_dot's sums (the same integers, scaled and added in the same order, so
-// the same floats), read from the stored layout.
-template <class Format, int kTokens>
-void stored_panel_dot(const Int8Rows& x, int64_t t0, const uint8_t* __restrict__ panel, float* __restrict__ out,
-                      int64_t out_stride) {
-  using V = VnniLanes;
-  constexpr bool kMinimum = std::is_same_v<Format, Q4_1>;
-  const int64_t num_blocks = x.num_blocks;
-  V::Float acc[kTokens], minimums[kTokens];
-  for (int t = 0; t < kTokens; ++t) acc[t] = minimums[t] = V::fzero();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = panel + b * kPanelBlockBytes<Format>;
-    const int8_t* activations = x.q.data() + (t0 * num_blocks + b) * kBlockSize;  // token t0's block b
-    const auto word = [&](int t, int k) {  // activations 4k .. 4k + 3 of token t0 + t, one per byte
-      int32_t bits;
-      std::memcpy(&bits, activations + t * num_blocks * kBlockSize + 4 * k, sizeof(bits));
-      return V::set1(bits);
-    };
-    V::Int sums[kTokens];
-    for (int t = 0; t < kTokens; ++t) sums[t] = V::set1(x.start[(t0 + t) * num_blocks + b]);
-    if constexpr (std::is_same_v<Format, Q8_0>) {
-      for (int k = 0; k < 8; ++k) {
-        const V::Int w = V::loadu(block + 4 * k * kPanelRows);
-        for (int t = 0; t < kTokens; ++t) sums[t] = V::dpbusd(sums[t], w, word(t, k));
-      }
-    } else {
-      for (int k = 0; k < 4; ++k) {  // byte j of the nibbles: weight j (low), j + 16 (high)
-        const V::Int nibbles = V::loadu(block + 4 * k * kPanelRows);
-        const V::Int low = V::low_nibbles(nibbles), high = V::high_nibbles(nibbles);
-        for (int t = 0; t < kTokens; ++t) {
-          sums[t] = V::dpbusd(sums[t], low, word(t, k));
-          sums[t] = V::dpbusd(sums[t], high, word(t, 4 + k));
-        }
-      }
-    }
-    const V::Float dw = V::halvesu(block + kPanelScalesAt<Format>);
-    for (int t = 0; t < kTokens; ++t) {
-      const int64_t at = (t0 + t) * num_blocks + b;
-      acc[t] = V::fmadd(V::to_float(sums[t]), V::mul(dw, V::fset1(x.d[at])), acc[t]);
-      if constexpr (kMinimum) {
-        const V::Float dm = V::halvesu(block + kPanelScalesAt<Format> + 2 * kPanelRows);
-        minimums[t] = V::fmadd(dm, V::fset1(x.sum[at]), minimums[t]);
-      }
-    }
-  }
-  for (int t = 0; t < kTokens; ++t) {
-    V::store_rows(out + t * out_stride, kMinimum ? V::add(acc[t], minimums[t]) : acc[t], kPanelRows);
-  }
-}
-
-template <class Format, int... kTiles>
-void stored_panel_dot_tile(int tile, const Int8Rows& x, int64_t t0, const uint8_t* panel, float* out,
-                           int64_t out_stride, std::integer_sequence<int, kTiles...>) {
-  ((tile == kTiles + 1 ? stored_panel_dot<Format, kTiles + 1>(x, t0, panel, out, out_stride) : void()), ...);
-}
-
-// Stored panels [panel_begin, panel_end) times every token.
-template <class Format>
-void matmul_stored_panels(const Int8Rows& x, const uint8_t* weight, float* out, int64_t out_stride,
-                          int64_t num_tokens, int64_t panel_begin, int64_t panel_end) {
-  constexpr auto kTiles = std::make_integer_sequence<int, VnniLanes::kTokens>();
-  for (int64_t p = panel_begin; p < panel_end; ++p) {
-    const uint8_t* panel = weight + p * x.num_blocks * kPanelBlockBytes<Format>;
-    for (int64_t t0 = 0; t0 < num_tokens; t0 += VnniLanes::kTokens) {
-      const int tile = static_cast<int>(std::min<int64_t>(VnniLanes::kTokens, num_tokens - t0));
-      stored_panel_dot_tile<Format>(tile, x, t0, panel, out + t0 * out_stride + p * kPanelRows, out_stride, kTiles);
-    }
-  }
-}
 #else
 // The 32 weights of a block as bytes in order: signed for Q8_0 and Q4_0, unsigned nibbles for
 // Q4_1 (whose minimum the caller adds).
@@ -617,6 +504,172 @@ inline void dot_row_int8(const Int8Rows& rows, int64_t t0, const uint8_t* __rest
 }
 
 #endif  // PAGEDRS_INT8_VNNI
+
+#define PAGEDRS_INT8_PANELS 1
+// The registers of the stored panels' kernel (stored_panel_dot): VNNI's, or AVX2's 8 rows of
+// 32-bit lanes with vpdpbusd's sums made of maddubs and madd.
+#ifdef PAGEDRS_INT8_VNNI
+struct PanelLanes : VnniLanes {
+  template <class Format>
+  static Int dot(Int sum, Int unsigned_bytes, Int signed_bytes) { return dpbusd(sum, unsigned_bytes, signed_bytes); }
+};
+// The weights' zero in the stored panels (Int8Rows::start): vpdpbusd's unsigned weights.
+template <class Format>
+constexpr int32_t kPanelWeightZero = kWeightZero<Format>;
+#else
+struct PanelLanes {
+  static constexpr int kRows = 8;
+  static constexpr int kTokens = 4;  // 16 registers: 3 per token, the weights, their scales
+  using Int = __m256i;
+  using Float = __m256;
+  static Int loadu(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static Int set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static Int low_nibbles(Int v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static Int high_nibbles(Int v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+  // sum + the products of each lane's 4 weight bytes and 4 activation bytes (signed weights for
+  // Q8_0, unsigned nibbles otherwise).
+  template <class Format>
+  static Int dot(Int sum, Int weights, Int activations) {
+    const Int ones = _mm256_set1_epi16(1);
+    if constexpr (std::is_same_v<Format, Q8_0>) {
+      const Int pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(weights, weights), _mm256_sign_epi8(activations, weights));
+      return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+    } else {
+      return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(weights, activations), ones));
+    }
+  }
+  static Float halvesu(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static Float fzero() { return _mm256_setzero_ps(); }
+  static Float fset1(float v) { return _mm256_set1_ps(v); }
+  static Float to_float(Int v) { return _mm256_cvtepi32_ps(v); }
+  static Float add(Float a, Float b) { return _mm256_add_ps(a, b); }
+  static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store_rows(float* out, Float v, int) { _mm256_storeu_ps(out, v); }  // always whole panels
+};
+constexpr int kPanelRows = PanelLanes::kRows;
+// Q4_0's nibbles are q + 8 (maddubs takes them unsigned); Q8_0 and Q4_1 as stored.
+template <class Format>
+constexpr int32_t kPanelWeightZero = std::is_same_v<Format, Q4_0> ? 8 : 0;
+#endif
+
+// The stored panel layout (pack_int8_panels, type ids with kInt8Panels): the weight's bytes
+// permuted once at load so that the int8 kernel reads one stream, in the order it multiplies,
+// with no regrouping per call. Panel p (rows p * kPanelRows ..) keeps the bytes of its rows, as
+// kPanelBlockBytes for each block b in turn:
+//   kQuantWords registers of kPanelRows int32 lanes: register k, lane r = bytes 4k .. 4k + 3 of
+//     row r's stored quants in block b (Q8_0: its int8 weights, with VNNI each + 128 as
+//     vpdpbusd's unsigned operand; Q4_0 and Q4_1: its packed nibbles, split in registers)
+//   kPanelRows fp16 d (lane r: row r's), then for Q4_1 kPanelRows fp16 m
+// A panel of Q4_1 blocks is 16 x 20 = 320 bytes a block, as many as the rows it replaces: the
+// tensor keeps its shape and size. Needs out_features a multiple of kPanelRows (16 with AVX-512
+// VNNI, 8 with AVX-VNNI or AVX2). Each register's products are summed into its int32 lanes by
+// PanelLanes::dot: vpdpbusd with VNNI; AVX2's maddubs (unsigned by signed bytes, pairs summed
+// in int16) then madd, the sums exact either way (a pair of products is at most 2 x 15 x 127
+// for nibbles; Q8_0's signed weights go in as |w|, their signs moved onto the activations).
+template <class Format>
+constexpr int kQuantWords = std::is_same_v<Format, Q8_0> ? 8 : 4;
+template <class Format>
+constexpr int64_t kPanelBlockBytes = kPanelRows * Format::kBytes;
+template <class Format>
+constexpr int64_t kPanelScalesAt = 4 * kQuantWords<Format> * kPanelRows;  // bytes into a panel's block
+
+template <class Format>
+void pack_panels(const uint8_t* weight, uint8_t* packed, int64_t out_features, int64_t num_blocks) {
+  constexpr int64_t kQuantsAt = Format::kBytes - 4 * kQuantWords<Format>;  // after d (and Q4_1's m)
+  const int64_t row_bytes = num_blocks * Format::kBytes;
+  at::parallel_for(0, out_features / kPanelRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        uint8_t* to = packed + (p * num_blocks + b) * kPanelBlockBytes<Format>;
+        for (int r = 0; r < kPanelRows; ++r) {
+          const uint8_t* block = weight + (p * kPanelRows + r) * row_bytes + b * Format::kBytes;
+          for (int k = 0; k < kQuantWords<Format>; ++k) {
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = block[kQuantsAt + 4 * k + j];
+              to[(k * kPanelRows + r) * 4 + j] = kPanelWeightZero<Format> == 128 ? byte ^ 0x80 : byte;
+            }
+          }
+          std::memcpy(to + kPanelScalesAt<Format> + 2 * r, block, 2);
+          if constexpr (std::is_same_v<Format, Q4_1>) {
+            std::memcpy(to + kPanelScalesAt<Format> + 2 * kPanelRows + 2 * r, block + 2, 2);
+          }
+        }
+      }
+    }
+  });
+}
+
+// out[t * out_stride + r] for the kPanelRows rows of one stored panel and kTokens quantized
+// tokens from t0: panel_dot's sums (the same integers, scaled and added in the same order, so
+// the same floats), read from the stored layout.
+template <class Format, int kTokens>
+void stored_panel_dot(const Int8Rows& x, int64_t t0, const uint8_t* __restrict__ panel, float* __restrict__ out,
+                      int64_t out_stride) {
+  using V = PanelLanes;
+  constexpr bool kMinimum = std::is_same_v<Format, Q4_1>;
+  const int64_t num_blocks = x.num_blocks;
+  V::Float acc[kTokens], minimums[kTokens];
+  for (int t = 0; t < kTokens; ++t) acc[t] = minimums[t] = V::fzero();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = panel + b * kPanelBlockBytes<Format>;
+    const int8_t* activations = x.q.data() + (t0 * num_blocks + b) * kBlockSize;  // token t0's block b
+    const auto word = [&](int t, int k) {  // activations 4k .. 4k + 3 of token t0 + t, one per byte
+      int32_t bits;
+      std::memcpy(&bits, activations + t * num_blocks * kBlockSize + 4 * k, sizeof(bits));
+      return V::set1(bits);
+    };
+    V::Int sums[kTokens];
+    for (int t = 0; t < kTokens; ++t) sums[t] = V::set1(x.start[(t0 + t) * num_blocks + b]);
+    if constexpr (std::is_same_v<Format, Q8_0>) {
+      for (int k = 0; k < 8; ++k) {
+        const V::Int w = V::loadu(block + 4 * k * kPanelRows);
+        for (int t = 0; t < kTokens; ++t) sums[t] = V::template dot<Format>(sums[t], w, word(t, k));
+      }
+    } else {
+      for (int k = 0; k < 4; ++k) {  // byte j of the nibbles: weight j (low), j + 16 (high)
+        const V::Int nibbles = V::loadu(block + 4 * k * kPanelRows);
+        const V::Int low = V::low_nibbles(nibbles), high = V::high_nibbles(nibbles);
+        for (int t = 0; t < kTokens; ++t) {
+          sums[t] = V::template dot<Format>(sums[t], low, word(t, k));
+          sums[t] = V::template dot<Format>(sums[t], high, word(t, 4 + k));
+        }
+      }
+    }
+    const V::Float dw = V::halvesu(block + kPanelScalesAt<Format>);
+    for (int t = 0; t < kTokens; ++t) {
+      const int64_t at = (t0 + t) * num_blocks + b;
+      acc[t] = V::fmadd(V::to_float(sums[t]), V::mul(dw, V::fset1(x.d[at])), acc[t]);
+      if constexpr (kMinimum) {
+        const V::Float dm = V::halvesu(block + kPanelScalesAt<Format> + 2 * kPanelRows);
+        minimums[t] = V::fmadd(dm, V::fset1(x.sum[at]), minimums[t]);
+      }
+    }
+  }
+  for (int t = 0; t < kTokens; ++t) {
+    V::store_rows(out + t * out_stride, kMinimum ? V::add(acc[t], minimums[t]) : acc[t], kPanelRows);
+  }
+}
+
+template <class Format, int... kTiles>
+void stored_panel_dot_tile(int tile, const Int8Rows& x, int64_t t0, const uint8_t* panel, float* out,
+                           int64_t out_stride, std::integer_sequence<int, kTiles...>) {
+  ((tile == kTiles + 1 ? stored_panel_dot<Format, kTiles + 1>(x, t0, panel, out, out_stride) : void()), ...);
+}
+
+// Stored panels [panel_begin, panel_end) times every token.
+template <class Format>
+void matmul_stored_panels(const Int8Rows& x, const uint8_t* weight, float* out, int64_t out_stride,
+                          int64_t num_tokens, int64_t panel_begin, int64_t panel_end) {
+  constexpr auto kTiles = std::make_integer_sequence<int, PanelLanes::kTokens>();
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    const uint8_t* panel = weight + p * x.num_blocks * kPanelBlockBytes<Format>;
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += PanelLanes::kTokens) {
+      const int tile = static_cast<int>(std::min<int64_t>(PanelLanes::kTokens, num_tokens - t0));
+      stored_panel_dot_tile<Format>(tile, x, t0, panel, out + t0 * out_stride + p * kPanelRows, out_stride, kTiles);
+    }
+  }
+}
 #elif defined(PAGEDRS_QUANT_NEON)
 // quantize_rows and dot_row_int8 are NEON's (quant_blocks.h): sdot with ARMv8.2's dot product,
 // smull + sadalp without it.
@@ -673,13 +726,15 @@ bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_
   if (rows.d.size() < blocks) rows.d.resize(blocks), rows.sum.resize(blocks), rows.start.resize(blocks);
 #ifdef PAGEDRS_INT8_VNNI
   const int32_t weight_zero = ggml_type == kQ8_0 ? kWeightZero<Q8_0> : ggml_type == kQ4_0 ? kWeightZero<Q4_0> : 0;
+#elif defined(PAGEDRS_INT8_PANELS)
+  const int32_t weight_zero = !stored_panels ? 0 : ggml_type == kQ4_0 ? kPanelWeightZero<Q4_0> : 0;
 #else
   const int32_t weight_zero = 0;  // maddubs and sdot take the weights as they are
 #endif
   at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
     quantize_rows(x, in_features, begin, end, weight_zero, rows);
   });
-#ifdef PAGEDRS_INT8_VNNI
+#ifdef PAGEDRS_INT8_PANELS
   if (stored_panels) {
     at::parallel_for(0, out_features / kPanelRows, 1, [&](int64_t begin, int64_t end) {
       switch (ggml_type) {
@@ -690,9 +745,12 @@ bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_
     });
     return true;
   }
-  constexpr int64_t kRowsPerUnit = kPanelRows;  // threads take whole panels
 #else
   TORCH_CHECK(!stored_panels, "pagedrs_cpu: this build has no stored int8 panels");
+#endif
+#ifdef PAGEDRS_INT8_VNNI
+  constexpr int64_t kRowsPerUnit = kPanelRows;  // threads take whole panels
+#else
   constexpr int64_t kRowsPerUnit = 1;
 #endif
   const int64_t num_units = (out_features + kRowsPerUnit - 1) / kRowsPerUnit;
@@ -721,7 +779,7 @@ std::string int8_activation_path() {
 }
 
 int64_t int8_panel_rows() {
-#ifdef PAGEDRS_INT8_VNNI
+#ifdef PAGEDRS_INT8_PANELS
   return kPanelRows;
 #else
   return 0;
@@ -747,7 +805,7 @@ at::Tensor pack_int8_panels(const at::Tensor& weight, int64_t ggml_type, int64_t
   TORCH_CHECK(weight.size(0) % int8_panel_rows() == 0, "pagedrs_cpu: stored int8 panels take whole panels of ",
               int8_panel_rows(), " rows, got ", weight.size(0));
   at::Tensor packed = at::empty_like(weight);
-#ifdef PAGEDRS_INT8_VNNI
+#ifdef PAGEDRS_INT8_PANELS
   const auto args = [&](auto run) {
     run(weight.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(), weight.size(0), in_features / kBlockSize);
   };

@@ -6,9 +6,9 @@ build runs (AVX-512 VNNI, AVX-VNNI or AVX2's maddubs; ``PAGEDRS_CPU_ISA`` picks 
 - a token's row does not depend on the batch it is in, bit for bit (one token, a tile of them,
   many tiles, a last panel of fewer rows);
 - the kernels name the path they run, and it is the best one the build's instruction set has;
-- with VNNI, a weight rearranged into stored panels (``pack_int8_panels``, ``INT8_PANELS``) holds
-  the layout the kernel's header describes and multiplies to the same floats, bit for bit; the
-  panels are refused where they cannot be read."""
+- on x86, a weight rearranged into stored panels (``pack_int8_panels``, ``INT8_PANELS``) holds
+  the layout the kernel's header describes, sums each block exactly (with VNNI: the same floats
+  as the row kernel, bit for bit); the panels are refused where they cannot be read."""
 
 from __future__ import annotations
 
@@ -142,16 +142,16 @@ def _panel_rows() -> int:
     return int(cpu_kernels.load().int8_panel_rows())
 
 
-def _reference_panels(packed: torch.Tensor, qtype: GGMLQuantizationType, rows: int) -> np.ndarray:
+def _reference_panels(packed: torch.Tensor, qtype: GGMLQuantizationType, rows: int, vnni: bool) -> np.ndarray:
     """The stored panel layout, from the kernel's header: per panel of ``rows`` rows and block,
-    the quants' 4-byte words k of every row (word-major; Q8_0's bytes + 128), then the rows'
-    fp16 d, then (Q4_1) their fp16 m."""
+    the quants' 4-byte words k of every row (word-major; with VNNI Q8_0's bytes + 128), then the
+    rows' fp16 d, then (Q4_1) their fp16 m."""
     block_bytes = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}[qtype]
     num_panels = packed.shape[0] // rows
     raw = packed.numpy().reshape(num_panels, rows, -1, block_bytes)  # [panel, row, block, byte]
     quants_at = block_bytes - (32 if qtype == GGMLQuantizationType.Q8_0 else 16)
     quants = raw[..., quants_at:].reshape(num_panels, rows, raw.shape[2], -1, 4)  # [.., word, byte]
-    if qtype == GGMLQuantizationType.Q8_0:
+    if qtype == GGMLQuantizationType.Q8_0 and vnni:
         quants = quants ^ 0x80
     parts = [quants.transpose(0, 2, 3, 1, 4), raw[..., 0:2].transpose(0, 2, 1, 3)]
     if qtype == GGMLQuantizationType.Q4_1:
@@ -162,7 +162,7 @@ def _reference_panels(packed: torch.Tensor, qtype: GGMLQuantizationType, rows: i
 
 needs_panels = pytest.mark.skipif(
     not cpu_kernels.available() or cpu_kernels.load().int8_panel_rows() == 0,
-    reason="stored int8 panels are a VNNI build's",
+    reason="stored int8 panels are an x86 build's",
 )
 
 
@@ -170,19 +170,27 @@ needs_panels = pytest.mark.skipif(
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("panels", [1, 3, 6])
 @pytest.mark.parametrize("in_features", [32, 96, 576])
-def test_stored_panels_hold_the_layout_and_multiply_to_the_same_floats(qtype, panels, in_features):
+def test_stored_panels_hold_the_layout_and_sum_each_block_exactly(qtype, panels, in_features):
     rows = _panel_rows()
     packed = _packed(qtype, panels * rows, in_features, seed=panels * 7 + in_features)
     ops = cpu_kernels.load()
     stored = ops.pack_int8_panels(packed, int(qtype), in_features)
     assert stored.shape == packed.shape and stored.dtype == torch.uint8
-    assert np.array_equal(stored.numpy(), _reference_panels(packed, qtype, rows))
+    vnni = "vnni" in ops.int8_activation_path()
+    assert np.array_equal(stored.numpy(), _reference_panels(packed, qtype, rows, vnni))
     x = torch.randn(67, in_features, generator=torch.Generator().manual_seed(3)) * 2
     x[1, :32] = 0.0
-    for num_tokens in (1, 2, 7, 8, 9, 17, 67):
-        rows_out = ops.quant_matmul(x[:num_tokens], packed, int(qtype) | INT8_ACTIVATIONS, in_features)
+    full = ops.quant_matmul(x, stored, int(qtype) | INT8_ACTIVATIONS | INT8_PANELS, in_features)
+    # Each block's integer sum exact, scaled in float32 (VNNI's row kernel does the same).
+    expected, magnitude = _integer_reference(x, packed, qtype, products=32)
+    bound = (in_features // 32 + 8) * torch.finfo(torch.float32).eps * magnitude
+    assert bool(((full.double() - expected).abs() <= bound + 1e-30).all())
+    for num_tokens in (1, 2, 7, 8, 9, 17):  # a row does not depend on its batch
         panel_out = ops.quant_matmul(x[:num_tokens], stored, int(qtype) | INT8_ACTIVATIONS | INT8_PANELS, in_features)
-        assert torch.equal(panel_out, rows_out)
+        assert torch.equal(panel_out, full[:num_tokens])
+        if vnni:  # the same floats as the row kernel's
+            rows_out = ops.quant_matmul(x[:num_tokens], packed, int(qtype) | INT8_ACTIVATIONS, in_features)
+            assert torch.equal(panel_out, rows_out)
 
 
 @needs_panels
@@ -208,10 +216,12 @@ def test_stored_panels_are_refused_where_they_cannot_be_read():
         ops.quant_matmul(x, short_stored, int(q4_1) | INT8_ACTIVATIONS | INT8_PANELS, 64)
 
 
-def test_builds_without_vnni_have_no_stored_panels():
+def test_the_panels_have_the_rows_of_their_registers():
+    """16 rows with AVX-512 VNNI, 8 with AVX-VNNI and AVX2 (32-bit lanes of 512- and 256-bit
+    registers); NEON builds have none and refuse to pack."""
     ops = cpu_kernels.load()
-    vnni = "vnni" in ops.int8_activation_path()
-    assert ops.int8_panel_rows() == ({"avx512-vnni": 16, "avx-vnni": 8}[ops.int8_activation_path()] if vnni else 0)
-    if not vnni:
+    rows = {"avx512-vnni": 16, "avx-vnni": 8, "avx2": 8}.get(ops.int8_activation_path(), 0)
+    assert ops.int8_panel_rows() == rows
+    if rows == 0:
         with pytest.raises(RuntimeError, match="has no stored int8 panels"):
             ops.pack_int8_panels(_packed(GGMLQuantizationType.Q8_0, 16, 32, seed=1), 8, 32)

@@ -93,10 +93,10 @@ class _Packed(nn.Module):
 
 def use_int8_activations(model: nn.Module) -> int:
     """Switches every packed linear (and the packed head) whose format has the integer path
-    to int8 activations; returns how many. Where this build has stored panels (VNNI), the
-    linears' weights are rearranged into them (the same bytes, in the order the integer kernel
-    reads them: one stream, no regrouping per call), except those read as rows too: the
-    vocabulary embedding, and a linear whose rows are not whole panels."""
+    to int8 activations; returns how many. Where this build has stored panels (x86: AVX2,
+    AVX-VNNI, AVX-512 VNNI), the linears' weights are rearranged into them (the same bytes, in
+    the order the integer kernel reads them: one stream, no regrouping per call), except those
+    read as rows too: the vocabulary embedding, and a linear whose rows are not whole panels."""
     panel_rows = cpu_kernels.load().int8_panel_rows()
     switched = 0
     for module in model.modules():
