@@ -510,8 +510,15 @@ inline void dot_row_int8(const Int8Rows& rows, int64_t t0, const uint8_t* __rest
 // 32-bit lanes with vpdpbusd's sums made of maddubs and madd.
 #ifdef PAGEDRS_INT8_VNNI
 struct PanelLanes : VnniLanes {
+  // One token's integer sums of a block, one int32 lane per row: from Int8Rows::start, each
+  // register's 4 byte products added by vpdpbusd.
   template <class Format>
-  static Int dot(Int sum, Int unsigned_bytes, Int signed_bytes) { return dpbusd(sum, unsigned_bytes, signed_bytes); }
+  struct Sums {
+    Int lanes;
+    void begin(int32_t start) { lanes = set1(start); }
+    void add(Int unsigned_weights, Int signed_activations) { lanes = dpbusd(lanes, unsigned_weights, signed_activations); }
+    Int total() const { return lanes; }
+  };
 };
 // The weights' zero in the stored panels (Int8Rows::start): vpdpbusd's unsigned weights.
 template <class Format>
@@ -526,18 +533,33 @@ struct PanelLanes {
   static Int set1(int32_t v) { return _mm256_set1_epi32(v); }
   static Int low_nibbles(Int v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
   static Int high_nibbles(Int v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-  // sum + the products of each lane's 4 weight bytes and 4 activation bytes (signed weights for
-  // Q8_0, unsigned nibbles otherwise).
+  // One token's integer sums of a block, one int32 lane per row (the products of each lane's 4
+  // weight bytes and 4 activation bytes, from Int8Rows::start). Nibbles (unsigned, at most 15)
+  // add maddubs' int16 pairs as they come, at most 8 x 2 x 15 x 127 = 30480 in a lane, and
+  // widen once per block; Q8_0's signed weights go in as |w| with their signs on the
+  // activations, each pair near int16's limit, so each register widens at once.
   template <class Format>
-  static Int dot(Int sum, Int weights, Int activations) {
-    const Int ones = _mm256_set1_epi16(1);
-    if constexpr (std::is_same_v<Format, Q8_0>) {
-      const Int pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(weights, weights), _mm256_sign_epi8(activations, weights));
-      return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
-    } else {
-      return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(weights, activations), ones));
+  struct Sums {
+    static constexpr bool kSigned = std::is_same_v<Format, Q8_0>;
+    Int lanes;  // int32 (Q8_0) or int16 pairs
+    int32_t start;
+    void begin(int32_t block_start) {
+      start = block_start;
+      lanes = kSigned ? set1(start) : _mm256_setzero_si256();
     }
-  }
+    void add(Int weights, Int activations) {
+      if constexpr (kSigned) {
+        const Int pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(weights, weights), _mm256_sign_epi8(activations, weights));
+        lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+      } else {
+        lanes = _mm256_add_epi16(lanes, _mm256_maddubs_epi16(weights, activations));
+      }
+    }
+    Int total() const {
+      if constexpr (kSigned) return lanes;
+      return _mm256_add_epi32(set1(start), _mm256_madd_epi16(lanes, _mm256_set1_epi16(1)));
+    }
+  };
   static Float halvesu(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static Float fzero() { return _mm256_setzero_ps(); }
   static Float fset1(float v) { return _mm256_set1_ps(v); }
@@ -619,27 +641,27 @@ void stored_panel_dot(const Int8Rows& x, int64_t t0, const uint8_t* __restrict__
       std::memcpy(&bits, activations + t * num_blocks * kBlockSize + 4 * k, sizeof(bits));
       return V::set1(bits);
     };
-    V::Int sums[kTokens];
-    for (int t = 0; t < kTokens; ++t) sums[t] = V::set1(x.start[(t0 + t) * num_blocks + b]);
+    typename V::template Sums<Format> sums[kTokens];
+    for (int t = 0; t < kTokens; ++t) sums[t].begin(x.start[(t0 + t) * num_blocks + b]);
     if constexpr (std::is_same_v<Format, Q8_0>) {
       for (int k = 0; k < 8; ++k) {
         const V::Int w = V::loadu(block + 4 * k * kPanelRows);
-        for (int t = 0; t < kTokens; ++t) sums[t] = V::template dot<Format>(sums[t], w, word(t, k));
+        for (int t = 0; t < kTokens; ++t) sums[t].add(w, word(t, k));
       }
     } else {
       for (int k = 0; k < 4; ++k) {  // byte j of the nibbles: weight j (low), j + 16 (high)
         const V::Int nibbles = V::loadu(block + 4 * k * kPanelRows);
         const V::Int low = V::low_nibbles(nibbles), high = V::high_nibbles(nibbles);
         for (int t = 0; t < kTokens; ++t) {
-          sums[t] = V::template dot<Format>(sums[t], low, word(t, k));
-          sums[t] = V::template dot<Format>(sums[t], high, word(t, 4 + k));
+          sums[t].add(low, word(t, k));
+          sums[t].add(high, word(t, 4 + k));
         }
       }
     }
     const V::Float dw = V::halvesu(block + kPanelScalesAt<Format>);
     for (int t = 0; t < kTokens; ++t) {
       const int64_t at = (t0 + t) * num_blocks + b;
-      acc[t] = V::fmadd(V::to_float(sums[t]), V::mul(dw, V::fset1(x.d[at])), acc[t]);
+      acc[t] = V::fmadd(V::to_float(sums[t].total()), V::mul(dw, V::fset1(x.d[at])), acc[t]);
       if constexpr (kMinimum) {
         const V::Float dm = V::halvesu(block + kPanelScalesAt<Format> + 2 * kPanelRows);
         minimums[t] = V::fmadd(dm, V::fset1(x.sum[at]), minimums[t]);

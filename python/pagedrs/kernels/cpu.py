@@ -57,7 +57,7 @@ so building the ones this machine does not take keeps them from rotting (`compil
 INT8_PATHS = {
     "avx512-vnni": "AVX-512 VNNI (vpdpbusd, 16 weight rows a register)",
     "avx-vnni": "AVX-VNNI (vpdpbusd, 8 weight rows a register)",
-    "avx2": "AVX2 (maddubs + madd, one row at a time)",
+    "avx2": "AVX2 (maddubs + madd: stored panels of 8 weight rows, else one row at a time)",
     "neon-dotprod": "NEON dot product (sdot, one row at a time)",
     "neon": "NEON widening multiplies (smull + sadalp, one row at a time)",
     "none": "not built (neither AVX2 nor NEON): exact path",
