@@ -622,6 +622,28 @@ void pack_panels(const uint8_t* weight, uint8_t* packed, int64_t out_features, i
   });
 }
 
+// Row n of stored panels back as GGUF stores it (row_bytes), pack_panels undone for one row.
+template <class Format>
+void unpack_panel_row(const uint8_t* panels, int64_t n, int64_t num_blocks, uint8_t* row) {
+  constexpr int64_t kQuantsAt = Format::kBytes - 4 * kQuantWords<Format>;
+  const int64_t r = n % kPanelRows;
+  const uint8_t* panel = panels + (n / kPanelRows) * num_blocks * kPanelBlockBytes<Format>;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* from = panel + b * kPanelBlockBytes<Format>;
+    uint8_t* block = row + b * Format::kBytes;
+    for (int k = 0; k < kQuantWords<Format>; ++k) {
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t byte = from[(k * kPanelRows + r) * 4 + j];
+        block[kQuantsAt + 4 * k + j] = kPanelWeightZero<Format> == 128 ? byte ^ 0x80 : byte;
+      }
+    }
+    std::memcpy(block, from + kPanelScalesAt<Format> + 2 * r, 2);
+    if constexpr (std::is_same_v<Format, Q4_1>) {
+      std::memcpy(block + 2, from + kPanelScalesAt<Format> + 2 * kPanelRows + 2 * r, 2);
+    }
+  }
+}
+
 // out[t * out_stride + r] for the kPanelRows rows of one stored panel and kTokens quantized
 // tokens from t0: panel_dot's sums (the same integers, scaled and added in the same order, so
 // the same floats), read from the stored layout.
@@ -945,7 +967,12 @@ at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids,
                           int64_t in_features) {
   const int64_t bytes = pagedrs_cpu::quant_block_bytes(ggml_type);
   const int64_t block_weights = pagedrs_cpu::quant_block_weights(ggml_type);
-  TORCH_CHECK(!(ggml_type & kInt8Panels), "pagedrs_cpu: embedding_rows reads rows as GGUF stores them, not panels");
+  const int64_t format = ggml_type & ~kKernelFlags;
+  const bool stored_panels = ggml_type & kInt8Panels;
+  TORCH_CHECK(!stored_panels || (int8_panel_rows() > 0 && (format == kQ8_0 || format == kQ4_0 || format == kQ4_1) &&
+                                 weight.size(0) % int8_panel_rows() == 0),
+              "pagedrs_cpu: stored int8 panels (type ", ggml_type, ") hold whole panels of ", int8_panel_rows(),
+              " rows of Q8_0, Q4_0 or Q4_1 blocks");
   TORCH_CHECK(weight.device().is_cpu() && token_ids.device().is_cpu(), "pagedrs_cpu: embedding_rows needs CPU tensors");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.dim() == 2,
               "pagedrs_cpu: weight must be contiguous uint8 [num_rows, row_bytes] (packed blocks)");
@@ -966,10 +993,22 @@ at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids,
   float* rows = out.data_ptr<float>();
   const int64_t row_bytes = weight.size(1);
   at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> unpacked(stored_panels ? row_bytes : 0);  // a row of stored panels, as GGUF's
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = table + ids[i] * row_bytes;
       float* dst = rows + i * in_features;
-      switch (ggml_type & ~kKernelFlags) {  // the weights' values, whatever the activations
+#ifdef PAGEDRS_INT8_PANELS
+      if (stored_panels) {
+        const auto args = [&](auto run) { run(table, ids[i], in_features / kBlockSize, unpacked.data()); };
+        switch (format) {
+          case kQ8_0: args(unpack_panel_row<Q8_0>); break;
+          case kQ4_0: args(unpack_panel_row<Q4_0>); break;
+          default: args(unpack_panel_row<Q4_1>); break;
+        }
+        row = unpacked.data();
+      }
+#endif
+      switch (format) {  // the weights' values, whatever the activations
         case kQ8_0: dequant_rows<Q8_0>(row, in_features, 0, 1, dst); break;
         case kQ4_0: dequant_rows<Q4_0>(row, in_features, 0, 1, dst); break;
         case kQ4_1: dequant_rows<Q4_1>(row, in_features, 0, 1, dst); break;

@@ -194,6 +194,18 @@ def test_stored_panels_hold_the_layout_and_sum_each_block_exactly(qtype, panels,
 
 
 @needs_panels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_an_embedding_lookup_reads_the_rows_back_out_of_stored_panels(qtype):
+    ops = cpu_kernels.load()
+    packed = _packed(qtype, 3 * _panel_rows(), 96, seed=5)
+    stored = ops.pack_int8_panels(packed, int(qtype), 96)
+    ids = torch.tensor([0, 1, 5, 17, 3 * _panel_rows() - 1, 5])
+    expected = ops.embedding_rows(packed, ids, int(qtype), 96)
+    assert torch.equal(ops.embedding_rows(stored, ids, int(qtype) | INT8_PANELS, 96), expected)
+    assert torch.equal(expected, torch.from_numpy(quants.dequantize(packed.numpy(), qtype))[ids])
+
+
+@needs_panels
 def test_stored_panels_are_refused_where_they_cannot_be_read():
     rows = _panel_rows()
     ops = cpu_kernels.load()
@@ -209,8 +221,8 @@ def test_stored_panels_are_refused_where_they_cannot_be_read():
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="need int8 activations"):  # the exact path reads GGUF rows
         ops.quant_matmul(x, stored, int(q4_1) | INT8_PANELS, 64)
-    with pytest.raises(RuntimeError, match="not panels"):
-        ops.embedding_rows(stored, torch.tensor([0]), int(q4_1) | INT8_ACTIVATIONS | INT8_PANELS, 64)
+    with pytest.raises(RuntimeError, match="whole panels"):
+        ops.embedding_rows(torch.zeros(rows + 1, 40, dtype=torch.uint8), torch.tensor([0]), int(q4_1) | INT8_PANELS, 64)
     short_stored = torch.zeros(rows + 1, 40, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="whole panels"):
         ops.quant_matmul(x, short_stored, int(q4_1) | INT8_ACTIVATIONS | INT8_PANELS, 64)

@@ -112,9 +112,9 @@ def test_int8_activations_stay_close_to_the_exact_path_on_the_default_model():
     assert int8.engine.runner.cpu_stack is not None  # the stack multiplies by int8 activations too
     linear = int8.engine.model.layers[0].mlp.down_proj
     assert isinstance(linear, QuantRowParallelLinear) and linear.int8_activations
-    # An x86 build reads the linears from stored panels; the head (also the embedding) stays rows.
-    assert linear.int8_panels == (cpu_kernels.load().int8_panel_rows() > 0)
-    assert not int8.engine.model.embed_tokens.int8_panels
+    # An x86 build reads the linears and the tied head (also the embedding) from stored panels.
+    panels = cpu_kernels.load().int8_panel_rows() > 0
+    assert linear.int8_panels == panels and int8.engine.model.embed_tokens.int8_panels == panels
     token_ids = exact.get_tokenizer().encode(FIXED_TEXT)
     ours, theirs = _text_logprobs(exact, token_ids), _text_logprobs(int8, token_ids)
     agree, nll_exact, nll_int8 = 0, 0.0, 0.0

@@ -94,9 +94,9 @@ class _Packed(nn.Module):
 def use_int8_activations(model: nn.Module) -> int:
     """Switches every packed linear (and the packed head) whose format has the integer path
     to int8 activations; returns how many. Where this build has stored panels (x86: AVX2,
-    AVX-VNNI, AVX-512 VNNI), the linears' weights are rearranged into them (the same bytes, in
-    the order the integer kernel reads them: one stream, no regrouping per call), except those
-    read as rows too: the vocabulary embedding, and a linear whose rows are not whole panels."""
+    AVX-VNNI, AVX-512 VNNI), the weights are rearranged into them (the same bytes, in the order
+    the integer kernel reads them: one stream, no regrouping per call; a packed embedding's
+    lookups read its rows back out of them), except where the rows are not whole panels."""
     panel_rows = cpu_kernels.load().int8_panel_rows()
     switched = 0
     for module in model.modules():
@@ -104,7 +104,7 @@ def use_int8_activations(model: nn.Module) -> int:
             module.int8_activations = True
             switched += 1
             rows = module.weight.shape[0]
-            if panel_rows and not isinstance(module, QuantVocabEmbedding) and rows % panel_rows == 0:
+            if panel_rows and rows % panel_rows == 0:
                 packed = cpu_kernels.load().pack_int8_panels(module.weight, int(module.ggml_type), module.in_features)
                 module.weight = nn.Parameter(packed, requires_grad=False)
                 module.int8_panels = True
@@ -177,7 +177,8 @@ class QuantVocabEmbedding(_Packed):
 
     def _lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
         flat = token_ids.reshape(-1).to(torch.int64).contiguous()
-        rows = cpu_kernels.load().embedding_rows(self.weight, flat, int(self.ggml_type), self.in_features)
+        table_type = int(self.ggml_type) | (INT8_PANELS if self.int8_panels else 0)  # the rows' layout
+        rows = cpu_kernels.load().embedding_rows(self.weight, flat, table_type, self.in_features)
         return rows.to(self.dtype).reshape(*token_ids.shape, self.in_features)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
