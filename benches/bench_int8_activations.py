@@ -3,7 +3,9 @@ one packed matmul at a few token counts, and a batched decode step of the defaul
 
 - Matmuls: ``pagedrs_cpu.quant_matmul`` on random Q8_0, Q4_0 and Q4_1 weights of the default
   model's linear shapes (SmolLM2-135M: hidden 576, intermediate 1536, 49,152-token head), with
-  and without ``INT8_ACTIVATIONS``, microseconds.
+  and without ``INT8_ACTIVATIONS``, and (``panels``, where the build has them) int8 on the same
+  weight in stored panels (``pack_int8_panels``, as the loader stores it), microseconds;
+  ``panels_speedup`` is int8 on GGUF's rows over int8 on the panels.
 - ``--step``: the default model's engine step with ``--batch`` sequences decoding (prompts of 40
   tokens), and the model's forward pass inside it, milliseconds; one engine per path, in one
   process.
@@ -31,7 +33,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from pagedrs.kernels import cpu as cpu_kernels
-from pagedrs.quant.layers import INT8_ACTIVATIONS
+from pagedrs.quant.layers import INT8_ACTIVATIONS, INT8_PANELS
 
 SHAPES = {  # name: (out_features, in_features)
     "qkv 576->960": (960, 576),
@@ -60,6 +62,8 @@ def summary(rounds: dict[str, list[float]], unit: float) -> dict[str, object]:
         row[path] = round(statistics.median(values) * unit, digits)
         row[f"{path}_range"] = [round(min(values) * unit, digits), round(max(values) * unit, digits)]
     row["int8_speedup"] = round(statistics.median(rounds["exact"]) / statistics.median(rounds["int8"]), 2)
+    if "panels" in rounds:  # stored panels against the same int8 path on GGUF's rows
+        row["panels_speedup"] = round(statistics.median(rounds["int8"]) / statistics.median(rounds["panels"]), 2)
     return row
 
 
@@ -73,18 +77,24 @@ def matmuls(
             out_features, in_features = SHAPES[name]
             weight = torch.randn(out_features, in_features, generator=generator).numpy()
             packed = torch.from_numpy(quants.quantize(weight, qtype))
+            panel_rows = ops.int8_panel_rows()  # the same weight in stored panels, where this build has them
+            whole = panel_rows > 0 and out_features % panel_rows == 0
+            stored = ops.pack_int8_panels(packed, int(qtype), in_features) if whole else None
             for num_tokens in token_counts:
                 x = torch.randn(num_tokens, in_features, generator=generator)
                 kernel = {
                     "exact": functools.partial(ops.quant_matmul, x, packed, int(qtype), in_features),
                     "int8": functools.partial(ops.quant_matmul, x, packed, int(qtype) | INT8_ACTIVATIONS, in_features),
                 }
+                if stored is not None:
+                    panels_type = int(qtype) | INT8_ACTIVATIONS | INT8_PANELS
+                    kernel["panels"] = functools.partial(ops.quant_matmul, x, stored, panels_type, in_features)
                 for fn in kernel.values():
                     fn()  # warm-up: buffers grown, weights in cache
-                measured: dict[str, list[float]] = {path: [] for path in PATHS}
+                measured: dict[str, list[float]] = {path: [] for path in kernel}
                 for _ in range(rounds):
-                    for path in PATHS:
-                        measured[path].append(median_of_calls(kernel[path], calls))
+                    for path, fn in kernel.items():
+                        measured[path].append(median_of_calls(fn, calls))
                 print(json.dumps({"format": qtype.name, "shape": name, "tokens": num_tokens, **summary(measured, 1e6)}))
 
 

@@ -136,3 +136,16 @@ def test_int8_activations_need_packed_linears(tiny_llama):
         LLM(tiny_llama, cpu_activation_quantization="int4")
     llm = LLM(tiny_llama, quantization="int8", cpu_activation_quantization="int8")  # packed at load: runs
     assert len(llm.generate([[5, 17, 33]], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_classifier_from_token_reads_a_packed_heads_values():
+    """A GGUF head's rows are packed blocks: the classifier takes the values the head multiplies
+    by (it once took the bytes), so its scores are the head's logits of those tokens."""
+    overrides = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
+    llm = LLM(kv_cache_memory="64MiB", hf_overrides=overrides)
+    model = llm.engine.model
+    assert isinstance(model.embed_tokens, QuantVocabEmbedding)
+    ids = [llm.get_tokenizer().convert_tokens_to_ids(token) for token in ("no", "yes")]
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected = model.embed_tokens.logits(hidden)[:, ids]
+    torch.testing.assert_close(model.classify(hidden), expected, rtol=1e-5, atol=1e-4)

@@ -517,17 +517,21 @@ class DecoderForCausalLM(nn.Module):
         ``classifier_from_token``): one label per token, or with ``difference`` (two tokens,
         Qwen3-Reranker's "no"/"yes") one label, the second row minus the first, whose sigmoid
         is the softmax probability of the second token over the two."""
+        from pagedrs.quant.layers import QuantVocabEmbedding
+
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         weight = getattr(head, "weight", None)
         if self.tp.size > 1 or not isinstance(weight, torch.Tensor) or weight.shape[0] < self.config.vocab_size:
             raise ValueError(
-                "classifier_from_token needs the whole language-model head as plain weights on one rank "
-                "(no tensor parallelism, no packed GGUF head)"
+                "classifier_from_token needs the whole language-model head on one rank (no tensor parallelism)"
             )
         if self.final_logit_softcap is not None:  # tanh is not linear: the rows are not the logits' rows
             raise ValueError("classifier_from_token does not take a model whose logits are soft-capped")
+        ids = torch.tensor(token_ids, device=weight.device)
+        # A packed GGUF head's rows are blocks of bytes: its lookup gives the values it multiplies by.
+        rows = head._lookup(ids) if isinstance(head, QuantVocabEmbedding) else weight[ids]
         # In float32: a difference of two bf16 rows would round; Granite's scaling divides the logits.
-        rows = weight[torch.tensor(token_ids, device=weight.device)].detach().float() / self.logits_scaling
+        rows = rows.detach().float() / self.logits_scaling
         rows = (rows[1:2] - rows[0:1]) if difference else rows
         self.score = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=torch.float32)
         self.score.weight.requires_grad_(False).copy_(rows)
