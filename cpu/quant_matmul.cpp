@@ -514,9 +514,15 @@ struct PanelLanes : VnniLanes {
   // register's 4 byte products added by vpdpbusd.
   template <class Format>
   struct Sums {
+    struct Weights {  // one register of a block's weights, as vpdpbusd takes them
+      Int bytes;
+      explicit Weights(Int stored) : bytes(stored) {}
+    };
     Int lanes;
     void begin(int32_t start) { lanes = set1(start); }
-    void add(Int unsigned_weights, Int signed_activations) { lanes = dpbusd(lanes, unsigned_weights, signed_activations); }
+    void add(const Weights& weights, Int signed_activations) {
+      lanes = dpbusd(lanes, weights.bytes, signed_activations);
+    }
     Int total() const { return lanes; }
   };
 };
@@ -541,18 +547,22 @@ struct PanelLanes {
   template <class Format>
   struct Sums {
     static constexpr bool kSigned = std::is_same_v<Format, Q8_0>;
+    struct Weights {  // one register of a block's weights: |w| (nibbles as they are), and w for its signs
+      Int magnitude, signs;
+      explicit Weights(Int stored) : magnitude(kSigned ? _mm256_abs_epi8(stored) : stored), signs(stored) {}
+    };
     Int lanes;  // int32 (Q8_0) or int16 pairs
     int32_t start;
     void begin(int32_t block_start) {
       start = block_start;
       lanes = kSigned ? set1(start) : _mm256_setzero_si256();
     }
-    void add(Int weights, Int activations) {
+    void add(const Weights& weights, Int activations) {
       if constexpr (kSigned) {
-        const Int pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(weights, weights), _mm256_sign_epi8(activations, weights));
+        const Int pairs = _mm256_maddubs_epi16(weights.magnitude, _mm256_sign_epi8(activations, weights.signs));
         lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
       } else {
-        lanes = _mm256_add_epi16(lanes, _mm256_maddubs_epi16(weights, activations));
+        lanes = _mm256_add_epi16(lanes, _mm256_maddubs_epi16(weights.magnitude, activations));
       }
     }
     Int total() const {
@@ -663,17 +673,19 @@ void stored_panel_dot(const Int8Rows& x, int64_t t0, const uint8_t* __restrict__
       std::memcpy(&bits, activations + t * num_blocks * kBlockSize + 4 * k, sizeof(bits));
       return V::set1(bits);
     };
-    typename V::template Sums<Format> sums[kTokens];
+    using Sums = typename V::template Sums<Format>;
+    using Weights = typename Sums::Weights;  // prepared once for every token of the tile
+    Sums sums[kTokens];
     for (int t = 0; t < kTokens; ++t) sums[t].begin(x.start[(t0 + t) * num_blocks + b]);
     if constexpr (std::is_same_v<Format, Q8_0>) {
       for (int k = 0; k < 8; ++k) {
-        const V::Int w = V::loadu(block + 4 * k * kPanelRows);
+        const Weights w(V::loadu(block + 4 * k * kPanelRows));
         for (int t = 0; t < kTokens; ++t) sums[t].add(w, word(t, k));
       }
     } else {
       for (int k = 0; k < 4; ++k) {  // byte j of the nibbles: weight j (low), j + 16 (high)
         const V::Int nibbles = V::loadu(block + 4 * k * kPanelRows);
-        const V::Int low = V::low_nibbles(nibbles), high = V::high_nibbles(nibbles);
+        const Weights low(V::low_nibbles(nibbles)), high(V::high_nibbles(nibbles));
         for (int t = 0; t < kTokens; ++t) {
           sums[t].add(low, word(t, k));
           sums[t].add(high, word(t, 4 + k));
