@@ -200,6 +200,7 @@ constexpr int32_t kWeightZero = std::is_same_v<Format, Q8_0> ? 128 : std::is_sam
 struct VnniLanes {
   static constexpr int kRows = 16;
   static constexpr int kTokens = 8;  // tokens one pass over a panel serves (registers: 3 per token)
+  static constexpr int kRegisters = 32;
   using Int = __m512i;
   using Float = __m512;
   static Int load(const int32_t* p) { return _mm512_load_si512(p); }
@@ -241,6 +242,7 @@ struct VnniLanes {
 struct VnniLanes {
   static constexpr int kRows = 8;
   static constexpr int kTokens = 4;  // 16 registers: 3 per token, the weights, their scales
+  static constexpr int kRegisters = 16;
   using Int = __m256i;
   using Float = __m256;
   static Int load(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -533,6 +535,7 @@ constexpr int32_t kPanelWeightZero = kWeightZero<Format>;
 struct PanelLanes {
   static constexpr int kRows = 8;
   static constexpr int kTokens = 4;  // 16 registers: 3 per token, the weights, their scales
+  static constexpr int kRegisters = 16;
   using Int = __m256i;
   using Float = __m256;
   static Int loadu(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -544,6 +547,9 @@ struct PanelLanes {
   // add maddubs' int16 pairs as they come, at most 8 x 2 x 15 x 127 = 30480 in a lane, and
   // widen once per block; Q8_0's signed weights go in as |w| with their signs on the
   // activations, each pair near int16's limit, so each register widens at once.
+  // Each token's sum built in the order written: without this barrier GCC reassociates the
+  // tile's integer adds into one tree, every product live at once, and spills most of them.
+  static void keep_order(Int& v) { asm("" : "+x"(v)); }
   template <class Format>
   struct Sums {
     static constexpr bool kSigned = std::is_same_v<Format, Q8_0>;
@@ -561,8 +567,10 @@ struct PanelLanes {
       if constexpr (kSigned) {
         const Int pairs = _mm256_maddubs_epi16(weights.magnitude, _mm256_sign_epi8(activations, weights.signs));
         lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        keep_order(lanes);
       } else {
         lanes = _mm256_add_epi16(lanes, _mm256_maddubs_epi16(weights.magnitude, activations));
+        keep_order(lanes);
       }
     }
     Int total() const {
@@ -662,6 +670,9 @@ void stored_panel_dot(const Int8Rows& x, int64_t t0, const uint8_t* __restrict__
                       int64_t out_stride) {
   using V = PanelLanes;
   constexpr bool kMinimum = std::is_same_v<Format, Q4_1>;
+  // Registers a tile's loop holds: an accumulator, a sum and a minimum a token, the weights'
+  // two nibble registers, the mask, the scales and two temporaries.
+  constexpr bool kMinimumsApart = kMinimum && 3 * kTokens + 6 > V::kRegisters;
   const int64_t num_blocks = x.num_blocks;
   V::Float acc[kTokens], minimums[kTokens];
   for (int t = 0; t < kTokens; ++t) acc[t] = minimums[t] = V::fzero();
@@ -676,7 +687,9 @@ void stored_panel_dot(const Int8Rows& x, int64_t t0, const uint8_t* __restrict__
     using Sums = typename V::template Sums<Format>;
     using Weights = typename Sums::Weights;  // prepared once for every token of the tile
     Sums sums[kTokens];
-    for (int t = 0; t < kTokens; ++t) sums[t].begin(x.start[(t0 + t) * num_blocks + b]);
+    for (int t = 0; t < kTokens; ++t) {  // a zero of 0 starts every sum at 0, known at compile time
+      sums[t].begin(kPanelWeightZero<Format> != 0 ? x.start[(t0 + t) * num_blocks + b] : 0);
+    }
     if constexpr (std::is_same_v<Format, Q8_0>) {
       for (int k = 0; k < 8; ++k) {
         const Weights w(V::loadu(block + 4 * k * kPanelRows));
@@ -696,10 +709,19 @@ void stored_panel_dot(const Int8Rows& x, int64_t t0, const uint8_t* __restrict__
     for (int t = 0; t < kTokens; ++t) {
       const int64_t at = (t0 + t) * num_blocks + b;
       acc[t] = V::fmadd(V::to_float(sums[t].total()), V::mul(dw, V::fset1(x.d[at])), acc[t]);
-      if constexpr (kMinimum) {
+      if constexpr (kMinimum && !kMinimumsApart) {
         const V::Float dm = V::halvesu(block + kPanelScalesAt<Format> + 2 * kPanelRows);
         minimums[t] = V::fmadd(dm, V::fset1(x.sum[at]), minimums[t]);
       }
+    }
+  }
+  // Where a tile's registers would not hold them too, Q4_1's minimums take a pass of their own
+  // over the panel's (cached) scales, in the same block order: the same floats. (Apart at one
+  // token, their chain of dependent fmadds would cost more than the spills it saves.)
+  if constexpr (kMinimumsApart) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const V::Float dm = V::halvesu(panel + b * kPanelBlockBytes<Format> + kPanelScalesAt<Format> + 2 * kPanelRows);
+      for (int t = 0; t < kTokens; ++t) minimums[t] = V::fmadd(dm, V::fset1(x.sum[(t0 + t) * num_blocks + b]), minimums[t]);
     }
   }
   for (int t = 0; t < kTokens; ++t) {
