@@ -80,6 +80,17 @@ constexpr int64_t kQ8_0 = 8;
 constexpr int64_t kQ4_K = 12;
 constexpr int64_t kQ6_K = 14;
 
+// run(Format{}) for one of the formats int8 activations take (Q8_0, Q4_0, Q4_1): the caller has
+// checked that ggml_type is one of them.
+template <class Run>
+void with_int8_format(int64_t ggml_type, Run&& run) {
+  switch (ggml_type) {
+    case kQ8_0: run(Q8_0{}); break;
+    case kQ4_0: run(Q4_0{}); break;
+    default: run(Q4_1{}); break;
+  }
+}
+
 // Steps of many tokens (a prompt's prefill, an embedding batch) are compute-bound, and there the
 // per-row kernel (quant_blocks.h), which dequantizes each block once per tile of 8 tokens, loses to torch's
 // sgemm on float weights (0.64x on a 2048-token step of the default model, Zen 3 AVX2). From
@@ -815,11 +826,9 @@ bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_
 #ifdef PAGEDRS_INT8_PANELS
   if (stored_panels) {
     at::parallel_for(0, out_features / kPanelRows, 1, [&](int64_t begin, int64_t end) {
-      switch (ggml_type) {
-        case kQ8_0: matmul_stored_panels<Q8_0>(rows, weight, out, out_features, num_tokens, begin, end); break;
-        case kQ4_0: matmul_stored_panels<Q4_0>(rows, weight, out, out_features, num_tokens, begin, end); break;
-        default: matmul_stored_panels<Q4_1>(rows, weight, out, out_features, num_tokens, begin, end); break;
-      }
+      with_int8_format(ggml_type, [&](auto format) {
+        matmul_stored_panels<decltype(format)>(rows, weight, out, out_features, num_tokens, begin, end);
+      });
     });
     return true;
   }
@@ -834,11 +843,9 @@ bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_
   const int64_t num_units = (out_features + kRowsPerUnit - 1) / kRowsPerUnit;
   at::parallel_for(0, num_units, std::max<int64_t>(1, 16 / kRowsPerUnit), [&](int64_t begin, int64_t end) {
     const int64_t row_begin = begin * kRowsPerUnit, row_end = std::min(out_features, end * kRowsPerUnit);
-    switch (ggml_type) {
-      case kQ8_0: matmul_rows_int8<Q8_0>(rows, weight, out, out_features, num_tokens, row_begin, row_end); break;
-      case kQ4_0: matmul_rows_int8<Q4_0>(rows, weight, out, out_features, num_tokens, row_begin, row_end); break;
-      default: matmul_rows_int8<Q4_1>(rows, weight, out, out_features, num_tokens, row_begin, row_end); break;
-    }
+    with_int8_format(ggml_type, [&](auto format) {
+      matmul_rows_int8<decltype(format)>(rows, weight, out, out_features, num_tokens, row_begin, row_end);
+    });
   });
   return true;
 }
@@ -884,14 +891,10 @@ at::Tensor pack_int8_panels(const at::Tensor& weight, int64_t ggml_type, int64_t
               int8_panel_rows(), " rows, got ", weight.size(0));
   at::Tensor packed = at::empty_like(weight);
 #ifdef PAGEDRS_INT8_PANELS
-  const auto args = [&](auto run) {
-    run(weight.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(), weight.size(0), in_features / kBlockSize);
-  };
-  switch (format) {
-    case kQ8_0: args(pack_panels<Q8_0>); break;
-    case kQ4_0: args(pack_panels<Q4_0>); break;
-    default: args(pack_panels<Q4_1>); break;
-  }
+  with_int8_format(format, [&](auto block) {
+    pack_panels<decltype(block)>(weight.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(), weight.size(0),
+                                 in_features / kBlockSize);
+  });
 #endif
   return packed;
 }
@@ -1033,12 +1036,9 @@ at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids,
       float* dst = rows + i * in_features;
 #ifdef PAGEDRS_INT8_PANELS
       if (stored_panels) {
-        const auto args = [&](auto run) { run(table, ids[i], in_features / kBlockSize, unpacked.data()); };
-        switch (format) {
-          case kQ8_0: args(unpack_panel_row<Q8_0>); break;
-          case kQ4_0: args(unpack_panel_row<Q4_0>); break;
-          default: args(unpack_panel_row<Q4_1>); break;
-        }
+        with_int8_format(format, [&](auto block) {
+          unpack_panel_row<decltype(block)>(table, ids[i], in_features / kBlockSize, unpacked.data());
+        });
         row = unpacked.data();
       }
 #endif
