@@ -78,6 +78,8 @@ def main() -> None:
     load()
     generator = np.random.default_rng(1)
     cases = {
+        "decode  one sequence, context 70": [(70, 1)],
+        "decode  one sequence, context 500": [(500, 1)],
         "decode  batch 64, context ~500": [(int(c), 1) for c in generator.integers(450, 551, 64)],
         "decode  batch 256, context ~100": [(int(c), 1) for c in generator.integers(80, 121, 256)],
         "decode  batch 256, contexts 20..1000": [(int(c), 1) for c in generator.integers(20, 1001, 256)],
@@ -103,7 +105,7 @@ def main() -> None:
             cpu_backend.SDPA_MIN_ROWS = 1 << 30
             kernel_only = median_ms(CpuAttentionMetadata.build(**arrays), qkv, caches, args.repeat)
             cpu_backend.SDPA_MIN_ROWS = sdpa_min_rows
-            print(f"{name:44} {reference:10.2f} {backend:8.2f} {kernel_only:12.2f}", flush=True)
+            print(f"{name:44} {reference:10.3f} {backend:8.3f} {kernel_only:12.3f}", flush=True)
 
 
 if __name__ == "__main__":

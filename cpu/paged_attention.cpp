@@ -49,6 +49,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using pagedrs_cpu::exp_nonpositive;
@@ -109,6 +113,19 @@ inline void dot4(const float* __restrict__ q, const float* const* keys, int n, f
   }
   // Transposing reduction: halve the lanes and interleave the keys, until lane j of one
   // register holds key j's sum (adds of whole registers only).
+#ifdef __AVX2__
+  // The same adds in the same order, in registers: GCC leaves the arrays' version below as
+  // scalar loads and adds through the stack (about half of a one-token decode's attention).
+  const auto halves = [](const float* s) {  // lanes j + (j + 8), then j + (j + 4): 4 lanes
+    const __m256 a = _mm256_add_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(s + kLanes / 2));
+    return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  };
+  const __m128 b0 = halves(s0), b1 = halves(s1), b2 = halves(s2), b3 = halves(s3);
+  // Key k's (l0 + l2) + (l1 + l3), the four keys side by side.
+  const __m128 s01 = _mm_add_ps(_mm_unpacklo_ps(b0, b1), _mm_unpackhi_ps(b0, b1));
+  const __m128 s23 = _mm_add_ps(_mm_unpacklo_ps(b2, b3), _mm_unpackhi_ps(b2, b3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm_movelh_ps(s01, s23), _mm_movehl_ps(s23, s01)));
+#else
   float h01[kLanes], h23[kLanes];
   for (int j = 0; j < kLanes / 2; ++j) {
     h01[j] = s0[j] + s0[j + kLanes / 2];
@@ -127,6 +144,7 @@ inline void dot4(const float* __restrict__ q, const float* const* keys, int n, f
     const float* lanes = q4 + k * (kLanes / 4);
     out[k] = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
   }
+#endif
 }
 
 // The sum and the maximum of x[0..n), kLanes at a time (vectorized; an `omp simd
@@ -202,7 +220,10 @@ struct Args {
                        // with no value (gpt-oss's attention sinks)
 };
 
-// Per-thread scratch, sized once per call. A "vector" is one (query row, query head) of an item.
+// Per-thread scratch, kept by each of torch's threads across calls and grown to a call's sizes
+// (a decode layer's attention is a few microseconds: allocating and zeroing ~40 KB per thread
+// per call was a measurable part of it). Every entry is written before it is read. A "vector"
+// is one (query row, query head) of an item.
 struct Scratch {
   std::vector<float> queries;      // [vectors, head_size], pre-scaled
   std::vector<float> acc;          // [vectors, head_size]: unnormalized output
@@ -214,16 +235,21 @@ struct Scratch {
   std::vector<float> key_tile;     // [kKeyTile, head_size]: a half-precision tile as float32
   std::vector<float> value_tile;   // [kKeyTile, head_size]
 
-  Scratch(int num_vectors, int head_size)
-      : queries(static_cast<size_t>(num_vectors) * head_size),
-        acc(static_cast<size_t>(num_vectors) * head_size),
-        scores(static_cast<size_t>(num_vectors) * kKeyTile),
-        max_score(num_vectors),
-        sum_exp(num_vectors),
-        visible_begin(num_vectors),
-        visible_end(num_vectors),
-        key_tile(static_cast<size_t>(kKeyTile) * head_size),
-        value_tile(static_cast<size_t>(kKeyTile) * head_size) {}
+  void reserve(int num_vectors, int head_size) {
+    const auto grow = [](auto& v, size_t n) {
+      if (v.size() < n) v.resize(n);
+    };
+    const size_t vectors = static_cast<size_t>(num_vectors), row = static_cast<size_t>(head_size);
+    grow(queries, vectors * row);
+    grow(acc, vectors * row);
+    grow(scores, vectors * kKeyTile);
+    grow(max_score, vectors);
+    grow(sum_exp, vectors);
+    grow(visible_begin, vectors);
+    grow(visible_end, vectors);
+    grow(key_tile, kKeyTile * row);
+    grow(value_tile, kKeyTile * row);
+  }
 };
 
 // NOTE: a tile's rows lie in blocks scattered over the cache, which the hardware prefetcher
@@ -394,7 +420,8 @@ void run(const Args& args, const std::vector<WorkItem>& items) {
   // torch's own pool: a long prefill tile does not hold up a thread's share of decodes).
   const int64_t num_tasks = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {
-    Scratch scratch(kRowTile * group, args.head_size);
+    thread_local Scratch scratch;
+    scratch.reserve(kRowTile * group, args.head_size);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend_item<T, C>(args, items[i], scratch);
   });
 }
