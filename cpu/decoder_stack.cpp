@@ -415,6 +415,11 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
 
   int64_t num_layers() const override { return static_cast<int64_t>(layers_.size()); }
 
+  void set_final_norm(at::Tensor weight) override {
+    check_float_vector(weight, hidden_size_, "final_norm");
+    final_norm_ = std::move(weight);
+  }
+
   // Runs every layer over the step's rows; `hidden` ends as the last layer's output.
   //   cos, sin: one pair per rotary embedding (a layer reads the pair its `rope` names).
   //   slot_mappings: for each attention view (a layer's `view`), the cache slot of each row
@@ -427,6 +432,10 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   //     attends; chunk_blocks and chunk_masks: for each view, each chunk's blocks (int64 [W])
   //     and bool [L, C] mask of the keys each row sees (absent for a whole prompt without a
   //     window: plain causal).
+  //   final_rows: int64 [R] rows of the step: returned, float32 [R, H], through the final
+  //     norm (set_final_norm), computed while `hidden` is still in cache (as a torch op after
+  //     the call, it found its code and data evicted by the weights the layers streamed: ~80 µs
+  //     of a ~3 ms single-stream decode step, against ~1 here). Absent: returns `hidden`.
   void set_lora(int64_t layer, int64_t linear, at::Tensor a, std::vector<at::Tensor> b) override {
     TORCH_CHECK(layer >= 0 && layer < num_layers() && linear >= 0 && linear < 4,
                 "pagedrs_cpu: set_lora takes a layer in [0, ", num_layers(), ") and a linear in [0, 4)");
@@ -482,13 +491,46 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     }
   }
 
-  void forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
-               std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
-               std::vector<at::Tensor> slot_mappings, std::optional<at::Tensor> kernel_rows,
-               std::vector<at::Tensor> block_tables,
-               std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> context_lens,
-               std::vector<int64_t> chunk_bounds, std::vector<at::Tensor> chunk_blocks,
-               c10::List<std::optional<at::Tensor>> chunk_masks) const override {
+  at::Tensor forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+                     std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
+                     std::vector<at::Tensor> slot_mappings, std::optional<at::Tensor> kernel_rows,
+                     std::vector<at::Tensor> block_tables, std::optional<at::Tensor> cu_seqlens_q,
+                     std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
+                     std::vector<at::Tensor> chunk_blocks, c10::List<std::optional<at::Tensor>> chunk_masks,
+                     std::optional<at::Tensor> final_rows) const override {
+    TORCH_CHECK(!final_rows || final_norm_, "pagedrs_cpu: final_rows needs the final norm (set_final_norm)");
+    TORCH_CHECK(!final_rows || (final_rows->device().is_cpu() && final_rows->scalar_type() == at::kLong &&
+                                final_rows->dim() == 1 && final_rows->is_contiguous()),
+                "pagedrs_cpu: final_rows must be a contiguous CPU int64 [R]");
+    const int64_t num_tokens = hidden.size(0);
+    if (final_rows) {  // checked before the layers run: a bad row leaves the caches untouched
+      const int64_t* rows = final_rows->data_ptr<int64_t>();
+      for (int64_t r = 0; r < final_rows->size(0); ++r) {
+        TORCH_CHECK(rows[r] >= 0 && rows[r] < num_tokens, "pagedrs_cpu: final row ", rows[r], " is outside the step's ",
+                    num_tokens, " rows");
+      }
+    }
+    run_layers(hidden, cos, sin, key_caches, value_caches, slot_mappings, kernel_rows, block_tables, cu_seqlens_q,
+               context_lens, chunk_bounds, chunk_blocks, chunk_masks);
+    if (!final_rows) return hidden;
+    const int64_t num_rows = final_rows->size(0), H = hidden_size_;
+    at::Tensor out = at::empty({num_rows, H}, hidden.options());
+    const int64_t* rows = final_rows->data_ptr<int64_t>();
+    const float* hidden_rows = hidden.data_ptr<float>();
+    const float* weight = final_norm_->data_ptr<float>();
+    float* out_rows = out.data_ptr<float>();
+    for_rows(num_rows, [&](int64_t r) { rms_norm(hidden_rows + rows[r] * H, weight, eps_, H, out_rows + r * H); });
+    return out;
+  }
+
+ private:
+  void run_layers(at::Tensor& hidden, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                  const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+                  const std::vector<at::Tensor>& slot_mappings, const std::optional<at::Tensor>& kernel_rows,
+                  const std::vector<at::Tensor>& block_tables, const std::optional<at::Tensor>& cu_seqlens_q,
+                  const std::optional<at::Tensor>& context_lens, const std::vector<int64_t>& chunk_bounds,
+                  const std::vector<at::Tensor>& chunk_blocks,
+                  const c10::List<std::optional<at::Tensor>>& chunk_masks) const {
     const int64_t num_tokens = hidden.size(0), num_layers = this->num_layers();
     const size_t num_views = slot_mappings.size();
     TORCH_CHECK(num_views > 0, "pagedrs_cpu: a step needs at least one attention view");
@@ -600,7 +642,6 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     }
   }
 
- private:
   // out[t] += B_s (A_s x[t]) for the rows t with a LoRA slot s (lora_groups_: each slot's rows),
   // when the layer's linear has LoRA slots. The rows of one adapter go together, so each row of
   // its A and B is read once per step, not once per row: threads split A's rows (the shrink),
@@ -858,6 +899,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   std::vector<Layer> layers_;
   std::vector<std::array<std::optional<LoRALinear>, 4>> lora_;  // per layer: qkv, o, gate_up, down
   int64_t lora_slots_ = 0;
+  std::optional<at::Tensor> final_norm_;  // [H] float32 (set_final_norm), for forward's final_rows
   std::vector<LoRAGroup> lora_groups_;  // this step's rows of each slot in use (set_lora_rows)
   int64_t lora_rows_ = 0;               // rows of the step set_lora_rows was given
 };

@@ -35,6 +35,7 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
       .def("add_layer", &pagedrs_cpu::DecoderStack::add_layer)
       .def("set_experts", &pagedrs_cpu::DecoderStack::set_experts)
       .def("num_layers", &pagedrs_cpu::DecoderStack::num_layers)
+      .def("set_final_norm", &pagedrs_cpu::DecoderStack::set_final_norm)
       .def("forward", &pagedrs_cpu::DecoderStack::forward)
       .def("set_lora", &pagedrs_cpu::DecoderStack::set_lora)
       .def("set_lora_rows", &pagedrs_cpu::DecoderStack::set_lora_rows);

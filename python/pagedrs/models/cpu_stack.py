@@ -120,6 +120,7 @@ class CpuDecoderStack:
             config.intermediate_size,
             float(model.norm.eps),
         )
+        self._stack.set_final_norm(self._weight_of(model.norm))
         for layer, spec, view in zip(model.decoder_layers(), model.layer_specs, layer_views):
             attn, mlp = cast("Attention", layer.self_attn), layer.mlp
             norms = [
@@ -203,8 +204,11 @@ class CpuDecoderStack:
         cos_sin: list[tuple[torch.Tensor, torch.Tensor]],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: CpuAttentionMetadata | StepViews[CpuAttentionMetadata],
-    ) -> None:
-        """Runs every layer over the step's rows.
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Runs every layer over the step's rows; returns the ``rows`` tokens' last hidden
+        states through the model's final norm (float32 ``[len(rows), hidden_size]``, as
+        ``model.norm(hidden[rows])``; computed in the same call, while they are in cache).
 
         ``hidden``: ``float32 [num_tokens, hidden_size]``, the embeddings, overwritten with the
         last layer's output; ``cos_sin``: ``float32 [num_tokens, rotary_dim]`` pairs, one per
@@ -217,7 +221,7 @@ class CpuDecoderStack:
         first = metas[0]
         kernel = first.kernel
         chunks = first.sdpa_chunks
-        self._stack.forward(
+        return self._stack.forward(
             hidden,
             [cos for cos, _ in cos_sin],
             [sin for _, sin in cos_sin],
@@ -231,4 +235,5 @@ class CpuDecoderStack:
             [bound for chunk in chunks for bound in (chunk.start, chunk.end, chunk.context_len)],
             [chunk.blocks for each in metas for chunk in each.sdpa_chunks],
             [chunk.mask for each in metas for chunk in each.sdpa_chunks],
+            rows if rows.dtype == torch.int64 else rows.long(),
         )

@@ -480,12 +480,11 @@ class DecoderForCausalLM(nn.Module):
         if decoder_stack is not None:
             # NOTE: the stack overwrites `hidden` in place; the embedding lookups return a new
             # tensor (never a view of the weights), so nothing else sees it change.
-            decoder_stack(hidden, list(cos_sin.values()), kv_caches, cast("StepCpuAttention", meta))
-        else:
-            for index, (layer, spec, kv_cache) in enumerate(zip(self.decoder_layers(), self.layer_specs, kv_caches)):
-                layer_meta = meta.of_layer(index) if isinstance(meta, StepViews) else meta
-                cos, sin = cos_sin[spec.rope]
-                hidden = layer(hidden, cos, sin, kv_cache, layer_meta)
+            return decoder_stack(hidden, list(cos_sin.values()), kv_caches, cast("StepCpuAttention", meta), rows)
+        for index, (layer, spec, kv_cache) in enumerate(zip(self.decoder_layers(), self.layer_specs, kv_caches)):
+            layer_meta = meta.of_layer(index) if isinstance(meta, StepViews) else meta
+            cos, sin = cos_sin[spec.rope]
+            hidden = layer(hidden, cos, sin, kv_cache, layer_meta)
         return self.norm(hidden[rows])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
