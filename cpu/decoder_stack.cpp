@@ -434,7 +434,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   //     window: plain causal).
   //   final_rows: int64 [R] rows of the step: returned, float32 [R, H], through the final
   //     norm (set_final_norm), computed while `hidden` is still in cache (as a torch op after
-  //     the call, it found its code and data evicted by the weights the layers streamed: ~80 µs
+  //     the call, it found its code and data evicted by the weights the layers streamed: ~80 us
   //     of a ~3 ms single-stream decode step, against ~1 here). Absent: returns `hidden`.
   void set_lora(int64_t layer, int64_t linear, at::Tensor a, std::vector<at::Tensor> b) override {
     TORCH_CHECK(layer >= 0 && layer < num_layers() && linear >= 0 && linear < 4,

@@ -178,6 +178,16 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_is_written(tiny_lla
     assert all(torch.equal(k, b) for (k, _), b in zip(runner.kv_caches, before))
 
 
+def test_a_final_row_outside_the_step_is_refused_before_anything_is_written(tiny_llama):
+    runner = runner_for(tiny_llama)
+    arrays = step_arrays([(5, 5), (3, 1)], TINY["vocab_size"], seed=0)
+    arrays.logits_rows[-1] = len(arrays.input_token_ids)  # one past the step's last row
+    before = [k.clone() for k, _ in runner.kv_caches]
+    with pytest.raises(RuntimeError, match="outside the step"):
+        runner.forward(arrays)
+    assert all(torch.equal(k, b) for (k, _), b in zip(runner.kv_caches, before))
+
+
 @pytest.mark.slow  # the default model both ways: over 10 s
 def test_default_model_greedy_output_is_the_same_both_ways():
     llm = LLM(kv_cache_memory="128MiB", enable_prefix_caching=False)
