@@ -133,14 +133,14 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // Runs every layer over the step's rows; hidden [num_tokens, hidden_size] (written) ends as
   // the last layer's output. Returns the final norm of the final_rows rows (int64 [R]) as
-  // float32 [R, hidden_size], or without final_rows `hidden`.
+  // float32 [R, hidden_size].
   virtual at::Tensor forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                              std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
                              std::vector<at::Tensor> slot_mappings, std::optional<at::Tensor> kernel_rows,
                              std::vector<at::Tensor> block_tables, std::optional<at::Tensor> cu_seqlens_q,
                              std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
                              std::vector<at::Tensor> chunk_blocks, c10::List<std::optional<at::Tensor>> chunk_masks,
-                             std::optional<at::Tensor> final_rows) const = 0;
+                             at::Tensor final_rows) const = 0;
 
   // LoRA (pagedrs/lora/slots.py's layout): the adapter slots of layer `layer`'s linear `linear`
   // (0 qkv, 1 o, 2 gate_up, 3 down): a float32 [slots, slices, rank, in_features] and, per output

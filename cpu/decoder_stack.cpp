@@ -435,7 +435,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   //   final_rows: int64 [R] rows of the step: returned, float32 [R, H], through the final
   //     norm (set_final_norm), computed while `hidden` is still in cache (as a torch op after
   //     the call, it found its code and data evicted by the weights the layers streamed: ~80 us
-  //     of a ~3 ms single-stream decode step, against ~1 here). Absent: returns `hidden`.
+  //     of a ~3 ms single-stream decode step, against ~1 here).
   void set_lora(int64_t layer, int64_t linear, at::Tensor a, std::vector<at::Tensor> b) override {
     TORCH_CHECK(layer >= 0 && layer < num_layers() && linear >= 0 && linear < 4,
                 "pagedrs_cpu: set_lora takes a layer in [0, ", num_layers(), ") and a linear in [0, 4)");
@@ -497,25 +497,20 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                      std::vector<at::Tensor> block_tables, std::optional<at::Tensor> cu_seqlens_q,
                      std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
                      std::vector<at::Tensor> chunk_blocks, c10::List<std::optional<at::Tensor>> chunk_masks,
-                     std::optional<at::Tensor> final_rows) const override {
-    TORCH_CHECK(!final_rows || final_norm_, "pagedrs_cpu: final_rows needs the final norm (set_final_norm)");
-    TORCH_CHECK(!final_rows || (final_rows->device().is_cpu() && final_rows->scalar_type() == at::kLong &&
-                                final_rows->dim() == 1 && final_rows->is_contiguous()),
+                     at::Tensor final_rows) const override {
+    TORCH_CHECK(final_norm_, "pagedrs_cpu: the stack has no final norm (set_final_norm)");
+    TORCH_CHECK(final_rows.device().is_cpu() && final_rows.scalar_type() == at::kLong && final_rows.dim() == 1 &&
+                    final_rows.is_contiguous(),
                 "pagedrs_cpu: final_rows must be a contiguous CPU int64 [R]");
-    const int64_t num_tokens = hidden.size(0);
-    if (final_rows) {  // checked before the layers run: a bad row leaves the caches untouched
-      const int64_t* rows = final_rows->data_ptr<int64_t>();
-      for (int64_t r = 0; r < final_rows->size(0); ++r) {
-        TORCH_CHECK(rows[r] >= 0 && rows[r] < num_tokens, "pagedrs_cpu: final row ", rows[r], " is outside the step's ",
-                    num_tokens, " rows");
-      }
+    const int64_t num_tokens = hidden.size(0), num_rows = final_rows.size(0), H = hidden_size_;
+    const int64_t* rows = final_rows.data_ptr<int64_t>();
+    for (int64_t r = 0; r < num_rows; ++r) {  // before the layers run: a bad row leaves the caches untouched
+      TORCH_CHECK(rows[r] >= 0 && rows[r] < num_tokens, "pagedrs_cpu: final row ", rows[r], " is outside the step's ",
+                  num_tokens, " rows");
     }
     run_layers(hidden, cos, sin, key_caches, value_caches, slot_mappings, kernel_rows, block_tables, cu_seqlens_q,
                context_lens, chunk_bounds, chunk_blocks, chunk_masks);
-    if (!final_rows) return hidden;
-    const int64_t num_rows = final_rows->size(0), H = hidden_size_;
     at::Tensor out = at::empty({num_rows, H}, hidden.options());
-    const int64_t* rows = final_rows->data_ptr<int64_t>();
     const float* hidden_rows = hidden.data_ptr<float>();
     const float* weight = final_norm_->data_ptr<float>();
     float* out_rows = out.data_ptr<float>();
