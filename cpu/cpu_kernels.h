@@ -9,10 +9,13 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace pagedrs_cpu {
@@ -43,6 +46,24 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                      const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap,
                      const std::optional<at::Tensor>& sinks);
+
+// paged_attention.cpp: one paged_attention call split for a caller's own parallel region. Made
+// before the region (checking what paged_attention checks; it fails loudly there); then each
+// thread of the region calls attend_share, which takes work items from `next` (shared by the
+// threads, starting at 0) until none are left, and never throws. The tensors must outlive it.
+class PagedAttentionPlan {
+ public:
+  PagedAttentionPlan(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                     const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap,
+                     const std::optional<at::Tensor>& sinks);
+  void attend_share(std::atomic<int64_t>& next) const;
+  int64_t num_items() const;
+
+ private:
+  struct State;
+  std::shared_ptr<const State> state_;
+};
 
 // paged_attention.cpp: a float32 copy of an fp8 (e4m3) tensor, any shape (a prefill chunk's
 // gathered cache blocks).
@@ -131,6 +152,12 @@ class DecoderStack : public torch::CustomClassHolder {
   // The model's final norm's weight [H] float32 (the layers' eps), for forward's final_rows.
   virtual void set_final_norm(at::Tensor weight) = 0;
 
+  // Whether steps of a few rows run every layer in one parallel region (the default; see
+  // decoder_stack.cpp's SharedTeam) or each part in its own (tests and benchmarks compare them).
+  virtual void set_one_region(bool enabled) = 0;
+  // How many steps ran in one parallel region so far.
+  virtual int64_t one_region_steps() const = 0;
+
   // Runs every layer over the step's rows; hidden [num_tokens, hidden_size] (written) ends as
   // the last layer's output. Returns the final norm of the final_rows rows (int64 [R]) as
   // float32 [R, hidden_size].
@@ -173,6 +200,19 @@ constexpr int64_t kKernelFlags = kInt8Activations | kInt8Panels;  // a type id l
 // (ggml_type may carry kInt8Activations).
 void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
                       int64_t out_features, int64_t ggml_type);
+
+// quant_matmul.cpp: the share `part` of `parts` of quant_matmul_f32 (the same values), on the
+// calling thread alone, for a caller that splits a matmul between the threads of its own
+// parallel region (decoder_stack.cpp's one-region decode); returns the output columns
+// [begin, end) it wrote. Each part quantizes x for itself (int8 activations). Nothing is
+// checked: it may not throw inside a parallel region, so the caller asks quant_matmul_splits
+// first.
+std::pair<int64_t, int64_t> quant_matmul_part_f32(const float* x, const uint8_t* weight, float* out,
+                                                  int64_t num_tokens, int64_t in_features, int64_t out_features,
+                                                  int64_t ggml_type, int part, int parts);
+// quant_matmul.cpp: whether quant_matmul_part_f32 takes this matmul (a packed type it runs
+// without torch's ops: not a float32 weight, not a step of kGemmTokens tokens or more).
+bool quant_matmul_splits(int64_t num_tokens, int64_t out_features, int64_t ggml_type);
 
 // quant_matmul.cpp: out[t * out_stride + n] = x[t * x_stride + :] . dequant(weight row n) for
 // weight rows n in [row_begin, row_end), on the calling thread (callers split the work).

@@ -60,10 +60,17 @@
 #include <ATen/Parallel.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
+#include <thread>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "cpu_kernels.h"
 
@@ -72,6 +79,7 @@ namespace {
 constexpr int64_t kF32 = 0;            // ggml's type id of float32: a dense weight (cpu_stack.py's F32)
 constexpr int64_t kGrain = 16;          // rows per thread task in the row-wise loops
 constexpr int64_t kMaxHeadSize = 512;   // the rotary step's scratch (cpu_stack.py's MAX_HEAD_DIM)
+constexpr int64_t kOneRegionTokens = 8;  // steps of up to this many rows run in one parallel region (SharedTeam)
 
 // One linear: y = x W^T + b.
 struct Linear {
@@ -297,6 +305,142 @@ void for_rows(int64_t num_rows, const F& f) {
   });
 }
 
+// A step's tensors: forward's arguments and the layers' scratch rows.
+struct Step {
+  at::Tensor& hidden;  // [num_tokens, H]: the residual stream, in place
+  const std::vector<at::Tensor>& cos;
+  const std::vector<at::Tensor>& sin;
+  const std::vector<at::Tensor>& key_caches;
+  const std::vector<at::Tensor>& value_caches;
+  const std::vector<at::Tensor>& slot_mappings;
+  const std::optional<at::Tensor>& kernel_rows;
+  const std::vector<at::Tensor>& block_tables;
+  const std::optional<at::Tensor>& cu_seqlens_q;
+  const std::optional<at::Tensor>& context_lens;
+  const std::vector<int64_t>& chunk_bounds;
+  const std::vector<at::Tensor>& chunk_blocks;
+  const c10::List<std::optional<at::Tensor>>& chunk_masks;
+  at::Tensor normed;         // [num_tokens, H]: a norm's output, a linear's input
+  at::Tensor qkv;            // [num_tokens, qkv_size]
+  at::Tensor query;          // [num_tokens, num_heads, D]: the q heads, in place in qkv's rows
+  at::Tensor attended;       // [num_tokens, num_heads, D]
+  at::Tensor attended_rows;  // the same as [num_tokens, q_size]
+  at::Tensor projected;      // [num_tokens, H]: o's and down's outputs
+  at::Tensor gate_up;        // [num_tokens, 2 * I]
+  at::Tensor activated;      // [num_tokens, I]
+};
+
+// The layers of a step split between threads part by part as each part comes: every linear, the
+// attention, the row-wise loops over torch's pool (at::parallel_for), each call a parallel region
+// of its own. Steps of many rows take it (and every step SharedTeam does not take).
+struct PooledTeam {
+  static constexpr bool kPooled = true;
+  template <class F>
+  void rows(int64_t num_rows, const F& f) {
+    for_rows(num_rows, f);
+  }
+  // f(row, first head, end head) for each row's heads.
+  template <class F>
+  void heads(int64_t num_rows, int64_t num_heads, const F& f) {
+    for_rows(num_rows, [&](int64_t t) { f(t, 0, num_heads); });
+  }
+  void linear(const Linear& linear, const at::Tensor& x, at::Tensor& out) { linear.apply(x, out); }
+  template <class F>
+  void attention(int64_t, const F& attend) {
+    attend();
+  }
+};
+
+// Keeps a waiting thread on its core: the others arrive within microseconds.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Threads of one parallel region wait here until all `parts` have arrived. A round trip of a
+// cache line between cores (a fraction of a microsecond), where ending an OpenMP region and
+// starting the next cost ~1.5 us (docs/cpu.md). It spins, then yields (an oversubscribed
+// machine: a descheduled thread gets the core back).
+class SpinBarrier {
+ public:
+  void wait(int parts) {
+    const int phase = phase_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == parts - 1) {
+      arrived_.store(0, std::memory_order_relaxed);  // before the release: no thread arrives early
+      phase_.store(phase + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins) {
+      if (spins < kSpins) {
+        cpu_relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1 << 14;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int> phase_{0};
+};
+
+// The layers of a small step (a decode) on every thread of one parallel region: thread `part`
+// of `parts` takes its share of each part (rows, heads, the output columns of a linear,
+// attention's items) and waits at the barrier for the others before the next part reads it.
+// A single-stream decode has ~150 small parts per step (4 linears and the attention per layer);
+// as regions of their own each paid a fork and a join. The values are the pooled path's, bit
+// for bit: every output element is computed by the same code, only by another thread.
+// Nothing here may throw (an exception cannot leave a parallel region): one_region and the
+// attention plans check everything before the region starts.
+struct SharedTeam {
+  static constexpr bool kPooled = false;
+  int part;
+  int parts;
+  SpinBarrier& barrier;
+  const std::vector<pagedrs_cpu::PagedAttentionPlan>& attention_plans;  // one per layer
+  std::atomic<int64_t>* next_items;                                      // one per layer, from 0
+
+  template <class F>
+  void rows(int64_t num_rows, const F& f) {
+    for (int64_t t = num_rows * part / parts; t < num_rows * (part + 1) / parts; ++t) f(t);
+    barrier.wait(parts);
+  }
+  template <class F>
+  void heads(int64_t num_rows, int64_t num_heads, const F& f) {
+    const int64_t begin = num_rows * num_heads * part / parts, end = num_rows * num_heads * (part + 1) / parts;
+    for (int64_t unit = begin; unit < end;) {  // unit: row * num_heads + head
+      const int64_t t = unit / num_heads, row_end = std::min(end, (t + 1) * num_heads);
+      f(t, unit - t * num_heads, row_end - t * num_heads);
+      unit = row_end;
+    }
+    barrier.wait(parts);
+  }
+  void linear(const Linear& linear, const at::Tensor& x, at::Tensor& out) {
+    const int64_t num_rows = x.size(0), width = linear.out_features;
+    const auto [begin, end] = pagedrs_cpu::quant_matmul_part_f32(
+        x.data_ptr<float>(), linear.weight.data_ptr<uint8_t>(), out.data_ptr<float>(), num_rows,
+        linear.in_features, width, linear.ggml_type, part, parts);
+    if (linear.bias) {  // as the pooled path's out.add_(bias), on this part's columns
+      const float* bias = linear.bias->data_ptr<float>();
+      float* rows = out.data_ptr<float>();
+      for (int64_t t = 0; t < num_rows; ++t) {
+#pragma omp simd
+        for (int64_t j = begin; j < end; ++j) rows[t * width + j] += bias[j];
+      }
+    }
+    barrier.wait(parts);
+  }
+  template <class F>
+  void attention(int64_t layer, const F&) {
+    attention_plans[layer].attend_share(next_items[layer]);
+    barrier.wait(parts);
+  }
+};
+
 class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
  public:
   DecoderStackImpl(int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
@@ -419,6 +563,9 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     check_float_vector(weight, hidden_size_, "final_norm");
     final_norm_ = std::move(weight);
   }
+
+  void set_one_region(bool enabled) override { one_region_ = enabled; }
+  int64_t one_region_steps() const override { return one_region_steps_; }
 
   // Runs every layer over the step's rows; `hidden` ends as the last layer's output.
   //   cos, sin: one pair per rotary embedding (a layer reads the pair its `rope` names).
@@ -547,89 +694,165 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     TORCH_CHECK(lora_groups_.empty() || lora_rows_ == num_tokens, "pagedrs_cpu: LoRA row slots for ", lora_rows_,
                 " rows, the step has ", num_tokens);
     if (num_tokens == 0) return;
-    const int64_t H = hidden_size_, D = head_size_, q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
-    const int64_t qkv_size = q_size + 2 * kv_size, I = intermediate_size_;  // H, D, I: the header's names
+    const int64_t H = hidden_size_, D = head_size_, q_size = num_heads_ * D;
+    const int64_t qkv_size = q_size + 2 * num_kv_heads_ * D, I = intermediate_size_;  // H, D, I: the header's names
     const auto options = hidden.options();
-    at::Tensor normed = at::empty({num_tokens, H}, options);
     at::Tensor qkv = at::empty({num_tokens, qkv_size}, options);
     at::Tensor attended = at::empty({num_tokens, num_heads_, D}, options);
-    at::Tensor projected = at::empty({num_tokens, H}, options);
-    at::Tensor gate_up = at::empty({num_tokens, 2 * I}, options);
-    at::Tensor activated = at::empty({num_tokens, I}, options);
-    // The query heads of each row, in place in the qkv rows (paged attention takes a row stride).
-    const at::Tensor query = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, D});
+    Step step{hidden,
+              cos,
+              sin,
+              key_caches,
+              value_caches,
+              slot_mappings,
+              kernel_rows,
+              block_tables,
+              cu_seqlens_q,
+              context_lens,
+              chunk_bounds,
+              chunk_blocks,
+              chunk_masks,
+              at::empty({num_tokens, H}, options),
+              qkv,
+              // The query heads of each row, in place in the qkv rows (paged attention takes a row stride).
+              qkv.narrow(1, 0, q_size).view({num_tokens, num_heads_, D}),
+              attended,
+              attended.view({num_tokens, q_size}),
+              at::empty({num_tokens, H}, options),
+              at::empty({num_tokens, 2 * I}, options),
+              at::empty({num_tokens, I}, options)};
+#ifdef _OPENMP
+    if (one_region(step)) {
+      // One parallel region for every layer (see SharedTeam): each layer's attention is
+      // checked and its work listed before it starts, as nothing inside may throw.
+      std::vector<pagedrs_cpu::PagedAttentionPlan> plans;
+      plans.reserve(num_layers);
+      for (const Layer& layer : layers_) {
+        const int64_t l = static_cast<int64_t>(plans.size());
+        plans.emplace_back(step.attended, step.query, key_caches[l], value_caches[l], block_tables[layer.view],
+                           *cu_seqlens_q, *context_lens, layer.scale, layer.sliding_window, layer.softcap,
+                           layer.sinks);
+      }
+      std::unique_ptr<std::atomic<int64_t>[]> next_items(new std::atomic<int64_t>[num_layers]());
+      SpinBarrier barrier;
+#pragma omp parallel num_threads(at::get_num_threads())
+      {
+        SharedTeam team{omp_get_thread_num(), omp_get_num_threads(), barrier, plans, next_items.get()};
+        layer_loop(team, step);
+      }
+      ++one_region_steps_;
+      return;
+    }
+#endif
+    PooledTeam team;
+    layer_loop(team, step);
+  }
+
+  // Whether a step runs every layer in one parallel region (SharedTeam): a few rows (a decode),
+  // all of them to the paged attention kernel, every linear one quant_matmul_part_f32 takes,
+  // no experts, no LoRA, and no norm over all of q's heads at once (OLMo 2).
+  bool one_region(const Step& step) const {
+    const int64_t num_tokens = step.hidden.size(0);
+    if (!one_region_ || at::get_num_threads() < 2 || at::in_parallel_region() || num_tokens > kOneRegionTokens) {
+      return false;
+    }
+    if (!step.chunk_bounds.empty() || step.kernel_rows || step.block_tables.empty() || !lora_groups_.empty()) {
+      return false;
+    }
+    const int64_t q_size = num_heads_ * head_size_;
+    for (const Layer& layer : layers_) {
+      if (layer.experts || (layer.q_norm && layer.q_norm->numel() == q_size && q_size != head_size_)) return false;
+      for (const Linear* linear : {&layer.qkv, &layer.o, &*layer.gate_up, &*layer.down}) {
+        if (!pagedrs_cpu::quant_matmul_splits(num_tokens, linear->out_features, linear->ggml_type)) return false;
+      }
+    }
+    return true;
+  }
+
+  // Every layer over the step, the team splitting each part between its threads (PooledTeam,
+  // SharedTeam).
+  template <class Team>
+  void layer_loop(Team& team, Step& step) const {
+    const int64_t num_tokens = step.hidden.size(0), num_layers = this->num_layers();
+    const int64_t H = hidden_size_, D = head_size_, q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
+    const int64_t qkv_size = q_size + 2 * kv_size, I = intermediate_size_;
+    const at::Tensor& hidden = step.hidden;
     float* hidden_rows = hidden.data_ptr<float>();
-    float* normed_rows = normed.data_ptr<float>();
-    float* projected_rows = projected.data_ptr<float>();
-    const float* gate_up_rows = gate_up.data_ptr<float>();
-    float* activated_rows = activated.data_ptr<float>();
-    float* qkv_rows = qkv.data_ptr<float>();
+    float* normed_rows = step.normed.data_ptr<float>();
+    float* projected_rows = step.projected.data_ptr<float>();
+    const float* gate_up_rows = step.gate_up.data_ptr<float>();
+    float* activated_rows = step.activated.data_ptr<float>();
+    float* qkv_rows = step.qkv.data_ptr<float>();
     auto data = [](const std::optional<at::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; };
     for (int64_t layer_index = 0; layer_index < num_layers; ++layer_index) {
       const Layer& layer = layers_[layer_index];
       const float* input_norm = data(layer.input_norm);
       if (input_norm != nullptr) {
-        for_rows(num_tokens, [&](int64_t t) {
-          rms_norm(hidden_rows + t * H, input_norm, eps_, H, normed_rows + t * H);
-        });
+        team.rows(num_tokens, [&](int64_t t) { rms_norm(hidden_rows + t * H, input_norm, eps_, H, normed_rows + t * H); });
       }
-      layer.qkv.apply(input_norm != nullptr ? normed : hidden, qkv);
-      add_lora(layer_index, 0, input_norm != nullptr ? normed : hidden, qkv);
+      const at::Tensor& qkv_input = input_norm != nullptr ? step.normed : hidden;
+      team.linear(layer.qkv, qkv_input, step.qkv);
+      if constexpr (Team::kPooled) add_lora(layer_index, 0, qkv_input, step.qkv);
       // Per row: q/k norms, rotary on q and k, then k and v into their cache slot.
-      const at::Tensor& key_cache = key_caches[layer_index];
-      const at::Tensor& value_cache = value_caches[layer_index];
+      const at::Tensor& key_cache = step.key_caches[layer_index];
+      const at::Tensor& value_cache = step.value_caches[layer_index];
       const float* q_norm = data(layer.q_norm);
       const float* k_norm = data(layer.k_norm);
       const bool whole_norms = layer.q_norm && layer.q_norm->numel() == q_size && q_size != D;
-      const int64_t rotary_dim = cos[layer.rope].size(1);
-      const float* cos_rows = cos[layer.rope].data_ptr<float>();
-      const float* sin_rows = sin[layer.rope].data_ptr<float>();
-      const int64_t* slots = slot_mappings[layer.view].data_ptr<int64_t>();
-      for_rows(num_tokens, [&](int64_t t) {
+      const int64_t rotary_dim = step.cos[layer.rope].size(1);
+      const float* cos_rows = step.cos[layer.rope].data_ptr<float>();
+      const float* sin_rows = step.sin[layer.rope].data_ptr<float>();
+      const int64_t* slots = step.slot_mappings[layer.view].data_ptr<int64_t>();
+      // Heads [begin, end) of row t (q heads, then k heads); a k head stores its key and value.
+      team.heads(num_tokens, num_heads_ + num_kv_heads_, [&](int64_t t, int64_t begin, int64_t end) {
         float* row = qkv_rows + t * qkv_size;
-        if (whole_norms) {  // OLMo 2: q over all its heads at once, k likewise
+        if (whole_norms) {  // OLMo 2: q over all its heads at once, k likewise (never SharedTeam's)
           rms_norm(row, q_norm, eps_, q_size, row);
           rms_norm(row + q_size, k_norm, eps_, kv_size, row + q_size);
         }
-        for (int64_t head = 0; head < num_heads_ + num_kv_heads_; ++head) {  // q heads, then k heads
+        for (int64_t head = begin; head < end; ++head) {
           float* x = row + head * D;
           const float* norm = head < num_heads_ ? q_norm : k_norm;
           if (norm != nullptr && !whole_norms) rms_norm(x, norm, eps_, D, x);
           rotate(x, cos_rows + t * rotary_dim, sin_rows + t * rotary_dim, rotary_dim);
+          if (head < num_heads_) continue;
+          const int64_t at = slots[t] * kv_size + (head - num_heads_) * D;
+          store_row(x, key_cache, at, D);
+          store_row(x + kv_size, value_cache, at, D);
         }
-        store_row(row + q_size, key_cache, slots[t] * kv_size, kv_size);
-        store_row(row + q_size + kv_size, value_cache, slots[t] * kv_size, kv_size);
       });
-      const std::optional<at::Tensor> view_tables =
-          block_tables.empty() ? std::nullopt : std::optional<at::Tensor>(block_tables[layer.view]);
-      attend(layer, query, key_caches[layer_index], value_caches[layer_index], kernel_rows, view_tables,
-             cu_seqlens_q, context_lens, chunk_bounds, chunk_blocks, chunk_masks, attended);
-      layer.o.apply(attended.view({num_tokens, q_size}), projected);
-      add_lora(layer_index, 1, attended.view({num_tokens, q_size}), projected);
+      team.attention(layer_index, [&] {
+        const std::optional<at::Tensor> view_tables =
+            step.block_tables.empty() ? std::nullopt : std::optional<at::Tensor>(step.block_tables[layer.view]);
+        attend(layer, step.query, key_cache, value_cache, step.kernel_rows, view_tables, step.cu_seqlens_q,
+               step.context_lens, step.chunk_bounds, step.chunk_blocks, step.chunk_masks, step.attended);
+      });
+      team.linear(layer.o, step.attended_rows, step.projected);
+      if constexpr (Team::kPooled) add_lora(layer_index, 1, step.attended_rows, step.projected);
       const float* attn_out_norm = data(layer.attn_out_norm);
       const float* pre_mlp_norm = data(layer.pre_mlp_norm);
       const float multiplier = layer.residual_multiplier;
-      for_rows(num_tokens, [&](int64_t t) {
+      team.rows(num_tokens, [&](int64_t t) {
         float* out = projected_rows + t * H;
         if (attn_out_norm != nullptr) rms_norm(out, attn_out_norm, eps_, H, out);
         add_rows(hidden_rows + t * H, out, multiplier, H);
         if (pre_mlp_norm != nullptr) rms_norm(hidden_rows + t * H, pre_mlp_norm, eps_, H, normed_rows + t * H);
       });
-      const at::Tensor& mlp_input = pre_mlp_norm != nullptr ? normed : hidden;
-      if (layer.experts) {
-        mixture(*layer.experts, mlp_input, projected);
+      const at::Tensor& mlp_input = pre_mlp_norm != nullptr ? step.normed : hidden;
+      if (layer.experts) {  // never SharedTeam's
+        if constexpr (Team::kPooled) mixture(*layer.experts, mlp_input, step.projected);
       } else {
-        layer.gate_up->apply(mlp_input, gate_up);
-        add_lora(layer_index, 2, mlp_input, gate_up);
-        for_rows(num_tokens, [&](int64_t t) {
+        team.linear(*layer.gate_up, mlp_input, step.gate_up);
+        if constexpr (Team::kPooled) add_lora(layer_index, 2, mlp_input, step.gate_up);
+        team.rows(num_tokens, [&](int64_t t) {
           const float* gate = gate_up_rows + t * 2 * I;
           pagedrs_cpu::activate_mul(layer.activation, gate, gate + I, I, activated_rows + t * I);
         });
-        layer.down->apply(activated, projected);
-        add_lora(layer_index, 3, activated, projected);
+        team.linear(*layer.down, step.activated, step.projected);
+        if constexpr (Team::kPooled) add_lora(layer_index, 3, step.activated, step.projected);
       }
       const float* mlp_out_norm = data(layer.mlp_out_norm);
-      for_rows(num_tokens, [&](int64_t t) {
+      team.rows(num_tokens, [&](int64_t t) {
         float* out = projected_rows + t * H;
         if (mlp_out_norm != nullptr) rms_norm(out, mlp_out_norm, eps_, H, out);
         add_rows(hidden_rows + t * H, out, multiplier, H);
@@ -895,6 +1118,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   std::vector<std::array<std::optional<LoRALinear>, 4>> lora_;  // per layer: qkv, o, gate_up, down
   int64_t lora_slots_ = 0;
   std::optional<at::Tensor> final_norm_;  // [H] float32 (set_final_norm), for forward's final_rows
+  bool one_region_ = true;                // set_one_region
+  mutable int64_t one_region_steps_ = 0;  // steps run in one region (forward is const; never concurrent)
   std::vector<LoRAGroup> lora_groups_;  // this step's rows of each slot in use (set_lora_rows)
   int64_t lora_rows_ = 0;               // rows of the step set_lora_rows was given
 };

@@ -411,19 +411,15 @@ std::vector<WorkItem> work_items(const int* cu_seqlens_q, int num_seqs, int num_
   return items;
 }
 
-template <typename T, typename C>
-void run(const Args& args, const std::vector<WorkItem>& items) {
-  const int group = args.num_heads / args.num_kv_heads;
-  std::atomic<int64_t> next{0};
+using AttendItem = void (*)(const Args&, const WorkItem&, Scratch&);
+
+// Items taken from `next` until none are left, on the calling thread, with its own scratch.
+void attend_items(const Args& args, const std::vector<WorkItem>& items, AttendItem attend,
+                  std::atomic<int64_t>& next) {
+  thread_local Scratch scratch;
+  scratch.reserve(kRowTile * (args.num_heads / args.num_kv_heads), args.head_size);
   const int64_t num_items = static_cast<int64_t>(items.size());
-  // One task per thread, each pulling items until none are left (dynamic scheduling over
-  // torch's own pool: a long prefill tile does not hold up a thread's share of decodes).
-  const int64_t num_tasks = std::min<int64_t>(at::get_num_threads(), num_items);
-  at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {
-    thread_local Scratch scratch;
-    scratch.reserve(kRowTile * group, args.head_size);
-    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend_item<T, C>(args, items[i], scratch);
-  });
+  for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend(args, items[i], scratch);
 }
 
 void check_cache(const at::Tensor& cache, const char* name) {
@@ -456,12 +452,17 @@ void check_index(const at::Tensor& t, int64_t dims, const char* name) {
 
 namespace pagedrs_cpu {
 
-// Reads the cache only: the step's new keys and values must already be written (the
-// runner's contract, rust/src/batch.rs).
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                     const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap,
-                     const std::optional<at::Tensor>& sinks) {
+struct PagedAttentionPlan::State {
+  Args args;
+  std::vector<WorkItem> items;
+  AttendItem attend;  // attend_item of the query's and the caches' dtypes
+};
+
+PagedAttentionPlan::PagedAttentionPlan(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                       const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                       const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, double scale,
+                                       int64_t sliding_window, double softcap,
+                                       const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(softcap >= 0, "pagedrs_cpu: softcap must be >= 0 (0: none), got ", softcap);
   check_cache(key_cache, "key_cache");
   check_cache(value_cache, "value_cache");
@@ -510,9 +511,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                     sinks->dim() == 1 && sinks->size(0) == num_heads,
                 "pagedrs_cpu: sinks must be contiguous float32 [", num_heads, "]");
   }
-  if (query.size(0) == 0) return;
-
-  Args args{};
+  auto state = std::make_shared<State>();
+  Args& args = state->args;
   args.query = query.data_ptr();
   args.out = out.data_ptr();
   args.key_cache = key_cache.data_ptr();
@@ -531,20 +531,41 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   args.scale = static_cast<float>(scale);
   args.softcap = static_cast<float>(softcap);
   args.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
-  const auto items = work_items(args.cu_seqlens_q, static_cast<int>(num_seqs), args.num_kv_heads);
+  if (query.size(0) > 0) state->items = work_items(args.cu_seqlens_q, static_cast<int>(num_seqs), args.num_kv_heads);
   const bool float_rows = query.scalar_type() == at::kFloat;
   switch (dtype) {
-    case at::kFloat: run<float, float>(args, items); break;
+    case at::kFloat: state->attend = attend_item<float, float>; break;
     case at::kBFloat16:
-      float_rows ? run<float, c10::BFloat16>(args, items) : run<c10::BFloat16, c10::BFloat16>(args, items);
+      state->attend = float_rows ? attend_item<float, c10::BFloat16> : attend_item<c10::BFloat16, c10::BFloat16>;
       break;
-    case at::kHalf: float_rows ? run<float, c10::Half>(args, items) : run<c10::Half, c10::Half>(args, items); break;
-    case at::kFloat8_e4m3fn:
+    case at::kHalf: state->attend = float_rows ? attend_item<float, c10::Half> : attend_item<c10::Half, c10::Half>; break;
+    default:  // float8_e4m3fn (the rest are refused above)
       TORCH_CHECK(float_rows, "pagedrs_cpu: an fp8 cache is read by float32 queries only, got ", query.scalar_type());
-      run<float, c10::Float8_e4m3fn>(args, items);
+      state->attend = attend_item<float, c10::Float8_e4m3fn>;
       break;
-    default: break;  // refused above
   }
+  state_ = std::move(state);
+}
+
+void PagedAttentionPlan::attend_share(std::atomic<int64_t>& next) const {
+  attend_items(state_->args, state_->items, state_->attend, next);
+}
+
+int64_t PagedAttentionPlan::num_items() const { return static_cast<int64_t>(state_->items.size()); }
+
+// Reads the cache only: the step's new keys and values must already be written (the
+// runner's contract, rust/src/batch.rs).
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                     const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap,
+                     const std::optional<at::Tensor>& sinks) {
+  const PagedAttentionPlan plan(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                                sliding_window, softcap, sinks);
+  // One task per thread, each pulling items until none are left (dynamic scheduling over
+  // torch's own pool: a long prefill tile does not hold up a thread's share of decodes).
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = std::min<int64_t>(at::get_num_threads(), plan.num_items());
+  at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) { plan.attend_share(next); });
 }
 
 // torch's own fp8 -> float32 copy converts one element at a time (about 2 ns each here, 30

@@ -813,52 +813,95 @@ void matmul_rows_int8(const Int8Rows& rows, const uint8_t* weight, float* out, i
 #endif
 
 #ifdef PAGEDRS_INT8_ACTIVATIONS
-// The int8-activation matmul, or false where this type has none (the caller runs the exact one).
-// stored_panels: the weight is in the stored panel layout (pack_int8_panels).
-bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
-                 int64_t out_features, int64_t ggml_type, bool stored_panels) {
-  if (ggml_type != kQ8_0 && ggml_type != kQ4_0 && ggml_type != kQ4_1) return false;
-  // Reused across calls (no allocation per matmul once grown); the workers below read the
-  // calling thread's buffers through this reference.
+// Whether the int8 path takes this ggml type (the rest run the exact path).
+bool int8_takes(int64_t ggml_type) { return ggml_type == kQ8_0 || ggml_type == kQ4_0 || ggml_type == kQ4_1; }
+
+// The calling thread's buffers for num_tokens rows of in_features activations, reused across
+// calls (no allocation per matmul once grown).
+Int8Rows& int8_buffers(int64_t num_tokens, int64_t in_features) {
   thread_local Int8Rows buffers;
-  Int8Rows& rows = buffers;
-  rows.num_blocks = in_features / kBlockSize;
-  const size_t blocks = static_cast<size_t>(num_tokens * rows.num_blocks);
-  if (rows.q.size() < blocks * kBlockSize) rows.q.resize(blocks * kBlockSize);
-  if (rows.d.size() < blocks) rows.d.resize(blocks), rows.sum.resize(blocks), rows.start.resize(blocks);
+  buffers.num_blocks = in_features / kBlockSize;
+  const size_t blocks = static_cast<size_t>(num_tokens * buffers.num_blocks);
+  if (buffers.q.size() < blocks * kBlockSize) buffers.q.resize(blocks * kBlockSize);
+  if (buffers.d.size() < blocks) buffers.d.resize(blocks), buffers.sum.resize(blocks), buffers.start.resize(blocks);
+  return buffers;
+}
+
+// The weights' zero the quantized activations start their sums from (Int8Rows::start).
+int32_t int8_weight_zero(int64_t ggml_type, bool stored_panels) {
 #ifdef PAGEDRS_INT8_VNNI
-  const int32_t weight_zero = ggml_type == kQ8_0 ? kWeightZero<Q8_0> : ggml_type == kQ4_0 ? kWeightZero<Q4_0> : 0;
+  (void)stored_panels;
+  return ggml_type == kQ8_0 ? kWeightZero<Q8_0> : ggml_type == kQ4_0 ? kWeightZero<Q4_0> : 0;
 #elif defined(PAGEDRS_INT8_PANELS)
-  const int32_t weight_zero = !stored_panels ? 0 : ggml_type == kQ4_0 ? kPanelWeightZero<Q4_0> : 0;
+  return !stored_panels ? 0 : ggml_type == kQ4_0 ? kPanelWeightZero<Q4_0> : 0;
 #else
-  const int32_t weight_zero = 0;  // maddubs and sdot take the weights as they are
+  (void)ggml_type, (void)stored_panels;
+  return 0;  // maddubs and sdot take the weights as they are
 #endif
-  at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
-    quantize_rows(x, in_features, begin, end, weight_zero, rows);
-  });
+}
+
+// How the int8 path splits a matmul's outputs between threads: in units of this many rows
+// (whole panels where the weights are in panels), and at least `grain` units per thread.
+struct Int8Units {
+  int64_t rows;
+  int64_t count;
+  int64_t grain;
+};
+
+Int8Units int8_units(int64_t out_features, bool stored_panels) {
 #ifdef PAGEDRS_INT8_PANELS
-  if (stored_panels) {
-    at::parallel_for(0, out_features / kPanelRows, 1, [&](int64_t begin, int64_t end) {
-      with_int8_format(ggml_type, [&](auto format) {
-        matmul_stored_panels<decltype(format)>(rows, weight, out, out_features, num_tokens, begin, end);
-      });
-    });
-    return true;
-  }
+  if (stored_panels) return {kPanelRows, out_features / kPanelRows, 1};
 #else
-  TORCH_CHECK(!stored_panels, "pagedrs_cpu: this build has no stored int8 panels");
+  (void)stored_panels;
 #endif
 #ifdef PAGEDRS_INT8_VNNI
   constexpr int64_t kRowsPerUnit = kPanelRows;  // threads take whole panels
 #else
   constexpr int64_t kRowsPerUnit = 1;
 #endif
-  const int64_t num_units = (out_features + kRowsPerUnit - 1) / kRowsPerUnit;
-  at::parallel_for(0, num_units, std::max<int64_t>(1, 16 / kRowsPerUnit), [&](int64_t begin, int64_t end) {
-    const int64_t row_begin = begin * kRowsPerUnit, row_end = std::min(out_features, end * kRowsPerUnit);
+  return {kRowsPerUnit, (out_features + kRowsPerUnit - 1) / kRowsPerUnit, std::max<int64_t>(1, 16 / kRowsPerUnit)};
+}
+
+// Units [begin, end) of the int8 matmul of rows (quantized) with weight; returns the output
+// rows they cover.
+std::pair<int64_t, int64_t> matmul_int8_units(const Int8Rows& rows, const uint8_t* weight, float* out,
+                                              int64_t num_tokens, int64_t out_features, int64_t ggml_type,
+                                              bool stored_panels, int64_t begin, int64_t end) {
+#ifdef PAGEDRS_INT8_PANELS
+  if (stored_panels) {
     with_int8_format(ggml_type, [&](auto format) {
-      matmul_rows_int8<decltype(format)>(rows, weight, out, out_features, num_tokens, row_begin, row_end);
+      matmul_stored_panels<decltype(format)>(rows, weight, out, out_features, num_tokens, begin, end);
     });
+    return {begin * kPanelRows, end * kPanelRows};
+  }
+#else
+  (void)stored_panels;
+#endif
+  const int64_t unit_rows = int8_units(out_features, false).rows;
+  const int64_t row_begin = begin * unit_rows, row_end = std::min(out_features, end * unit_rows);
+  with_int8_format(ggml_type, [&](auto format) {
+    matmul_rows_int8<decltype(format)>(rows, weight, out, out_features, num_tokens, row_begin, row_end);
+  });
+  return {row_begin, row_end};
+}
+
+// The int8-activation matmul, or false where this type has none (the caller runs the exact one).
+// stored_panels: the weight is in the stored panel layout (pack_int8_panels).
+bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
+                 int64_t out_features, int64_t ggml_type, bool stored_panels) {
+  if (!int8_takes(ggml_type)) return false;
+#ifndef PAGEDRS_INT8_PANELS
+  TORCH_CHECK(!stored_panels, "pagedrs_cpu: this build has no stored int8 panels");
+#endif
+  // The workers below read the calling thread's buffers through this reference.
+  Int8Rows& rows = int8_buffers(num_tokens, in_features);
+  const int32_t weight_zero = int8_weight_zero(ggml_type, stored_panels);
+  at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
+    quantize_rows(x, in_features, begin, end, weight_zero, rows);
+  });
+  const Int8Units units = int8_units(out_features, stored_panels);
+  at::parallel_for(0, units.count, units.grain, [&](int64_t begin, int64_t end) {
+    matmul_int8_units(rows, weight, out, num_tokens, out_features, ggml_type, stored_panels, begin, end);
   });
   return true;
 }
@@ -977,6 +1020,39 @@ void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     quant_matmul_rows_f32(x, in_features, weight, out, out_features, num_tokens, in_features, begin, end, ggml_type);
   });
+}
+
+std::pair<int64_t, int64_t> quant_matmul_part_f32(const float* x, const uint8_t* weight, float* out,
+                                                  int64_t num_tokens, int64_t in_features, int64_t out_features,
+                                                  int64_t ggml_type, int part, int parts) {
+  const auto share = [&](int64_t count) {
+    return std::pair<int64_t, int64_t>{count * part / parts, count * (part + 1) / parts};
+  };
+#ifdef PAGEDRS_INT8_ACTIVATIONS
+  const int64_t format = ggml_type & ~kKernelFlags;
+  if ((ggml_type & kInt8Activations) && int8_takes(format)) {
+    const bool stored_panels = ggml_type & kInt8Panels;
+    Int8Rows& rows = int8_buffers(num_tokens, in_features);  // each thread quantizes x for itself
+    quantize_rows(x, in_features, 0, num_tokens, int8_weight_zero(format, stored_panels), rows);
+    const auto [begin, end] = share(int8_units(out_features, stored_panels).count);
+    return matmul_int8_units(rows, weight, out, num_tokens, out_features, format, stored_panels, begin, end);
+  }
+#endif
+  const auto [begin, end] = share(out_features);
+  quant_matmul_rows_f32(x, in_features, weight, out, out_features, num_tokens, in_features, begin, end, ggml_type);
+  return {begin, end};
+}
+
+bool quant_matmul_splits(int64_t num_tokens, int64_t out_features, int64_t ggml_type) {
+  const int64_t format = ggml_type & ~kKernelFlags;
+  if (ggml_type == 0 || num_tokens >= kGemmTokens) return false;
+  if (format != kQ8_0 && format != kQ4_0 && format != kQ4_1 && format != kQ4_K && format != kQ6_K) return false;
+  if (!(ggml_type & kInt8Panels)) return true;
+#ifdef PAGEDRS_INT8_ACTIVATIONS
+  return (ggml_type & kInt8Activations) && int8_takes(format) && out_features % int8_panel_rows() == 0;
+#else
+  return false;
+#endif
 }
 
 // y = x @ dequant(weight)^T (see the header for layouts).

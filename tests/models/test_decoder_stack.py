@@ -152,6 +152,50 @@ def test_packed_gguf_linears_match_the_python_layers(tmp_path, kind):
     assert_same_step(runner, MIXED)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"cpu_activation_quantization": "int8", "kv_cache_dtype": "bfloat16"}],
+    ids=["exact", "int8-bf16-cache"],
+)
+def test_a_decode_in_one_parallel_region_equals_the_pooled_path_bit_for_bit(tmp_path, config):
+    """Steps of a few rows run every layer in one parallel region (decoder_stack.cpp's
+    SharedTeam): each linear's columns, the heads' rotary and cache writes, attention's items
+    split between the threads at barriers. The same step with one region per part gives the
+    same logits and caches, bit for bit."""
+    import transformers
+
+    from tests.helpers.gguf_writer import TYPES, write_gguf
+
+    from gguf import GGMLQuantizationType as Q
+
+    # Every linear packed (a float32 one runs torch's matmul: that step takes the pooled path).
+    types = TYPES | {f"blk.1.{part}": Q.Q8_0 for part in ("attn_q", "attn_k", "attn_v", "ffn_down")}
+    torch.manual_seed(6)
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval(), types)
+    runner = runner_for(path, **config)
+    stack = runner.cpu_stack
+    assert stack is not None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # one region needs two threads or more
+    try:
+        for seqs in ([(37, 1)], [(1, 1), (37, 1), (21, 3), (70, 1), (2, 1)]):
+            steps = stack.one_region_steps
+            (one_logits, one_caches), _ = forward_both(runner, seqs)
+            assert stack.one_region_steps == steps + 1  # the stack's step, not the layers' one
+            stack.set_one_region(False)
+            try:
+                (pooled_logits, pooled_caches), _ = forward_both(runner, seqs)
+            finally:
+                stack.set_one_region(True)
+            assert stack.one_region_steps == steps + 1
+            assert torch.equal(one_logits, pooled_logits)
+            for one, pooled in zip(one_caches, pooled_caches):
+                assert torch.equal(one[0], pooled[0]) and torch.equal(one[1], pooled[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_stack_steps_aside_where_it_cannot_run(tiny_llama):
     assert runner_for(tiny_llama).cpu_stack is not None
     assert runner_for(tiny_llama, attention_backend="torch").cpu_stack is None

@@ -186,6 +186,17 @@ class CpuDecoderStack:
             self._stack.set_lora(layer, LINEARS.index(linear), a, slots.b[(layer, linear)])
         self.has_lora = True
 
+    def set_one_region(self, enabled: bool) -> None:
+        """Whether steps of a few rows (decodes) run every layer in one parallel region (the
+        default) or each linear and attention in its own; the values are the same bit for bit
+        (tests and benchmarks compare the two)."""
+        self._stack.set_one_region(enabled)
+
+    @property
+    def one_region_steps(self) -> int:
+        """How many steps ran in one parallel region so far."""
+        return int(self._stack.one_region_steps())
+
     def set_lora_rows(self, row_slots: torch.Tensor | None) -> None:
         """Each row's slot (int64, -1: none) for the next calls, or ``None``."""
         self._stack.set_lora_rows(row_slots)
