@@ -89,8 +89,8 @@ def main() -> None:
                     else ""
                 )
                 print(
-                    f"{activations:<5} batch {batch:>2} {name:<6} step pooled {row['pooled_step_ms']:.3f} -> one region "
-                    f"{row['one_region_step_ms']:.3f} ms (x{row['step_ratio']:.3f}){layers}",
+                    f"{activations:<5} batch {batch:>2} {name:<6} step pooled {row['pooled_step_ms']:.3f} -> "
+                    f"one region {row['one_region_step_ms']:.3f} ms (x{row['step_ratio']:.3f}){layers}",
                     flush=True,
                 )
         del llm

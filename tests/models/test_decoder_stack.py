@@ -163,10 +163,9 @@ def test_a_decode_in_one_parallel_region_equals_the_pooled_path_bit_for_bit(tmp_
     split between the threads at barriers. The same step with one region per part gives the
     same logits and caches, bit for bit."""
     import transformers
+    from gguf import GGMLQuantizationType as Q
 
     from tests.helpers.gguf_writer import TYPES, write_gguf
-
-    from gguf import GGMLQuantizationType as Q
 
     # Every linear packed (a float32 one runs torch's matmul: that step takes the pooled path).
     types = TYPES | {f"blk.1.{part}": Q.Q8_0 for part in ("attn_q", "attn_k", "attn_v", "ffn_down")}
