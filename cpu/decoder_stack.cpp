@@ -756,7 +756,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     if (!one_region_ || at::get_num_threads() < 2 || at::in_parallel_region() || num_tokens > kOneRegionTokens) {
       return false;
     }
-    if (!step.chunk_bounds.empty() || step.kernel_rows || step.block_tables.empty() || !lora_groups_.empty()) {
+    if (!step.chunk_bounds.empty() || step.kernel_rows || step.block_tables.empty() || !step.cu_seqlens_q ||
+        !step.context_lens || !lora_groups_.empty()) {  // (the pooled path refuses a table without its rows)
       return false;
     }
     const int64_t q_size = num_heads_ * head_size_;
