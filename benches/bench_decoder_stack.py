@@ -60,6 +60,13 @@ def batch_steps(llm: LLM, use_stack: bool, stack, batch: int, steps: int = 8) ->
         engine.add_request(f"b{use_stack}-{i}", torch.randint(1000, 40000, (40,), generator=generator).tolist(), params)
     while engine.scheduler.num_waiting or engine.last_schedule is None or engine.last_schedule.num_prefill_tokens:
         engine.step()
+    median = median_step_ms(engine, steps)
+    engine.runner.cpu_stack = stack
+    return median
+
+
+def median_step_ms(engine, steps: int) -> float:
+    """The median of ``steps`` engine steps in ms; then the engine's requests run to their end."""
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -67,7 +74,6 @@ def batch_steps(llm: LLM, use_stack: bool, stack, batch: int, steps: int = 8) ->
         times.append(time.perf_counter() - start)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.runner.cpu_stack = stack
     return statistics.median(times) * 1e3
 
 

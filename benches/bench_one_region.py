@@ -16,10 +16,10 @@ import argparse
 import dataclasses
 import json
 import statistics
-import time
 
 import torch
 from bench_bandwidth_bound import PROMPT_TOKENS, SETTINGS, step_ms
+from bench_decoder_stack import median_step_ms
 
 from pagedrs import LLM, SamplingParams
 from pagedrs.envinfo import environment
@@ -35,14 +35,7 @@ def batch_step_ms(llm: LLM, params: SamplingParams, batch: int, steps: int) -> d
         engine.add_request(f"b{i}", [t + i for t in PROMPT_TOKENS], decode)
     for _ in range(4):  # the prefills and a few steps before timing
         engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return {"step": statistics.median(times) * 1e3}
+    return {"step": median_step_ms(engine, steps)}
 
 
 def main() -> None:
