@@ -151,6 +151,9 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // The model's final norm's weight [H] float32 (the layers' eps), for forward's final_rows.
   virtual void set_final_norm(at::Tensor weight) = 0;
+  // The language-model head: float32 [vocab, hidden_size] (ggml_type 0) or its packed blocks
+  // (ggml_type, with the kernel's flags), for forward's logits.
+  virtual void set_head(at::Tensor weight, int64_t ggml_type) = 0;
 
   // Whether steps of a few rows run every layer in one parallel region (the default; see
   // decoder_stack.cpp's SharedTeam) or each part in its own (tests and benchmarks compare them).
@@ -160,14 +163,17 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // Runs every layer over the step's rows; hidden [num_tokens, hidden_size] (written) ends as
   // the last layer's output. Returns the final norm of the final_rows rows (int64 [R]) as
-  // float32 [R, hidden_size].
+  // float32 [R, hidden_size], or with `logits` their head's logits (set_head), float32 [R, vocab].
+  // cos and sin: each rotary embedding's [num_tokens, rotary_dim]
+  // rows, or with rope_rows (int64 [num_tokens]) tables [P, rotary_dim] of which token t
+  // rotates by row rope_rows[t] (its position).
   virtual at::Tensor forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                              std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
                              std::vector<at::Tensor> slot_mappings, std::optional<at::Tensor> kernel_rows,
                              std::vector<at::Tensor> block_tables, std::optional<at::Tensor> cu_seqlens_q,
                              std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
                              std::vector<at::Tensor> chunk_blocks, c10::List<std::optional<at::Tensor>> chunk_masks,
-                             at::Tensor final_rows) const = 0;
+                             at::Tensor final_rows, std::optional<at::Tensor> rope_rows, bool logits) const = 0;
 
   // LoRA (pagedrs/lora/slots.py's layout): the adapter slots of layer `layer`'s linear `linear`
   // (0 qkv, 1 o, 2 gate_up, 3 down): a float32 [slots, slices, rank, in_features] and, per output

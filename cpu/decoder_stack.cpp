@@ -310,6 +310,7 @@ struct Step {
   at::Tensor& hidden;  // [num_tokens, H]: the residual stream, in place
   const std::vector<at::Tensor>& cos;
   const std::vector<at::Tensor>& sin;
+  const int64_t* rope_rows;  // row of cos and sin that token t rotates by (null: row t)
   const std::vector<at::Tensor>& key_caches;
   const std::vector<at::Tensor>& value_caches;
   const std::vector<at::Tensor>& slot_mappings;
@@ -564,11 +565,18 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     final_norm_ = std::move(weight);
   }
 
+  void set_head(at::Tensor weight, int64_t ggml_type) override {
+    TORCH_CHECK(weight.dim() == 2, "pagedrs_cpu: the head must be [vocab, ...], got ", weight.sizes());
+    head_ = make_linear("head", weight, ggml_type, std::nullopt, hidden_size_, weight.size(0));
+  }
+
   void set_one_region(bool enabled) override { one_region_ = enabled; }
   int64_t one_region_steps() const override { return one_region_steps_; }
 
   // Runs every layer over the step's rows; `hidden` ends as the last layer's output.
-  //   cos, sin: one pair per rotary embedding (a layer reads the pair its `rope` names).
+  //   cos, sin: one pair per rotary embedding (a layer reads the pair its `rope` names): each
+  //     token's rows [num_tokens, rotary_dim], or, with rope_rows, tables [P, rotary_dim] (the
+  //     same P for every pair) of which token t takes row rope_rows[t] (int64 [num_tokens]).
   //   slot_mappings: for each attention view (a layer's `view`), the cache slot of each row
   //     (int64 [num_tokens]).
   //   kernel_rows, block_tables, cu_seqlens_q, context_lens: the rows the paged attention kernel
@@ -644,8 +652,9 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                      std::vector<at::Tensor> block_tables, std::optional<at::Tensor> cu_seqlens_q,
                      std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
                      std::vector<at::Tensor> chunk_blocks, c10::List<std::optional<at::Tensor>> chunk_masks,
-                     at::Tensor final_rows) const override {
+                     at::Tensor final_rows, std::optional<at::Tensor> rope_rows, bool logits) const override {
     TORCH_CHECK(final_norm_, "pagedrs_cpu: the stack has no final norm (set_final_norm)");
+    TORCH_CHECK(!logits || head_, "pagedrs_cpu: the stack has no head (set_head)");
     TORCH_CHECK(final_rows.device().is_cpu() && final_rows.scalar_type() == at::kLong && final_rows.dim() == 1 &&
                     final_rows.is_contiguous(),
                 "pagedrs_cpu: final_rows must be a contiguous CPU int64 [R]");
@@ -655,19 +664,24 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       TORCH_CHECK(rows[r] >= 0 && rows[r] < num_tokens, "pagedrs_cpu: final row ", rows[r], " is outside the step's ",
                   num_tokens, " rows");
     }
-    run_layers(hidden, cos, sin, key_caches, value_caches, slot_mappings, kernel_rows, block_tables, cu_seqlens_q,
-               context_lens, chunk_bounds, chunk_blocks, chunk_masks);
+    run_layers(hidden, cos, sin, rope_rows, key_caches, value_caches, slot_mappings, kernel_rows, block_tables,
+               cu_seqlens_q, context_lens, chunk_bounds, chunk_blocks, chunk_masks);
     at::Tensor out = at::empty({num_rows, H}, hidden.options());
     const float* hidden_rows = hidden.data_ptr<float>();
     const float* weight = final_norm_->data_ptr<float>();
     float* out_rows = out.data_ptr<float>();
     for_rows(num_rows, [&](int64_t r) { rms_norm(hidden_rows + rows[r] * H, weight, eps_, H, out_rows + r * H); });
-    return out;
+    if (!logits) return out;
+    // NOTE: the head in the same call: through Python it ran ~80 us above its matmul's time in a
+    // single-stream decode step, its code and data evicted by the layers' weights.
+    at::Tensor head_logits = at::empty({num_rows, head_->out_features}, hidden.options());
+    if (num_rows > 0) head_->apply(out, head_logits);
+    return head_logits;
   }
 
  private:
   void run_layers(at::Tensor& hidden, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                  const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+                  const std::optional<at::Tensor>& rope_rows, const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
                   const std::vector<at::Tensor>& slot_mappings, const std::optional<at::Tensor>& kernel_rows,
                   const std::vector<at::Tensor>& block_tables, const std::optional<at::Tensor>& cu_seqlens_q,
                   const std::optional<at::Tensor>& context_lens, const std::vector<int64_t>& chunk_bounds,
@@ -676,7 +690,9 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     const int64_t num_tokens = hidden.size(0), num_layers = this->num_layers();
     const size_t num_views = slot_mappings.size();
     TORCH_CHECK(num_views > 0, "pagedrs_cpu: a step needs at least one attention view");
-    for (const at::Tensor& slot_mapping : slot_mappings) check_step(hidden, cos, sin, key_caches, value_caches, slot_mapping);
+    for (const at::Tensor& slot_mapping : slot_mappings) {
+      check_step(hidden, cos, sin, rope_rows, key_caches, value_caches, slot_mapping);
+    }
     const size_t num_chunks = chunk_bounds.size() / 3;
     TORCH_CHECK(chunk_bounds.size() == 3 * num_chunks && chunk_blocks.size() == num_views * num_chunks &&
                     chunk_masks.size() == num_views * num_chunks,
@@ -702,6 +718,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     Step step{hidden,
               cos,
               sin,
+              rope_rows ? rope_rows->data_ptr<int64_t>() : nullptr,
               key_caches,
               value_caches,
               slot_mappings,
@@ -815,7 +832,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
           float* x = row + head * D;
           const float* norm = head < num_heads_ ? q_norm : k_norm;
           if (norm != nullptr && !whole_norms) rms_norm(x, norm, eps_, D, x);
-          rotate(x, cos_rows + t * rotary_dim, sin_rows + t * rotary_dim, rotary_dim);
+          const int64_t rope_row = step.rope_rows != nullptr ? step.rope_rows[t] : t;
+          rotate(x, cos_rows + rope_row * rotary_dim, sin_rows + rope_row * rotary_dim, rotary_dim);
           if (head < num_heads_) continue;
           const int64_t at = slots[t] * kv_size + (head - num_heads_) * D;
           store_row(x, key_cache, at, D);
@@ -997,7 +1015,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   }
 
   void check_step(const at::Tensor& hidden, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                  const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+                  const std::optional<at::Tensor>& rope_rows, const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
                   const at::Tensor& slot_mapping) const {
     TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() &&
                     hidden.dim() == 2 && hidden.size(1) == hidden_size_,
@@ -1009,13 +1027,26 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       TORCH_CHECK(static_cast<size_t>(layer.rope) < cos.size(), "pagedrs_cpu: a layer reads rotary ", layer.rope,
                   " of ", cos.size());
     }
+    // Rows of cos and sin: one a token, or a table's rows that rope_rows picks from.
+    int64_t rows = num_tokens;
+    if (rope_rows) {
+      TORCH_CHECK(rope_rows->device().is_cpu() && rope_rows->scalar_type() == at::kLong &&
+                      rope_rows->is_contiguous() && rope_rows->dim() == 1 && rope_rows->size(0) == num_tokens,
+                  "pagedrs_cpu: rope_rows must be contiguous int64 [", num_tokens, "]");
+      rows = cos.empty() || cos[0].dim() != 2 ? 0 : cos[0].size(0);
+      const int64_t* picked = rope_rows->data_ptr<int64_t>();
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        TORCH_CHECK(picked[t] >= 0 && picked[t] < rows, "pagedrs_cpu: rope row ", picked[t], " of token ", t,
+                    " is outside the rotary tables' ", rows, " rows");
+      }
+    }
     for (size_t r = 0; r < cos.size(); ++r) {
       const int64_t rotary_dim = cos[r].dim() == 2 ? cos[r].size(1) : -1;
       for (const at::Tensor* t : {&cos[r], &sin[r]}) {
         TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                        t->size(0) == num_tokens && t->size(1) == rotary_dim && rotary_dim > 0 &&
+                        t->size(0) == rows && t->size(1) == rotary_dim && rotary_dim > 0 &&
                         rotary_dim % 2 == 0 && rotary_dim <= head_size_,
-                    "pagedrs_cpu: cos and sin must be contiguous float32 [", num_tokens,
+                    "pagedrs_cpu: cos and sin must be contiguous float32 [", rows,
                     ", an even rotary size up to ", head_size_, "], got ", t->sizes());
       }
     }
@@ -1119,6 +1150,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   std::vector<std::array<std::optional<LoRALinear>, 4>> lora_;  // per layer: qkv, o, gate_up, down
   int64_t lora_slots_ = 0;
   std::optional<at::Tensor> final_norm_;  // [H] float32 (set_final_norm), for forward's final_rows
+  std::optional<Linear> head_;            // the language-model head (set_head), for forward's logits
   bool one_region_ = true;                // set_one_region
   mutable int64_t one_region_steps_ = 0;  // steps run in one region (forward is const; never concurrent)
   std::vector<LoRAGroup> lora_groups_;  // this step's rows of each slot in use (set_lora_rows)

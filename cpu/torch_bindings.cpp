@@ -36,6 +36,7 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
       .def("set_experts", &pagedrs_cpu::DecoderStack::set_experts)
       .def("num_layers", &pagedrs_cpu::DecoderStack::num_layers)
       .def("set_final_norm", &pagedrs_cpu::DecoderStack::set_final_norm)
+      .def("set_head", &pagedrs_cpu::DecoderStack::set_head)
       .def("set_one_region", &pagedrs_cpu::DecoderStack::set_one_region)
       .def("one_region_steps", &pagedrs_cpu::DecoderStack::one_region_steps)
       .def("forward", &pagedrs_cpu::DecoderStack::forward)

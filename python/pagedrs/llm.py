@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from tqdm.auto import tqdm
 
 from pagedrs.config import EngineConfig
@@ -241,7 +242,11 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm or len(request_ids) < 2) as bar:
+        # In inference mode once for every step (see pagedrs.inference_mode).
+        with (
+            torch.inference_mode(),
+            tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm or len(request_ids) < 2) as bar,
+        ):
             while len(finished) < len(request_ids):
                 for output in self.engine.step():
                     if output.finished and output.request_id in wanted:

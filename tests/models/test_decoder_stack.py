@@ -231,6 +231,111 @@ def test_a_final_row_outside_the_step_is_refused_before_anything_is_written(tiny
     assert all(torch.equal(k, b) for (k, _), b in zip(runner.kv_caches, before))
 
 
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        None,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        {"rope_type": "linear", "factor": 2.0},
+    ],
+    ids=["default", "llama3", "yarn", "linear"],
+)
+def test_the_rotary_tables_hold_what_cos_sin_computes_for_each_position(rope_scaling):
+    """The stack reads each token's cos and sin from tables of every position (built once,
+    doubled as positions pass their end): a table's row is, bit for bit, what the rotary
+    embedding computes for that position in a step."""
+    import transformers
+
+    from pagedrs.models import build_model
+    from pagedrs.models.cpu_stack import MIN_ROPE_TABLE_ROWS, CpuDecoderStack
+
+    config = transformers.LlamaConfig(**TINY, rope_scaling=rope_scaling)
+    stack = CpuDecoderStack(build_model(config, torch.float32))
+    rope = next(iter(stack._ropes))
+    for positions in (torch.tensor([0, 5, 511]), torch.tensor([3, 2 * MIN_ROPE_TABLE_ROWS + 7, 17])):
+        tables = stack.rope_tables(positions)
+        assert tables is not None and len(tables) == 1
+        cos_table, sin_table = tables[0]
+        assert len(cos_table) > int(positions.max())
+        cos, sin = rope.cos_sin(positions, torch.float32)
+        assert torch.equal(cos_table[positions], cos) and torch.equal(sin_table[positions], sin)
+    assert len(cos_table) == 4 * MIN_ROPE_TABLE_ROWS  # doubled twice to cover 2055
+
+
+def test_a_length_dependent_rotary_has_no_tables(tmp_path):
+    """Dynamic NTK scaling rotates by each sequence's length too: its steps compute cos and sin."""
+    import transformers
+
+    from pagedrs.models import build_model
+    from pagedrs.models.cpu_stack import CpuDecoderStack
+
+    config = transformers.LlamaConfig(**TINY, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert CpuDecoderStack(build_model(config, torch.float32)).rope_tables(torch.tensor([4])) is None
+
+
+def test_a_step_through_the_rotary_tables_equals_one_with_its_own_cos_and_sin(tiny_llama, monkeypatch):
+    runner = runner_for(tiny_llama)
+    stack = runner.cpu_stack
+    assert stack is not None
+    (table_logits, table_caches), _ = forward_both(runner, MIXED)
+    assert stack._rope_tables  # the step read the tables
+    monkeypatch.setattr(stack, "rope_tables", lambda positions: None)
+    (own_logits, own_caches), _ = forward_both(runner, MIXED)
+    assert torch.equal(table_logits, own_logits)
+    for tables, own in zip(table_caches, own_caches):
+        assert torch.equal(tables[0], own[0]) and torch.equal(tables[1], own[1])
+
+
+@pytest.mark.parametrize(
+    "kind", ["float32", "packed", "packed-int8"], ids=["float32 head", "Q4_1 head", "Q4_1 head, int8 activations"]
+)
+def test_the_head_in_the_stacks_call_gives_the_models_logits_bit_for_bit(tiny_llama, tmp_path, kind, monkeypatch):
+    """The stack's call ends with the head's matmul where it takes the head (the same kernel the
+    model's head runs): the logits equal those of the model's own head after the stack's call."""
+    import transformers
+
+    from tests.helpers.gguf_writer import TYPES, write_gguf
+
+    directory = tiny_llama
+    if kind != "float32":
+        torch.manual_seed(7)
+        directory = str(tmp_path / "tiny.gguf")
+        write_gguf(directory, transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval(), TYPES)
+    runner = runner_for(directory, **({"cpu_activation_quantization": "int8"} if kind == "packed-int8" else {}))
+    stack = runner.cpu_stack
+    assert stack is not None and stack.has_head
+    for seqs in (MIXED, [(37, 1)]):
+        (in_stack, in_stack_caches), _ = forward_both(runner, seqs)
+        monkeypatch.setattr(stack, "has_head", False)
+        (own_head, own_head_caches), _ = forward_both(runner, seqs)
+        monkeypatch.undo()
+        assert torch.equal(in_stack, own_head)
+        for one, other in zip(in_stack_caches, own_head_caches):
+            assert torch.equal(one[0], other[0]) and torch.equal(one[1], other[1])
+
+
+def test_a_rotary_row_outside_the_tables_is_refused_before_anything_is_written(tiny_llama, monkeypatch):
+    runner = runner_for(tiny_llama)
+    stack = runner.cpu_stack
+    assert stack is not None
+    arrays = step_arrays([(5, 5), (40, 1)], TINY["vocab_size"], seed=0)
+    tables = stack.rope_tables(torch.from_numpy(arrays.positions))
+    assert tables is not None
+    short = [(cos[:20], sin[:20]) for cos, sin in tables]  # position 39 is past their end
+    monkeypatch.setattr(stack, "rope_tables", lambda positions: short)
+    before = [k.clone() for k, _ in runner.kv_caches]
+    with pytest.raises(RuntimeError, match="outside the rotary tables"):
+        runner.forward(arrays)
+    assert all(torch.equal(k, b) for (k, _), b in zip(runner.kv_caches, before))
+
+
 @pytest.mark.slow  # the default model both ways: over 10 s
 def test_default_model_greedy_output_is_the_same_both_ways():
     llm = LLM(kv_cache_memory="128MiB", enable_prefix_caching=False)

@@ -46,7 +46,7 @@ class _KernelRows:
     rows: torch.Tensor | None
     """Their query rows in the step, in order (``None``: all rows of the step). ``long [R]``"""
     block_tables: torch.Tensor
-    """``int32 [S, W]``, W as wide as the longest of their contexts needs"""
+    """``int32 [S, W]``, W at least as wide as the longest of their contexts needs"""
     cu_seqlens_q: torch.Tensor
     """Rows of sequence s are ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1]`` of ``rows``. ``int32 [S + 1]``"""
     context_lens: torch.Tensor
@@ -102,10 +102,23 @@ class CpuAttentionMetadata:
         del positions  # each row's position is implied: a sequence's rows end its context
         if device.type != "cpu":
             raise ValueError(f"the CPU attention backend runs on the CPU, not on {device}")
+        slots = torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64))
+        if len(query_start_loc) > 1 and query_start_loc[-1] < SDPA_MIN_ROWS:
+            # No chunk can be long: every row goes to the kernel, which takes the scheduler's
+            # arrays as they are (a table wider than its contexts need included).
+            # NOTE: a decode step's case; the general path below cost ~50 us more of numpy calls
+            # there, each run cold after the step's weights streamed through the caches.
+            kernel = _KernelRows(
+                rows=None,
+                block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)),
+                cu_seqlens_q=torch.from_numpy(np.ascontiguousarray(query_start_loc, dtype=np.int32)),
+                context_lens=torch.from_numpy(np.ascontiguousarray(context_lens, dtype=np.int32)),
+            )
+            return cls(slot_mapping=slots, kernel=kernel, sdpa_chunks=[], sliding_window=sliding_window or 0)
         query_lens = np.diff(query_start_loc) if len(query_start_loc) else np.zeros(0, np.int32)
         long_chunk = query_lens >= SDPA_MIN_ROWS
         return cls(
-            slot_mapping=torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)),
+            slot_mapping=slots,
             kernel=_kernel_rows(np.nonzero(~long_chunk)[0], query_start_loc, context_lens, block_tables, block_size),
             sdpa_chunks=[
                 _sdpa_chunk(

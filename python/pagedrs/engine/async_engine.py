@@ -24,6 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
 from pagedrs.engine.builder import EngineInfo
 from pagedrs.engine.llm_engine import LLMEngine
 from pagedrs.engine.output_processor import Pooler
@@ -393,24 +395,26 @@ class AsyncLLMEngine:
         """The engine loop, on the calling thread, until `stop` (or until ``until()`` is
         true: checked at least once a second)."""
         try:
-            while not self._stopping:
-                if until is not None and until():
-                    break
-                if self._drain_deadline is not None and self._drained():
-                    break
-                self.engine.check_health()  # a tensor-parallel rank that failed while idle
-                # NOTE: while draining, an idle loop waits briefly, so that it ends (and the
-                # process exits) right after the last request in flight.
-                idle = not self.engine.has_unfinished_requests()
-                self._drain_commands(block=idle, timeout=1.0 if self._drain_deadline is None else 0.02)
-                if self._stopping or not self.engine.has_unfinished_requests():
-                    continue
-                outputs = self.engine.step()
-                self._publish_stats()
-                self.structured_output_stats = self.engine.structured_output_stats()
-                if self.stat_logger is not None:
-                    self.stat_logger.record_step(self.engine)
-                self._deliver(outputs)
+            # In inference mode once for every step (see pagedrs.inference_mode).
+            with torch.inference_mode():
+                while not self._stopping:
+                    if until is not None and until():
+                        break
+                    if self._drain_deadline is not None and self._drained():
+                        break
+                    self.engine.check_health()  # a tensor-parallel rank that failed while idle
+                    # NOTE: while draining, an idle loop waits briefly, so that it ends (and the
+                    # process exits) right after the last request in flight.
+                    idle = not self.engine.has_unfinished_requests()
+                    self._drain_commands(block=idle, timeout=1.0 if self._drain_deadline is None else 0.02)
+                    if self._stopping or not self.engine.has_unfinished_requests():
+                        continue
+                    outputs = self.engine.step()
+                    self._publish_stats()
+                    self.structured_output_stats = self.engine.structured_output_stats()
+                    if self.stat_logger is not None:
+                        self.stat_logger.record_step(self.engine)
+                    self._deliver(outputs)
         except KeyboardInterrupt:
             raise
         except BaseException as error:  # every waiting stream must hear of it

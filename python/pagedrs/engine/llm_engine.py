@@ -20,6 +20,7 @@ from pagedrs.engine.model_runner import ModelRunner
 from pagedrs.engine.output_processor import OutputProcessor, Pooler
 from pagedrs.engine.parallel import TensorParallelRunner
 from pagedrs.engine.request_state import StructuredOutputStats, _Request
+from pagedrs.inference_mode import inference_mode
 from pagedrs.lora.adapter import LoRARequest
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.outputs import RequestOutput
@@ -180,6 +181,7 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
 
+    @inference_mode
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns the requests that got a token or finished.
 

@@ -16,6 +16,7 @@ from pagedrs.engine.cuda_graphs import DecodeGraphs, GraphSettings, capture_cuda
 from pagedrs.engine.kv_layout import KVLayout
 from pagedrs.engine.staging import StagedInputs
 from pagedrs.engine.step_arrays import StepArrays, StepLogits
+from pagedrs.inference_mode import inference_mode
 from pagedrs.layers.linear import TensorParallel
 from pagedrs.layers.moe import SparseMoe
 from pagedrs.layers.rotary import rope_lengths
@@ -225,7 +226,7 @@ class ModelRunner:
             finally:
                 self.lora.set_step(None, self.device)
 
-    @torch.inference_mode()
+    @inference_mode
     def _forward(
         self, out: StepArrays, pool_rows: np.ndarray | None, lora_rows: np.ndarray | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

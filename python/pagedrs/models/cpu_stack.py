@@ -28,6 +28,7 @@ from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedrs.layers.moe import ACTIVATION_IDS, SparseMoe
 from pagedrs.layers.norm import RMSNorm
+from pagedrs.layers.rotary import RotaryEmbedding
 from pagedrs.lora.adapter import LINEARS
 
 if TYPE_CHECKING:
@@ -38,6 +39,11 @@ F32 = 0
 """ggml's type id of float32: how the stack is told a linear is a dense float32 weight."""
 MAX_HEAD_DIM = 512
 """The largest head size the stack's rotary step takes (``cpu/decoder_stack.cpp``)."""
+ROPE_TABLE_BYTES = 64 << 20
+"""Most bytes the rotary tables (`CpuDecoderStack.rope_tables`) may take; past the positions they
+cover, steps compute their tokens' cos and sin as the Python layers do."""
+MIN_ROPE_TABLE_ROWS = 1024
+"""Positions the rotary tables cover at first; they double as positions pass their end."""
 
 
 def _linear_type(module: nn.Module) -> int | None:
@@ -50,6 +56,20 @@ def _linear_type(module: nn.Module) -> int | None:
     if isinstance(module, (QuantColumnParallelLinear, QuantRowParallelLinear)):
         return module.kernel_type
     return None
+
+
+def _head_type(model: DecoderForCausalLM) -> int | None:
+    """The stack's type id of the model's language-model head (its vocabulary whole on one rank,
+    dense float32 or packed), or ``None`` where the head stays the model's."""
+    from pagedrs.layers.linear import VocabEmbedding
+    from pagedrs.quant.layers import QuantVocabEmbedding
+
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    if head.tp.size != 1 or head.weight.shape[0] != head.vocab_size:
+        return None
+    if type(head) is VocabEmbedding:
+        return F32 if head.weight.dtype == torch.float32 else None
+    return head.kernel_type if isinstance(head, QuantVocabEmbedding) else None
 
 
 def _linears(model: DecoderForCausalLM) -> list[nn.Module]:
@@ -108,6 +128,9 @@ class CpuDecoderStack:
         config = model.config
         layer_views = layer_views if layer_views is not None else (0,) * len(model.layer_specs)
         rope_keys = list(model.ropes)
+        self._ropes = [cast(RotaryEmbedding, rope) for rope in model.ropes.values()]
+        self._rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Each rotary embedding's cos and sin of positions ``0 .. P - 1`` (`rope_tables`)."""
         self._held: list[torch.Tensor] = []
         """Weights the stack reads that the model does not hold (Gemma's ``1 + w`` norms)."""
         self.has_lora = False
@@ -121,6 +144,12 @@ class CpuDecoderStack:
             float(model.norm.eps),
         )
         self._stack.set_final_norm(self._weight_of(model.norm))
+        head_type = None if model.sequence_classifier else _head_type(model)
+        if head_type is not None:
+            head = model.embed_tokens if model.lm_head is None else model.lm_head
+            self._stack.set_head(head.weight, head_type)
+        self.has_head = head_type is not None
+        """Whether the stack's call can end with the head's logits (``logits=True``)."""
         for layer, spec, view in zip(model.decoder_layers(), model.layer_specs, layer_views):
             attn, mlp = cast("Attention", layer.self_attn), layer.mlp
             norms = [
@@ -186,6 +215,31 @@ class CpuDecoderStack:
             self._stack.set_lora(layer, LINEARS.index(linear), a, slots.b[(layer, linear)])
         self.has_lora = True
 
+    def rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Each rotary embedding's cos and sin (float32 ``[P, rotary_dim]``) of positions ``0 ..
+        P - 1``, ``P`` past every one of ``positions``: the stack's call reads each token's rows
+        there (``rope_rows``) instead of rows computed per step. Built on first use and doubled
+        as positions pass their end; ``None`` where positions alone do not fix the rotation (a
+        length-dependent embedding) or the tables would outgrow `ROPE_TABLE_BYTES`.
+
+        NOTE: a single-stream decode step spent ~60 us computing its token's cos and sin (torch
+        ops, run cold after the step's weights streamed through the caches). A table's row is
+        what `RotaryEmbedding.cos_sin` gives that position (elementwise, the same values)."""
+        if not self._ropes or any(rope.length_dependent for rope in self._ropes) or not len(positions):
+            return None
+        end = int(positions.numpy().max()) + 1
+        rows = len(self._rope_tables[0][0]) if self._rope_tables else 0
+        if end <= rows:
+            return self._rope_tables
+        rows = max(MIN_ROPE_TABLE_ROWS, rows)
+        while rows < end:
+            rows *= 2
+        if rows * sum(rope.rotary_dim for rope in self._ropes) * 8 > ROPE_TABLE_BYTES:
+            return None
+        every = torch.arange(rows)
+        self._rope_tables = [rope.cos_sin(every, torch.float32) for rope in self._ropes]
+        return self._rope_tables
+
     def set_one_region(self, enabled: bool) -> None:
         """Whether steps of a few rows (decodes) run every layer in one parallel region (the
         default) or each linear and attention in its own; the values are the same bit for bit
@@ -216,6 +270,8 @@ class CpuDecoderStack:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: CpuAttentionMetadata | StepViews[CpuAttentionMetadata],
         rows: torch.Tensor,
+        rope_rows: torch.Tensor | None = None,
+        logits: bool = False,
     ) -> torch.Tensor:
         """Runs every layer over the step's rows; returns the ``rows`` tokens' last hidden
         states through the model's final norm (float32 ``[len(rows), hidden_size]``, as
@@ -223,7 +279,9 @@ class CpuDecoderStack:
 
         ``hidden``: ``float32 [num_tokens, hidden_size]``, the embeddings, overwritten with the
         last layer's output; ``cos_sin``: ``float32 [num_tokens, rotary_dim]`` pairs, one per
-        rotary embedding of the model (in `model.ropes`'s order); ``kv_caches``: one
+        rotary embedding of the model (in `model.ropes`'s order), or with ``rope_rows`` (each
+        token's position, ``int64 [num_tokens]``) `rope_tables`, token ``t`` reading their row
+        ``rope_rows[t]``; ``kv_caches``: one
         ``[num_blocks, block_size, num_kv_heads, head_dim]`` pair per layer, this step's keys and
         values written at each view's ``slot_mapping``; ``meta``: the step's metadata, or one per
         attention view (they share their rows and chunks; their slots, block tables and masks
@@ -247,4 +305,6 @@ class CpuDecoderStack:
             [chunk.blocks for each in metas for chunk in each.sdpa_chunks],
             [chunk.mask for each in metas for chunk in each.sdpa_chunks],
             rows if rows.dtype == torch.int64 else rows.long(),
+            rope_rows if rope_rows is None or rope_rows.dtype == torch.int64 else rope_rows.long(),
+            logits,
         )

@@ -453,6 +453,9 @@ class DecoderForCausalLM(nn.Module):
         layers as one compiled call on the CPU, when the runner picked that strategy
         (`pagedrs.models.cpu_stack`); ``None``: the Python layers. ``rope_lengths``: each
         token's length for length-dependent rotary embeddings (`pagedrs.layers.rotary`)."""
+        if decoder_stack is not None and decoder_stack.has_head:  # the head in the stack's call
+            logits = self._run(input_ids, positions, kv_caches, meta, logits_indices, decoder_stack, rope_lengths, True)
+            return self._finish_logits(logits)
         hidden = self.final_hidden(input_ids, positions, kv_caches, meta, logits_indices, decoder_stack, rope_lengths)
         return self.compute_logits(hidden)
 
@@ -469,10 +472,28 @@ class DecoderForCausalLM(nn.Module):
         """Runs the step's tokens (as `forward`); returns the last layer's hidden states of the
         ``rows`` tokens after the final norm, in the model's dtype (what the head reads, and
         what pooling requests pool)."""
+        return self._run(input_ids, positions, kv_caches, meta, rows, decoder_stack, rope_lengths, False)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: StepAttention,
+        rows: torch.Tensor,
+        decoder_stack: CpuDecoderStack | None,
+        rope_lengths: torch.Tensor | None,
+        head: bool,
+    ) -> torch.Tensor:
+        """`final_hidden`, or with ``head`` (the stack's, `CpuDecoderStack.has_head`) the head's
+        logits of the ``rows`` tokens before `_finish_logits`."""
         hidden = self.embed_tokens(input_ids)
         if self.embedding_scale != 1.0:
             # As transformers: the scale in the model's dtype (Gemma's normalizer).
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        if decoder_stack is not None and (tables := decoder_stack.rope_tables(positions)) is not None:
+            # NOTE: the stack overwrites `hidden` in place (see below).
+            return decoder_stack(hidden, tables, kv_caches, cast("StepCpuAttention", meta), rows, positions, head)
         cos_sin = {
             key: cast(RotaryEmbedding, rope).cos_sin(positions, hidden.dtype, rope_lengths)
             for key, rope in self.ropes.items()
@@ -480,7 +501,9 @@ class DecoderForCausalLM(nn.Module):
         if decoder_stack is not None:
             # NOTE: the stack overwrites `hidden` in place; the embedding lookups return a new
             # tensor (never a view of the weights), so nothing else sees it change.
-            return decoder_stack(hidden, list(cos_sin.values()), kv_caches, cast("StepCpuAttention", meta), rows)
+            return decoder_stack(
+                hidden, list(cos_sin.values()), kv_caches, cast("StepCpuAttention", meta), rows, None, head
+            )
         for index, (layer, spec, kv_cache) in enumerate(zip(self.decoder_layers(), self.layer_specs, kv_caches)):
             layer_meta = meta.of_layer(index) if isinstance(meta, StepViews) else meta
             cos, sin = cos_sin[spec.rope]
@@ -492,10 +515,13 @@ class DecoderForCausalLM(nn.Module):
         if self.sequence_classifier:
             raise ValueError("this model is a sequence classifier: it has no language-model head and cannot generate")
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = head.logits(hidden)
+        return self._finish_logits(head.logits(hidden))
+
+    def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output as the model's float32 logits (its scaling and softcap)."""
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
-        logits = logits.float()
+        logits = logits if logits.dtype == torch.float32 else logits.float()
         if self.final_logit_softcap is not None:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedrs.inference_mode import inference_mode
 from pagedrs.sample import cpu_ops
 from pagedrs.sample.ops import (
     InverseCdf,
@@ -218,7 +219,7 @@ class Sampler:
             self._last_rows, self._last_batch = list(rows), _Batch(rows, self.vocab_size, self.device)
         return self._last_batch
 
-    @torch.inference_mode()
+    @inference_mode
     def __call__(
         self,
         logits: torch.Tensor,
@@ -401,7 +402,7 @@ class Sampler:
                 uniform[i] = draws if per_row is not None else draws[0]
         return uniform
 
-    @torch.inference_mode()
+    @inference_mode
     def logprob_columns(self, logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> torch.Tensor:
         """Per row of ``logits`` (``[N, vocab]``): the log-probability of ``token_ids`` under the
         raw distribution, its rank (1 = most likely), then the ``num_top`` most likely token ids
