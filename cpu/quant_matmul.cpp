@@ -955,19 +955,24 @@ at::Tensor pack_int8_panels(const at::Tensor& weight, int64_t ggml_type, int64_t
   return packed;
 }
 
-int64_t quant_block_bytes(int64_t ggml_type) {
+// A block's bytes of a packed type the kernel takes (its flags aside), else 0.
+static int64_t packed_block_bytes(int64_t ggml_type) {
   switch (ggml_type & ~kKernelFlags) {
     case kQ8_0: return Q8_0::kBytes;
     case kQ4_0: return Q4_0::kBytes;
     case kQ4_1: return Q4_1::kBytes;
     case kQ4_K: return Q4_K::kBytes;
     case kQ6_K: return Q6_K::kBytes;
-    default:
-      TORCH_CHECK(false,
-                  "pagedrs_cpu: quant_matmul supports ggml types Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) and Q6_K "
-                  "(14), got ",
-                  ggml_type);
+    default: return 0;
   }
+}
+
+int64_t quant_block_bytes(int64_t ggml_type) {
+  const int64_t bytes = packed_block_bytes(ggml_type);
+  TORCH_CHECK(bytes > 0,
+              "pagedrs_cpu: quant_matmul supports ggml types Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) and Q6_K (14), got ",
+              ggml_type);
+  return bytes;
 }
 
 int64_t quant_block_weights(int64_t ggml_type) {
@@ -1044,13 +1049,13 @@ std::pair<int64_t, int64_t> quant_matmul_part_f32(const float* x, const uint8_t*
 }
 
 bool quant_matmul_splits(int64_t num_tokens, int64_t out_features, int64_t ggml_type) {
-  const int64_t format = ggml_type & ~kKernelFlags;
-  if (ggml_type == 0 || num_tokens >= kGemmTokens) return false;
-  if (format != kQ8_0 && format != kQ4_0 && format != kQ4_1 && format != kQ4_K && format != kQ6_K) return false;
+  if (ggml_type == 0 || num_tokens >= kGemmTokens || packed_block_bytes(ggml_type) == 0) return false;
   if (!(ggml_type & kInt8Panels)) return true;
 #ifdef PAGEDRS_INT8_ACTIVATIONS
-  return (ggml_type & kInt8Activations) && int8_takes(format) && out_features % int8_panel_rows() == 0;
+  return (ggml_type & kInt8Activations) && int8_takes(ggml_type & ~kKernelFlags) &&
+         out_features % int8_panel_rows() == 0;
 #else
+  (void)out_features;
   return false;
 #endif
 }

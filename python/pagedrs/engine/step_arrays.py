@@ -69,4 +69,6 @@ class StepLogits(NamedTuple):
         logits: torch.Tensor, out: SchedulerOutput, sampled_rows: np.ndarray | None, pooled: torch.Tensor | None
     ) -> StepLogits:
         num_sampled = len(out.logits_indices) if sampled_rows is None else len(sampled_rows)
-        return StepLogits(logits[:num_sampled], logits[num_sampled:], pooled)
+        # (no slicing op where every row is sampled: a decode step's ops after the forward pass run cold)
+        sampled = logits if num_sampled == len(logits) else logits[:num_sampled]
+        return StepLogits(sampled, logits[num_sampled:], pooled)

@@ -168,6 +168,9 @@ class _Batch:
         self.full_unit_temperature = all(self.params[j].temperature == 1 for j in self.full)
         self.full_min_p = self.log_min_p[self.full_index].exp().unsqueeze(1)
         self.full_top_p_values = self.top_p[self.full_index]
+        # The fused kernel's vectors ([rows], contiguous), made once for the batch.
+        self.full_temperature_rows = self.full_temperature.squeeze(1).contiguous()
+        self.full_min_p_rows = self.full_min_p.squeeze(1).contiguous()
         # A top-k past the window is applied by a sort (top-p with it); the other top-p rows
         # are drawn by rejection.
         self.full_sorted = [0 < self.params[j].top_k < vocab_size and windows[j] == 0 for j in self.full]
@@ -234,7 +237,9 @@ class Sampler:
         may sample as an ``int32 [len(rows), ceil(vocab / 32)]`` bitmask (bit ``j`` of word ``w``:
         token ``32 w + j``), as the core's `GrammarMatchers.fill_bitmask` writes it."""
         batch = self._batch(rows)
-        raw = logits.float()
+        # NOTE: here and below, no op where none is needed: each torch op a decode step calls
+        # after the forward pass runs cold (pagedrs.inference_mode's NOTE), several microseconds.
+        raw = logits if logits.dtype == torch.float32 else logits.float()
         logits = raw
         if batch.any_penalties or banned or allowed is not None:
             if batch.logprob_rows is not None:
@@ -338,9 +343,9 @@ class Sampler:
         if self.fused:
             uniforms = self.uniforms(range(len(logits)), generators, 1 + MAX_REJECTION_ROUNDS)
             token_ids = cpu_ops.sample_from_rows(
-                logits.contiguous(), temperature.squeeze(1), batch.full_min_p.squeeze(1), top_p, uniforms
+                logits, batch.full_temperature_rows, batch.full_min_p_rows, top_p, uniforms
             )
-            pending = torch.nonzero(token_ids < 0).flatten().tolist()
+            pending = np.flatnonzero(token_ids.numpy() < 0).tolist()
         else:
             token_ids, pending = self._draw_full_with_torch(logits, batch, top_p, generators)
         if pending:
@@ -424,7 +429,7 @@ class Sampler:
     def _to_host(self, raw: torch.Tensor, token_ids: torch.Tensor, batch: _Batch) -> SamplerOutput:
         """Logprobs of the rows that asked, and one device-to-host copy of everything."""
         if batch.logprob_rows is None:
-            return SamplerOutput(token_ids.cpu().numpy())
+            return SamplerOutput((token_ids if self.fused else token_ids.cpu()).numpy())
         rows = None if batch.all_logprobs else batch.logprob_rows
         num_top = batch.num_top_logprobs
         columns = self.logprob_columns(
