@@ -13,8 +13,10 @@ the machine's read bandwidth. Measured here, in one run:
 - for each activation path (exact, int8): the decode step alone (the median of ``--steps``
   `LLMEngine.step` calls of one sequence, after 18 prompt tokens) and the rate a user sees (128
   new tokens a request, prefill included, the median of 3 requests), greedy and at temperature
-  1.0. Each is also stated as a share of the bound; the step is split into its decoder layers
-  (the compiled stack's call), the head and the rest (embedding, final norm, sampler, Python).
+  1.0. Each is also stated as a share of the bound; the step is split into the compiled stack's
+  call ("stack": the decoder layers, the final norm and, where the stack takes it, the head's
+  matmul), the model's own head where the stack does not take it ("head"), and the rest
+  (embedding, sampler, Python).
 
 Run on an idle machine:
 
@@ -76,8 +78,8 @@ def weight_bytes_per_token(model: nn.Module) -> int:
 
 
 def step_ms(llm: LLM, params: SamplingParams, steps: int) -> dict[str, float]:
-    """The median decode step of one sequence and the medians of its parts (the decoder
-    layers, the head, the rest), in ms."""
+    """The median decode step of one sequence and the medians of its parts (the stack's call,
+    the model's own head, the rest), in ms."""
     engine = llm.engine
     decode = dataclasses.replace(params, max_tokens=steps + 8)
     engine.add_request("bound", PROMPT_TOKENS, decode)
@@ -85,21 +87,21 @@ def step_ms(llm: LLM, params: SamplingParams, steps: int) -> dict[str, float]:
         engine.step()
     clock = _Clock()
     model_class = type(engine.runner.model)
-    timed = {"layers": (CpuDecoderStack, "__call__"), "head": (model_class, "compute_logits")}
+    timed = {"stack": (CpuDecoderStack, "__call__"), "head": (model_class, "compute_logits")}
     originals = {part: getattr(cls, name) for part, (cls, name) in timed.items()}
     for part, (cls, name) in timed.items():
         setattr(cls, name, clock.wrap(part, originals[part]))
-    parts: dict[str, list[float]] = {"step": [], "layers": [], "head": [], "rest": []}
+    parts: dict[str, list[float]] = {"step": [], "stack": [], "head": [], "rest": []}
     try:
         for _ in range(steps):
-            clock.seconds = {"layers": 0.0, "head": 0.0}
+            clock.seconds = {"stack": 0.0, "head": 0.0}
             start = time.perf_counter()
             engine.step()
             step = time.perf_counter() - start
             parts["step"].append(step)
-            parts["layers"].append(clock.seconds["layers"])
+            parts["stack"].append(clock.seconds["stack"])
             parts["head"].append(clock.seconds["head"])
-            parts["rest"].append(step - clock.seconds["layers"] - clock.seconds["head"])
+            parts["rest"].append(step - clock.seconds["stack"] - clock.seconds["head"])
     finally:
         for part, (cls, name) in timed.items():
             setattr(cls, name, originals[part])
@@ -143,7 +145,7 @@ def main() -> None:
             activations: {
                 name: {
                     "step_ms": round(step["step"], 3),
-                    "step_parts_ms": {part: round(step[part], 3) for part in ("layers", "head", "rest")},
+                    "step_parts_ms": {part: round(step[part], 3) for part in ("stack", "head", "rest")},
                     "step_share_of_bound": round(bound_ms / step["step"], 3),
                     "request_tok_per_s": round(rate, 1),
                     "request_share_of_bound": round(rate * bound_ms / 1e3, 3),
@@ -161,14 +163,14 @@ def main() -> None:
     )
     print(record["environment"]["cpu"])
     print(
-        f"{'path':<6} {'setting':<7} {'step ms':>8} {'layers':>7} {'head':>6} {'rest':>6} {'share':>6} "
+        f"{'path':<6} {'setting':<7} {'step ms':>8} {'stack':>7} {'head':>6} {'rest':>6} {'share':>6} "
         f"{'request tok/s':>14} {'share':>6}"
     )
     for activations, path in record["paths"].items():
         for name, row in path.items():
             parts = row["step_parts_ms"]
             print(
-                f"{activations:<6} {name:<7} {row['step_ms']:>8.2f} {parts['layers']:>7.2f} {parts['head']:>6.2f} "
+                f"{activations:<6} {name:<7} {row['step_ms']:>8.2f} {parts['stack']:>7.2f} {parts['head']:>6.2f} "
                 f"{parts['rest']:>6.2f} {row['step_share_of_bound']:>6.0%} "
                 f"{row['request_tok_per_s']:>14.1f} {row['request_share_of_bound']:>6.0%}"
             )

@@ -173,10 +173,11 @@ class Executor:
         core_row = row if inputs.sampled_rows is None else int(inputs.sampled_rows[row])
         return out.request_ids[int(out.logits_request_indices[core_row])]
 
-    def _prompt_logprobs(self, inputs: SamplingInputs, logits: torch.Tensor) -> list[list[float]] | None:
+    def _prompt_logprobs(self, inputs: SamplingInputs, logits: torch.Tensor | None) -> list[list[float]] | None:
         """Batched: each prompt row's target logprob, rank and top tokens, copied to the host once."""
         if not inputs.prompt_targets:
             return None
+        assert logits is not None, "prompt logprob targets without their logits rows"
         targets = torch.tensor(inputs.prompt_targets, device=logits.device)
         return self.sampler.logprob_columns(logits, targets, inputs.prompt_num_top).cpu().tolist()
 

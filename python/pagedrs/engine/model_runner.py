@@ -272,6 +272,8 @@ class ModelRunner:
         model = self.model
         num_logits = len(out.logits_rows)
         stack = self.cpu_stack if not adapters or (self.cpu_stack is not None and self.cpu_stack.has_lora) else None
+        if not pooling and num_logits and not adapters:  # the common step, without the context below
+            return model(input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths), None
         with self._step_adapters(stack, lora_rows):
             if not pooling and num_logits:
                 return model(input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths), None

@@ -176,10 +176,16 @@ class QuantVocabEmbedding(_Packed):
         self.weight[: self.num_rows].copy_(_packed_slice(weight, self.ggml_type, rows, slice(None)))
 
     def _lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
-        flat = token_ids.reshape(-1).to(torch.int64).contiguous()
+        # NOTE: no op where none is needed (a step's ids are already flat int64, the model
+        # float32): each costs ~5 us, cold, in a single-stream decode step.
+        flat = token_ids
+        if flat.dim() != 1 or flat.dtype != torch.int64 or not flat.is_contiguous():
+            flat = token_ids.reshape(-1).to(torch.int64).contiguous()
         table_type = int(self.ggml_type) | (INT8_PANELS if self.int8_panels else 0)  # the rows' layout
         rows = cpu_kernels.load().embedding_rows(self.weight, flat, table_type, self.in_features)
-        return rows.to(self.dtype).reshape(*token_ids.shape, self.in_features)
+        if rows.dtype != self.dtype:
+            rows = rows.to(self.dtype)
+        return rows if token_ids.dim() == 1 else rows.reshape(*token_ids.shape, self.in_features)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
