@@ -73,17 +73,17 @@ def main() -> None:
                 for one_region, label in ((True, "one_region"), (False, "pooled")):
                     row[f"{label}_step_ms"] = round(statistics.median(r["step"] for r in runs[one_region]), 3)
                     if batch == 1:
-                        row[f"{label}_layers_ms"] = round(statistics.median(r["layers"] for r in runs[one_region]), 3)
+                        row[f"{label}_stack_ms"] = round(statistics.median(r["stack"] for r in runs[one_region]), 3)
                 row["step_ratio"] = round(row["pooled_step_ms"] / row["one_region_step_ms"], 3)
                 rows.append(row)
-                layers = (
-                    f"  layers {row['pooled_layers_ms']:.3f} -> {row['one_region_layers_ms']:.3f} ms"
+                in_stack = (
+                    f"  stack's call {row['pooled_stack_ms']:.3f} -> {row['one_region_stack_ms']:.3f} ms"
                     if batch == 1
                     else ""
                 )
                 print(
                     f"{activations:<5} batch {batch:>2} {name:<6} step pooled {row['pooled_step_ms']:.3f} -> "
-                    f"one region {row['one_region_step_ms']:.3f} ms (x{row['step_ratio']:.3f}){layers}",
+                    f"one region {row['one_region_step_ms']:.3f} ms (x{row['step_ratio']:.3f}){in_stack}",
                     flush=True,
                 )
         del llm
