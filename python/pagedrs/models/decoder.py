@@ -454,7 +454,9 @@ class DecoderForCausalLM(nn.Module):
         (`pagedrs.models.cpu_stack`); ``None``: the Python layers. ``rope_lengths``: each
         token's length for length-dependent rotary embeddings (`pagedrs.layers.rotary`)."""
         if decoder_stack is not None and decoder_stack.has_head:  # the head in the stack's call
-            logits = self._run(input_ids, positions, kv_caches, meta, logits_indices, decoder_stack, rope_lengths, True)
+            logits = self.final_hidden(
+                input_ids, positions, kv_caches, meta, logits_indices, decoder_stack, rope_lengths, head=True
+            )
             return self._finish_logits(logits)
         hidden = self.final_hidden(input_ids, positions, kv_caches, meta, logits_indices, decoder_stack, rope_lengths)
         return self.compute_logits(hidden)
@@ -468,25 +470,13 @@ class DecoderForCausalLM(nn.Module):
         rows: torch.Tensor,
         decoder_stack: CpuDecoderStack | None = None,
         rope_lengths: torch.Tensor | None = None,
+        *,
+        head: bool = False,
     ) -> torch.Tensor:
         """Runs the step's tokens (as `forward`); returns the last layer's hidden states of the
         ``rows`` tokens after the final norm, in the model's dtype (what the head reads, and
-        what pooling requests pool)."""
-        return self._run(input_ids, positions, kv_caches, meta, rows, decoder_stack, rope_lengths, False)
-
-    def _run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: StepAttention,
-        rows: torch.Tensor,
-        decoder_stack: CpuDecoderStack | None,
-        rope_lengths: torch.Tensor | None,
-        head: bool,
-    ) -> torch.Tensor:
-        """`final_hidden`, or with ``head`` (the stack's, `CpuDecoderStack.has_head`) the head's
-        logits of the ``rows`` tokens before `_finish_logits`."""
+        what pooling requests pool). ``head``: the head's logits of those rows instead (before
+        `_finish_logits`), from the stack's call (only where `CpuDecoderStack.has_head`)."""
         hidden = self.embed_tokens(input_ids)
         if self.embedding_scale != 1.0:
             # As transformers: the scale in the model's dtype (Gemma's normalizer).
@@ -504,6 +494,8 @@ class DecoderForCausalLM(nn.Module):
             return decoder_stack(
                 hidden, list(cos_sin.values()), kv_caches, cast("StepCpuAttention", meta), rows, None, head
             )
+        if head:
+            raise ValueError("the head's logits come with the layers from the CPU stack's call only")
         for index, (layer, spec, kv_cache) in enumerate(zip(self.decoder_layers(), self.layer_specs, kv_caches)):
             layer_meta = meta.of_layer(index) if isinstance(meta, StepViews) else meta
             cos, sin = cos_sin[spec.rope]
