@@ -164,9 +164,8 @@ class DecoderStack : public torch::CustomClassHolder {
   // Runs every layer over the step's rows; hidden [num_tokens, hidden_size] (written) ends as
   // the last layer's output. Returns the final norm of the final_rows rows (int64 [R]) as
   // float32 [R, hidden_size], or with `logits` their head's logits (set_head), float32 [R, vocab].
-  // cos and sin: each rotary embedding's [num_tokens, rotary_dim]
-  // rows, or with rope_rows (int64 [num_tokens]) tables [P, rotary_dim] of which token t
-  // rotates by row rope_rows[t] (its position).
+  // cos and sin: each rotary embedding's [num_tokens, rotary_dim] rows, or with rope_rows (int64
+  // [num_tokens]) tables [P, rotary_dim] of which token t rotates by row rope_rows[t] (its position).
   virtual at::Tensor forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                              std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
                              std::vector<at::Tensor> slot_mappings, std::optional<at::Tensor> kernel_rows,

@@ -681,8 +681,9 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
 
  private:
   void run_layers(at::Tensor& hidden, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                  const std::optional<at::Tensor>& rope_rows, const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
-                  const std::vector<at::Tensor>& slot_mappings, const std::optional<at::Tensor>& kernel_rows,
+                  const std::optional<at::Tensor>& rope_rows, const std::vector<at::Tensor>& key_caches,
+                  const std::vector<at::Tensor>& value_caches, const std::vector<at::Tensor>& slot_mappings,
+                  const std::optional<at::Tensor>& kernel_rows,
                   const std::vector<at::Tensor>& block_tables, const std::optional<at::Tensor>& cu_seqlens_q,
                   const std::optional<at::Tensor>& context_lens, const std::vector<int64_t>& chunk_bounds,
                   const std::vector<at::Tensor>& chunk_blocks,
@@ -1015,8 +1016,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   }
 
   void check_step(const at::Tensor& hidden, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                  const std::optional<at::Tensor>& rope_rows, const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
-                  const at::Tensor& slot_mapping) const {
+                  const std::optional<at::Tensor>& rope_rows, const std::vector<at::Tensor>& key_caches,
+                  const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping) const {
     TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() &&
                     hidden.dim() == 2 && hidden.size(1) == hidden_size_,
                 "pagedrs_cpu: hidden must be contiguous float32 [num_tokens, ", hidden_size_, "], got ",
