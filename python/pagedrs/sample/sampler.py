@@ -270,7 +270,7 @@ class Sampler:
         """The greedy rows' tokens: the fused kernel's (one call) on the CPU, else chunk maxima
         in torch ops."""
         if self.fused and logits.is_contiguous():
-            return cpu_ops.argmax_rows(logits)
+            return cpu_ops.argmax_rows(logits, check=False)  # the model's float32 rows
         return chunked_argmax(logits)
 
     def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
@@ -342,8 +342,9 @@ class Sampler:
         generators = batch.full_generators
         if self.fused:
             uniforms = self.uniforms(range(len(logits)), generators, 1 + MAX_REJECTION_ROUNDS)
+            # (unchecked in Python: the model's rows, vectors of validated SamplingParams)
             token_ids = cpu_ops.sample_from_rows(
-                logits, batch.full_temperature_rows, batch.full_min_p_rows, top_p, uniforms
+                logits, batch.full_temperature_rows, batch.full_min_p_rows, top_p, uniforms, check=False
             )
             pending = np.flatnonzero(token_ids.numpy() < 0).tolist()
         else:
