@@ -220,6 +220,7 @@ struct Layer {
   std::optional<at::Tensor> mlp_out_norm;   // on the MLP's output, before the residual add
   std::optional<at::Tensor> q_norm;         // norms of q and k before rotary, per head or whole
   std::optional<at::Tensor> k_norm;
+  bool whole_qk_norms;  // q_norm and k_norm span all heads at once (OLMo 2), not one head
   Linear qkv;      // fused q, k, v projections
   Linear o;        // attention output projection
   std::optional<Linear> gate_up;  // fused gate and up projections (absent: a mixture, `experts`)
@@ -477,8 +478,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     if (pre_mlp_norm) check_float_vector(*pre_mlp_norm, hidden_size_, "pre_mlp_norm");
     if (mlp_out_norm) check_float_vector(*mlp_out_norm, hidden_size_, "mlp_out_norm");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "pagedrs_cpu: q_norm and k_norm come together");
+    const bool whole = q_norm && q_norm->numel() == q_size && q_size != head_size_;
     if (q_norm) {
-      const bool whole = q_norm->numel() == q_size && q_size != head_size_;
       check_float_vector(*q_norm, whole ? q_size : head_size_, "q_norm");
       check_float_vector(*k_norm, whole ? kv_size : head_size_, "k_norm");
     }
@@ -496,6 +497,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         mlp_out_norm,
         q_norm,
         k_norm,
+        whole,
         make_linear("qkv", qkv, qkv_type, qkv_bias, hidden_size_, qkv_size),
         make_linear("o", o, o_type, o_bias, q_size, hidden_size_),
         gate_up ? std::optional<Linear>(make_linear("gate_up", *gate_up, gate_up_type, gate_up_bias, hidden_size_,
@@ -778,9 +780,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
         !step.context_lens || !lora_groups_.empty()) {  // (the pooled path refuses a table without its rows)
       return false;
     }
-    const int64_t q_size = num_heads_ * head_size_;
     for (const Layer& layer : layers_) {
-      if (layer.experts || (layer.q_norm && layer.q_norm->numel() == q_size && q_size != head_size_)) return false;
+      if (layer.experts || layer.whole_qk_norms) return false;
       for (const Linear* linear : {&layer.qkv, &layer.o, &*layer.gate_up, &*layer.down}) {
         if (!pagedrs_cpu::quant_matmul_splits(num_tokens, linear->out_features, linear->ggml_type)) return false;
       }
@@ -817,7 +818,7 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
       const at::Tensor& value_cache = step.value_caches[layer_index];
       const float* q_norm = data(layer.q_norm);
       const float* k_norm = data(layer.k_norm);
-      const bool whole_norms = layer.q_norm && layer.q_norm->numel() == q_size && q_size != D;
+      const bool whole_norms = layer.whole_qk_norms;
       const int64_t rotary_dim = step.cos[layer.rope].size(1);
       const float* cos_rows = step.cos[layer.rope].data_ptr<float>();
       const float* sin_rows = step.sin[layer.rope].data_ptr<float>();

@@ -207,12 +207,10 @@ class ModelRunner:
         return self._forward(out, pool_rows, out.lora_rows if adapters else None)
 
     @contextlib.contextmanager
-    def _step_adapters(self, stack: CpuDecoderStack | None, lora_rows: np.ndarray | None) -> Iterator[None]:
+    def _step_adapters(self, stack: CpuDecoderStack | None, lora_rows: np.ndarray) -> Iterator[None]:
         """The step's rows-to-slots map, for whichever runs the layers (the compiled stack, or
         the Python layers' hooks), cleared afterwards."""
-        if lora_rows is None:
-            yield
-        elif stack is not None:
+        if stack is not None:
             stack.set_lora_rows(torch.from_numpy(np.ascontiguousarray(lora_rows, dtype=np.int64)))
             try:
                 yield
@@ -272,16 +270,20 @@ class ModelRunner:
         model = self.model
         num_logits = len(out.logits_rows)
         stack = self.cpu_stack if not adapters or (self.cpu_stack is not None and self.cpu_stack.has_lora) else None
-        if not pooling and num_logits and not adapters:  # the common step, without the context below
-            return model(input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths), None
-        with self._step_adapters(stack, lora_rows):
+
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             if not pooling and num_logits:
                 return model(input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths), None
             hidden = model.final_hidden(
                 input_token_ids, positions, self.kv_caches, meta, rows_on_device, stack, lengths
             )
-        if num_logits:  # (a sequence classifier has no head: its steps have no rows to sample)
-            logits = model.compute_logits(hidden[:num_logits])
-        else:
-            logits = torch.empty((0, model.config.vocab_size), dtype=torch.float32, device=self.device)
-        return logits, hidden[num_logits:].float() if pooling else None
+            if num_logits:  # (a sequence classifier has no head: its steps have no rows to sample)
+                logits = model.compute_logits(hidden[:num_logits])
+            else:
+                logits = torch.empty((0, model.config.vocab_size), dtype=torch.float32, device=self.device)
+            return logits, hidden[num_logits:].float() if pooling else None
+
+        if lora_rows is None:  # (no context manager on the common step: each costs microseconds, cold)
+            return run()
+        with self._step_adapters(stack, lora_rows):
+            return run()
