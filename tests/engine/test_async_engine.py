@@ -116,7 +116,9 @@ def test_queue_limit(tiny_llama):
         LLMEngine(model=tiny_llama, device="cpu", kv_cache_memory="8MiB", max_num_seqs=1), max_waiting_requests=1
     )
     try:
-        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        # "a" must still be running when the checks below poll (every 50 ms): as long as the
+        # tiny model's 512 positions allow, since its decode steps take well under a millisecond.
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
 
         async def run():
             first = await engine.add_request("a", [5, 6], params)
