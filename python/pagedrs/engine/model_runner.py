@@ -13,7 +13,6 @@ from pagedrs._core import SchedulerOutput
 from pagedrs.attention import AttentionBackend, StepViews, select_backend
 from pagedrs.config import resolve_kv_cache_dtype
 from pagedrs.engine.cuda_graphs import DecodeGraphs, GraphSettings, capture_cuda_graph
-from pagedrs.engine.host_memory import place_in_huge_pages
 from pagedrs.engine.kv_layout import KVLayout
 from pagedrs.engine.staging import StagedInputs
 from pagedrs.engine.step_arrays import StepArrays, StepLogits
@@ -67,8 +66,6 @@ def load_model_runner(
             "(a GGUF file of those, or quantization='int8'); this model has none"
         )
     model = model.to(device).eval()
-    if device.type == "cpu":
-        place_in_huge_pages(model)  # before the compiled stack takes the weights' addresses
     layout = KVLayout.plan(model.layer_windows, release_windows)
     cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     return ModelRunner(
