@@ -102,6 +102,10 @@ at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids,
 // elsewhere (NEON, scalar builds).
 at::Tensor pack_int8_panels(const at::Tensor& weight, int64_t ggml_type, int64_t in_features);
 int64_t int8_panel_rows();
+// quant_matmul.cpp: how far ahead (bytes) a walk over stored int8 panels asks for the weights
+// (0: it leaves them to the hardware's prefetchers; chosen for this machine's CPU at load), or
+// -1 where the build has no stored panels.
+int64_t int8_panel_prefetch_bytes();
 
 // moe.cpp: x [num_tokens, hidden_size] through each token's top-k experts (topk_ids, topk_weights
 // [num_tokens, top_k]), experts' gate_up [E, 2 * I, ...] and down [E, H, ...] float32 or packed

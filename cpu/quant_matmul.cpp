@@ -674,12 +674,23 @@ void unpack_panel_row(const uint8_t* panels, int64_t n, int64_t num_blocks, uint
 }
 
 // Stored panels are one sequential stream, but the hardware prefetchers do not keep a core's
-// reads ahead of it (see kPrefetchAhead): the first tile's walk asks for the bytes this far
-// ahead as it reaches each block. On the Sapphire Rapids VM, whose L3 holds the default model, a
-// single-stream int8 decode step took 4.19 ms without, 3.60 with 2 KB, 3.26-3.30 with 6-16 KB
-// (one process, alternated, medians of 20 rounds). The exact kernel, bound by its
-// instructions, gained nothing from a longer distance than its 1 KB.
-constexpr int64_t kStoredPrefetchAhead = 8 << 10;
+// reads ahead of it on every CPU (see kPrefetchAhead): there the first tile's walk asks for the
+// bytes this far ahead as it reaches each block (0: it asks for nothing). On the Sapphire Rapids
+// VM, whose L3 holds the default model, a single-stream int8 decode step took 4.19 ms without,
+// 3.60 with 2 KB, 3.26-3.30 with 6-16 KB (one process, alternated, medians of 20 rounds). On an
+// AMD EPYC Zen 4 VM, whose weights come from memory, the same prefetches made the stack's call
+// slower at every distance: 4.21 ms without against 4.44 with 8 KB (x1.056; steps alternated
+// one by one, 1,260 each), 2 to 32 KB all slower, and prefetching the block being read (1 byte
+// ahead: the same instructions, nothing fetched early) as fast as none. AMD's prefetchers keep
+// up with the stream; software prefetches there only compete with them. The exact kernel,
+// bound by its instructions, gained nothing from a longer distance than its 1 KB on either.
+const int64_t kStoredPrefetchAhead = [] {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();  // (before main: the CPU's vendor may not be known yet)
+  if (__builtin_cpu_is("amd")) return int64_t{0};
+#endif
+  return int64_t{8} << 10;
+}();
 
 // out[t * out_stride + r] for the kPanelRows rows of one stored panel and kTokens quantized
 // tokens from t0: panel_dot's sums (the same integers, scaled and added in the same order, so
@@ -697,7 +708,7 @@ void stored_panel_dot(const Int8Rows& x, int64_t t0, const uint8_t* __restrict__
   for (int t = 0; t < kTokens; ++t) acc[t] = minimums[t] = V::fzero();
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = panel + b * kPanelBlockBytes<Format>;
-    if (t0 == 0) {  // the first tile's walk asks for the stream ahead (kStoredPrefetchAhead)
+    if (t0 == 0 && kStoredPrefetchAhead > 0) {  // the first tile's walk asks for the stream ahead
       for (int64_t line = 0; line < kPanelBlockBytes<Format>; line += 64) {
         __builtin_prefetch(block + kStoredPrefetchAhead + line, 0, 3);
       }
@@ -916,6 +927,14 @@ std::string int8_activation_path() {
   return kInt8Path;
 #else
   return "none";
+#endif
+}
+
+int64_t int8_panel_prefetch_bytes() {
+#ifdef PAGEDRS_INT8_PANELS
+  return kStoredPrefetchAhead;
+#else
+  return -1;
 #endif
 }
 

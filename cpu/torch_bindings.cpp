@@ -23,6 +23,7 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
   m.def("quant_matmul(Tensor x, Tensor weight, int ggml_type, int in_features) -> Tensor");
   m.def("embedding_rows(Tensor weight, Tensor token_ids, int ggml_type, int in_features) -> Tensor");
   m.def("int8_activation_path() -> str", &pagedrs_cpu::int8_activation_path);  // no tensors: any device
+  m.def("int8_panel_prefetch_bytes() -> int", &pagedrs_cpu::int8_panel_prefetch_bytes);
   m.def("pack_int8_panels(Tensor weight, int ggml_type, int in_features) -> Tensor");
   m.def("int8_panel_rows() -> int", &pagedrs_cpu::int8_panel_rows);
   // moe.cpp

@@ -122,11 +122,18 @@ def describe() -> str:
         if platform.machine().lower() in ("aarch64", "arm64")
         else "blocks dequantized by scalar code",
     )
-    int8_path = load().int8_activation_path()
+    ops = load()
+    int8_path = ops.int8_activation_path()
     vnni = f", {int8_path}" if "vnni" in int8_path else ""
+    prefetch = ops.int8_panel_prefetch_bytes()
+    panels = ""  # (a build without stored int8 panels)
+    if prefetch > 0:
+        panels = f"; stored int8 panels prefetched {prefetch // 1024} KB ahead"
+    elif prefetch == 0:  # AMD's: software prefetches measured slower there (quant_matmul.cpp)
+        panels = "; stored int8 panels read behind the CPU's own prefetchers alone"
     return (
         f"CPU kernels for {isa}{f' ({target}{vnni})' if isa == 'native' else ''}: packed matmul {matmul}; "
-        f"int8 activations by {INT8_PATHS[int8_path]}; attention and sampling compiler-vectorized"
+        f"int8 activations by {INT8_PATHS[int8_path]}{panels}; attention and sampling compiler-vectorized"
     )
 
 
