@@ -143,6 +143,11 @@ class CpuDecoderStack:
             config.intermediate_size,
             float(model.norm.eps),
         )
+        # NOTE: the method looked up once: a ScriptObject makes a new method object at each
+        # lookup. Per call after a step, cold: ~70 us for a method looked up, ~45 us bound; in a
+        # single-stream int8 decode step the stack's call 4.257 -> 4.235 ms (Zen 4 VM, steps
+        # alternated, 1,260 each).
+        self._forward = self._stack.forward
         self._stack.set_final_norm(self._weight_of(model.norm))
         head_type = None if model.sequence_classifier else _head_type(model)
         if head_type is not None:
@@ -290,7 +295,7 @@ class CpuDecoderStack:
         first = metas[0]
         kernel = first.kernel
         chunks = first.sdpa_chunks
-        return self._stack.forward(
+        return self._forward(
             hidden,
             [cos for cos, _ in cos_sin],
             [sin for _, sin in cos_sin],
