@@ -35,6 +35,17 @@
 // rescale the running sums to the new maximum, then add probabilities times values). Threads
 // (torch's pool, at::parallel_for) take items from a shared counter, so ragged lengths in a
 // mixed batch still spread over every core.
+//
+// Long contexts split: an item whose keys run past kSplitKeys is cut at the multiples of
+// kSplitKeys (absolute key positions) into parts, each an item of its own that leaves its
+// unnormalized sums, maximum and sum of exponentials per vector in the plan's partials; the
+// part that finishes last merges them in part order and writes the output. Where the parts
+// fall depends on the positions alone, not on the batch, the row tile or the thread count, so a
+// row gets the same bits alone or among others (as without a split: a part's tiles start at
+// the part's first key, the multiples of kKeyTile an unsplit walk from key 0 reaches too, and a
+// row that sees one part only merges to exactly that part's values). A single decode's few
+// items (one a KV head) no longer leave cores idle: with 3 KV heads on 2 threads every layer
+// waited for one thread's second item.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -46,6 +57,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -59,6 +71,11 @@ using pagedrs_cpu::exp_nonpositive;
 
 constexpr int kRowTile = 8;   // prefill rows that share one pass over their context
 constexpr int kKeyTile = 64;  // keys scored before the softmax is brought up to date
+// An item's keys past this are split in parts (above). On a 2-core Zen 4 VM, single-stream int8
+// decode steps alternated one by one with and without: 512 keys x1.04-1.055 at contexts of
+// 768-1535, nothing below; 256 keys the same there and x1.02-1.03 at 256-767, but a batch of
+// 16 at ~1000 keys x0.96 (each part's start costs) where 512 gave x1.01.
+constexpr int kSplitKeys = 8 * kKeyTile;
 
 // One work item: rows [first_row, first_row + num_rows) of sequence seq, KV head kv_head.
 struct WorkItem {
@@ -66,6 +83,18 @@ struct WorkItem {
   int first_row;
   int num_rows;
   int kv_head;
+  int key_begin;  // the keys this item walks: [key_begin, key_end) (each row sees its own of them)
+  int key_end;
+  int split = -1;  // for a part of a split item: its Split's index, and its part in it
+  int part = 0;
+};
+
+// The parts of one split item: part p's partial starts at float first + p * vectors *
+// (head_size + 2) of the plan's buffer (vectors: the item's rows times the query heads a KV head).
+struct Split {
+  int64_t first;
+  int num_parts;
+  int vectors;
 };
 
 template <typename T>
@@ -218,6 +247,12 @@ struct Args {
   float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
   const float* sinks;  // [num_heads] or null: a logit per head that joins every row's softmax
                        // with no value (gpt-oss's attention sinks)
+  // Split items (see the top): each part's partial (its vectors' head_size sums, then their
+  // maxima, then their sums of exponentials; where: Split), and each split's count of finished
+  // parts (from 0).
+  const Split* splits = nullptr;
+  float* partials = nullptr;
+  std::atomic<int>* parts_done = nullptr;
 };
 
 // Per-thread scratch, kept by each of torch's threads across calls and grown to a call's sizes
@@ -274,6 +309,42 @@ inline const float* as_float(const T* row, float* buf, int n) {
   }
 }
 
+// A part of a split item (see the top): leaves its vectors' sums, maxima and sums of
+// exponentials in its partial; the part that finishes last merges every part's, in part order,
+// into `scratch` and returns true (the caller writes the output from there), the others false.
+// A part a vector sees none of left a maximum of -inf and zero sums: it adds exactly nothing.
+inline bool merge_parts(const Args& args, const WorkItem& item, int num_vectors, Scratch& scratch) {
+  const Split& split = args.splits[item.split];
+  const int64_t head_size = args.head_size, vectors = split.vectors;
+  const auto partial = [&](int part) { return args.partials + split.first + part * vectors * (head_size + 2); };
+  float* mine = partial(item.part);
+  std::copy(scratch.acc.begin(), scratch.acc.begin() + num_vectors * head_size, mine);
+  std::copy(scratch.max_score.begin(), scratch.max_score.begin() + num_vectors, mine + vectors * head_size);
+  std::copy(scratch.sum_exp.begin(), scratch.sum_exp.begin() + num_vectors, mine + vectors * (head_size + 1));
+  // acq_rel: the last part sees every other part's partial.
+  if (args.parts_done[item.split].fetch_add(1, std::memory_order_acq_rel) != split.num_parts - 1) return false;
+  for (int v = 0; v < num_vectors; ++v) {
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int part = 0; part < split.num_parts; ++part) {
+      max_score = std::max(max_score, partial(part)[vectors * head_size + v]);
+    }
+    float* acc = scratch.acc.data() + v * head_size;
+    std::fill(acc, acc + head_size, 0.f);
+    float sum_exp = 0.f;
+    for (int part = 0; part < split.num_parts; ++part) {
+      const float* from = partial(part);
+      const float scale = std::exp(from[vectors * head_size + v] - max_score);  // 0 for a part it did not see
+      sum_exp += from[vectors * (head_size + 1) + v] * scale;
+      const float* part_acc = from + v * head_size;
+#pragma omp simd
+      for (int64_t d = 0; d < head_size; ++d) acc[d] += part_acc[d] * scale;
+    }
+    scratch.max_score[v] = max_score;
+    scratch.sum_exp[v] = sum_exp;
+  }
+  return true;
+}
+
 // T: the query's and the output's dtype; C: the caches' (the query's, or a 16-bit or fp8 cache
 // under float32 queries).
 template <typename T, typename C>
@@ -288,8 +359,7 @@ void attend_item(const Args& args, const WorkItem& item, Scratch& scratch) {
   // Position of the item's first row; its row r is at first_pos + r.
   const int first_pos = context - query_len + (item.first_row - args.cu_seqlens_q[item.seq]);
   const int window = args.sliding_window;
-  const int keys_begin = window > 0 ? std::max(0, first_pos - window + 1) : 0;
-  const int keys_end = first_pos + item.num_rows;  // one past the last row's position
+  const int keys_begin = item.key_begin, keys_end = item.key_end;  // (work_items: the rows' keys, or a part's)
 
   const T* query = static_cast<const T*>(args.query);
   for (int v = 0; v < num_vectors; ++v) {
@@ -385,6 +455,7 @@ void attend_item(const Args& args, const WorkItem& item, Scratch& scratch) {
     }
   }
 
+  if (item.split >= 0 && !merge_parts(args, item, num_vectors, scratch)) return;  // other parts to come
   T* out = static_cast<T*>(args.out);
   for (int v = 0; v < num_vectors; ++v) {
     const int row = item.first_row + v / group, head = item.kv_head * group + v % group;
@@ -400,12 +471,36 @@ void attend_item(const Args& args, const WorkItem& item, Scratch& scratch) {
   }
 }
 
-std::vector<WorkItem> work_items(const int* cu_seqlens_q, int num_seqs, int num_kv_heads) {
+// The items of a call: a tile of rows of one sequence and one KV head each, its keys those of
+// its rows, cut in parts at the multiples of kSplitKeys when they run past one (splits: one
+// entry a split item; partial_floats: what their parts' partials take).
+std::vector<WorkItem> work_items(const Args& args, int num_seqs, std::vector<Split>& splits,
+                                 int64_t& partial_floats) {
   std::vector<WorkItem> items;
+  partial_floats = 0;
+  const int group = args.num_heads / args.num_kv_heads;
   for (int seq = 0; seq < num_seqs; ++seq) {
-    for (int row = cu_seqlens_q[seq]; row < cu_seqlens_q[seq + 1]; row += kRowTile) {
-      const int rows = std::min(kRowTile, cu_seqlens_q[seq + 1] - row);
-      for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) items.push_back({seq, row, rows, kv_head});
+    const int seq_begin = args.cu_seqlens_q[seq], seq_end = args.cu_seqlens_q[seq + 1];
+    for (int row = seq_begin; row < seq_end; row += kRowTile) {
+      const int rows = std::min(kRowTile, seq_end - row);
+      const int first_pos = args.context_lens[seq] - (seq_end - seq_begin) + (row - seq_begin);
+      const int keys_begin = args.sliding_window > 0 ? std::max(0, first_pos - args.sliding_window + 1) : 0;
+      const int keys_end = first_pos + rows;  // one past the last row's position
+      const int first_part = keys_begin / kSplitKeys, num_parts = (keys_end - 1) / kSplitKeys - first_part + 1;
+      for (int kv_head = 0; kv_head < args.num_kv_heads; ++kv_head) {
+        if (num_parts == 1) {
+          items.push_back({seq, row, rows, kv_head, keys_begin, keys_end});
+          continue;
+        }
+        const int split = static_cast<int>(splits.size());
+        splits.push_back({partial_floats, num_parts, rows * group});
+        partial_floats += int64_t{num_parts} * rows * group * (args.head_size + 2);
+        for (int part = 0; part < num_parts; ++part) {
+          const int begin = std::max(keys_begin, (first_part + part) * kSplitKeys);
+          const int end = std::min(keys_end, (first_part + part + 1) * kSplitKeys);
+          items.push_back({seq, row, rows, kv_head, begin, end, split, part});
+        }
+      }
     }
   }
   return items;
@@ -456,6 +551,9 @@ struct PagedAttentionPlan::State {
   Args args;
   std::vector<WorkItem> items;
   AttendItem attend;  // attend_item of the query's and the caches' dtypes
+  std::vector<Split> splits;                         // split items (Args::splits)
+  std::unique_ptr<float[]> partials;                 // their parts' partials (Args::partials)
+  std::unique_ptr<std::atomic<int>[]> parts_done;    // each split's finished parts, from 0
 };
 
 PagedAttentionPlan::PagedAttentionPlan(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -531,7 +629,16 @@ PagedAttentionPlan::PagedAttentionPlan(at::Tensor& out, const at::Tensor& query,
   args.scale = static_cast<float>(scale);
   args.softcap = static_cast<float>(softcap);
   args.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
-  if (query.size(0) > 0) state->items = work_items(args.cu_seqlens_q, static_cast<int>(num_seqs), args.num_kv_heads);
+  if (query.size(0) > 0) {
+    int64_t partial_floats = 0;
+    state->items = work_items(args, static_cast<int>(num_seqs), state->splits, partial_floats);
+    // (written before read, so not zeroed: a decode step's layers make one each)
+    state->partials.reset(new float[partial_floats]);
+    state->parts_done.reset(new std::atomic<int>[state->splits.size()]());
+    args.splits = state->splits.data();
+    args.partials = state->partials.get();
+    args.parts_done = state->parts_done.get();
+  }
   const bool float_rows = query.scalar_type() == at::kFloat;
   switch (dtype) {
     case at::kFloat: state->attend = attend_item<float, float>; break;

@@ -252,3 +252,80 @@ def test_the_kernel_reads_every_fp8_byte_as_torch_does():
     # The SDPA chunks' conversion of gathered blocks: every byte, NaNs (0x7F, 0xFF) as NaN, as torch.
     every_byte = torch.arange(256, dtype=torch.uint8).repeat(3)[1:].view(torch.float8_e4m3fn)  # odd length: tails
     torch.testing.assert_close(load().fp8_as_float(every_byte), every_byte.float(), rtol=0, atol=0, equal_nan=True)
+
+
+# Contexts past the kernel's split (its keys in parts of 512, merged): decodes just under, at
+# and past a part's end, far past it, and short chunks reaching across a part boundary.
+LONG = [(511, 1), (512, 1), (513, 1), (1300, 1), (1100, 3), (520, 8), (518, 9), (40, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sliding_window", [None, 300, 5])
+def test_long_contexts_split_over_their_keys_match_the_reference(dtype, sliding_window):
+    sinks = torch.tensor([-3.0, 0.0, 1.5, 6.0, -0.5, 2.0, 0.3, -8.0, 4.0])
+    for extra in ({}, {"softcap": 20.0}, {"sinks": sinks}):
+        expected, actual, _, _ = attend_both(LONG, sliding_window=sliding_window, dtype=dtype, **extra, **SHAPE)
+        assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn], ids=str)
+def test_long_contexts_over_a_smaller_cache_match_the_reference(cache_dtype):
+    arrays, (query, key, value), caches = make_step(LONG, dtype=torch.float32, **SHAPE)
+    outs = []
+    for metadata in (AttentionMetadata, CpuAttentionMetadata):
+        key_cache, value_cache = (c.to(cache_dtype) for c in caches)
+        meta = metadata.build(**arrays, sliding_window=None, device=torch.device("cpu"))
+        outs.append(meta.attend(query, key, value, key_cache, value_cache, 64**-0.5))
+    assert_close(outs[1], outs[0], torch.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_row_gets_the_same_bits_alone_or_in_a_chunk_whatever_the_split(threads):
+    """Where a long context's keys are split (at fixed positions) does not depend on the rows
+    around a row or on the threads: a row decoded alone equals the same row inside a chunk of
+    rows (a speculative-decoding verify, a prompt's last chunk), bit for bit, whether the chunk
+    reaches into a part the row does not see or both are split alike."""
+    from pagedrs.kernels.cpu import load
+
+    ops = load()
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    num_blocks = 110  # 1,760 slots: the longest context below
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    tables = torch.randperm(num_blocks, dtype=torch.int32)[None, :]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for chunk_end, rows, row in ((518, 8, 0), (518, 8, 6), (700, 5, 4), (1600, 7, 2)):
+            query = torch.randn(rows, num_heads, head_dim)
+            together = torch.empty_like(query)
+            ops.paged_attention(
+                together,
+                query,
+                key_cache,
+                value_cache,
+                tables,
+                torch.tensor([0, rows], dtype=torch.int32),
+                torch.tensor([chunk_end], dtype=torch.int32),
+                0.125,
+                0,
+                0.0,
+            )
+            alone = torch.empty(1, num_heads, head_dim)
+            context = chunk_end - rows + row + 1  # the row's position + 1
+            ops.paged_attention(
+                alone,
+                query[row : row + 1].contiguous(),
+                key_cache,
+                value_cache,
+                tables,
+                torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([context], dtype=torch.int32),
+                0.125,
+                0,
+                0.0,
+            )
+            assert torch.equal(alone[0], together[row]), (chunk_end, rows, row)
+    finally:
+        torch.set_num_threads(previous)
