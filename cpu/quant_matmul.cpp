@@ -686,7 +686,7 @@ void unpack_panel_row(const uint8_t* panels, int64_t n, int64_t num_blocks, uint
 // bound by its instructions, gained nothing from a longer distance than its 1 KB on either.
 const int64_t kStoredPrefetchAhead = [] {
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();  // (before main: the CPU's vendor may not be known yet)
+  __builtin_cpu_init();  // (a static initializer: __builtin_cpu_is may not be set up yet)
   if (__builtin_cpu_is("amd")) return int64_t{0};
 #endif
   return int64_t{8} << 10;
