@@ -632,12 +632,13 @@ PagedAttentionPlan::PagedAttentionPlan(at::Tensor& out, const at::Tensor& query,
   if (query.size(0) > 0) {
     int64_t partial_floats = 0;
     state->items = work_items(args, static_cast<int>(num_seqs), state->splits, partial_floats);
-    // (written before read, so not zeroed: a decode step's layers make one each)
-    state->partials.reset(new float[partial_floats]);
-    state->parts_done.reset(new std::atomic<int>[state->splits.size()]());
-    args.splits = state->splits.data();
-    args.partials = state->partials.get();
-    args.parts_done = state->parts_done.get();
+    if (!state->splits.empty()) {  // (most steps split nothing: no allocation for them)
+      state->partials.reset(new float[partial_floats]);  // written before read, so not zeroed
+      state->parts_done.reset(new std::atomic<int>[state->splits.size()]());
+      args.splits = state->splits.data();
+      args.partials = state->partials.get();
+      args.parts_done = state->parts_done.get();
+    }
   }
   const bool float_rows = query.scalar_type() == at::kFloat;
   switch (dtype) {

@@ -200,14 +200,20 @@ def test_attention_sinks_match_the_reference(sliding_window, prefill_route):
     assert (expected - without).abs().max() > 1e-2  # the sinks change the result
 
 
+# Contexts past the kernel's split (its keys in parts of 512, merged): decodes just under, at
+# and past a part's end, far past it, and short chunks reaching across a part boundary.
+LONG = [(511, 1), (512, 1), (513, 1), (1300, 1), (1100, 3), (520, 8), (518, 9), (40, 1)]
+
+
+@pytest.mark.parametrize("seqs", [MIXED, LONG], ids=["mixed", "long"])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("sliding_window", [None, 5])
-def test_float32_queries_over_a_smaller_cache_match_the_reference(cache_dtype, sliding_window, prefill_route):
+def test_float32_queries_over_a_smaller_cache_match_the_reference(cache_dtype, sliding_window, seqs, prefill_route):
     """``kv_cache_dtype`` bfloat16 / float16 / fp8 under a float32 model: the step's keys and
     values are rounded as they are stored, and every read (kernel and SDPA chunks) takes them as
     float32, as the torch reference does over the same caches."""
     arrays, (query, key, value), caches = make_step(
-        MIXED, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32
+        seqs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32
     )
     results = []
     for metadata in (AttentionMetadata, CpuAttentionMetadata):
@@ -254,11 +260,6 @@ def test_the_kernel_reads_every_fp8_byte_as_torch_does():
     torch.testing.assert_close(load().fp8_as_float(every_byte), every_byte.float(), rtol=0, atol=0, equal_nan=True)
 
 
-# Contexts past the kernel's split (its keys in parts of 512, merged): decodes just under, at
-# and past a part's end, far past it, and short chunks reaching across a part boundary.
-LONG = [(511, 1), (512, 1), (513, 1), (1300, 1), (1100, 3), (520, 8), (518, 9), (40, 1)]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("sliding_window", [None, 300, 5])
 def test_long_contexts_split_over_their_keys_match_the_reference(dtype, sliding_window):
@@ -266,17 +267,6 @@ def test_long_contexts_split_over_their_keys_match_the_reference(dtype, sliding_
     for extra in ({}, {"softcap": 20.0}, {"sinks": sinks}):
         expected, actual, _, _ = attend_both(LONG, sliding_window=sliding_window, dtype=dtype, **extra, **SHAPE)
         assert_close(actual, expected, dtype)
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn], ids=str)
-def test_long_contexts_over_a_smaller_cache_match_the_reference(cache_dtype):
-    arrays, (query, key, value), caches = make_step(LONG, dtype=torch.float32, **SHAPE)
-    outs = []
-    for metadata in (AttentionMetadata, CpuAttentionMetadata):
-        key_cache, value_cache = (c.to(cache_dtype) for c in caches)
-        meta = metadata.build(**arrays, sliding_window=None, device=torch.device("cpu"))
-        outs.append(meta.attend(query, key, value, key_cache, value_cache, 64**-0.5))
-    assert_close(outs[1], outs[0], torch.float32)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -111,12 +111,17 @@ def test_a_tokens_row_does_not_depend_on_its_batch(qtype, shape):
         assert torch.equal(matmul(x[token : token + 1])[0], full[token])
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> list[str]:
+    """Each of /proc/cpuinfo's lines for ``field``, its value (none where there is no such file)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return set()
-    return {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+        return []
+    return [line.split(":", 1)[1].strip() for line in lines if line.startswith(field)]
+
+
+def _cpu_flags() -> set[str]:
+    return {flag for value in _cpuinfo("flags") for flag in value.split()}
 
 
 def test_the_kernels_name_the_best_int8_path_of_their_instruction_set():
@@ -146,13 +151,8 @@ def test_stored_panels_are_prefetched_in_software_except_on_amd():
     if _panel_rows() == 0:
         assert prefetch == -1  # no stored panels in this build
         return
-    try:
-        vendors = {
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("vendor_id")
-        }
-    except OSError:
+    vendors = set(_cpuinfo("vendor_id"))
+    if not vendors:
         pytest.skip("no /proc/cpuinfo to read this CPU's vendor from")
     assert prefetch == (0 if vendors == {"AuthenticAMD"} else 8192)
     assert (
