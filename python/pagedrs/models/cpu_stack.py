@@ -232,7 +232,7 @@ class CpuDecoderStack:
         what `RotaryEmbedding.cos_sin` gives that position (elementwise, the same values)."""
         if not self._ropes or any(rope.length_dependent for rope in self._ropes) or not len(positions):
             return None
-        end = int(positions.numpy().max()) + 1
+        end = max(positions.tolist()) + 1  # (a list: ~30 us less than numpy's max, cold)
         rows = len(self._rope_tables[0][0]) if self._rope_tables else 0
         if end <= rows:
             return self._rope_tables
