@@ -346,7 +346,7 @@ class Sampler:
             token_ids = cpu_ops.sample_from_rows(
                 logits, batch.full_temperature_rows, batch.full_min_p_rows, top_p, uniforms, check=False
             )
-            pending = np.flatnonzero(token_ids.numpy() < 0).tolist()
+            pending = [row for row, token in enumerate(token_ids.tolist()) if token < 0]  # (a list: cold numpy costs)
         else:
             token_ids, pending = self._draw_full_with_torch(logits, batch, top_p, generators)
         if pending:
