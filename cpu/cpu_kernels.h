@@ -158,6 +158,9 @@ class DecoderStack : public torch::CustomClassHolder {
   // The language-model head: float32 [vocab, hidden_size] (ggml_type 0) or its packed blocks
   // (ggml_type, with the kernel's flags), for forward's logits.
   virtual void set_head(at::Tensor weight, int64_t ggml_type) = 0;
+  // The token embedding table: float32 [vocab, hidden_size] (ggml_type 0) or its packed rows
+  // (ggml_type, with kInt8Panels where they are stored as panels), for forward's token ids.
+  virtual void set_embedding(at::Tensor weight, int64_t ggml_type) = 0;
 
   // Whether steps of a few rows run every layer in one parallel region (the default; see
   // decoder_stack.cpp's SharedTeam) or each part in its own (tests and benchmarks compare them).
@@ -166,7 +169,8 @@ class DecoderStack : public torch::CustomClassHolder {
   virtual int64_t one_region_steps() const = 0;
 
   // Runs every layer over the step's rows; hidden [num_tokens, hidden_size] (written) ends as
-  // the last layer's output. Returns the final norm of the final_rows rows (int64 [R]) as
+  // the last layer's output, or hidden is the step's token ids (int64 [num_tokens]) and their
+  // rows of the embedding table (set_embedding) are the layers' input. Returns the final norm of the final_rows rows (int64 [R]) as
   // float32 [R, hidden_size], or with `logits` their head's logits (set_head), float32 [R, vocab].
   // cos and sin: each rotary embedding's [num_tokens, rotary_dim] rows, or with rope_rows (int64
   // [num_tokens]) tables [P, rotary_dim] of which token t rotates by row rope_rows[t] (its position).

@@ -572,7 +572,26 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
     head_ = make_linear("head", weight, ggml_type, std::nullopt, hidden_size_, weight.size(0));
   }
 
+  void set_embedding(at::Tensor weight, int64_t ggml_type) override {
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+                    weight.scalar_type() == (ggml_type == kF32 ? at::kFloat : at::kByte) &&
+                    (ggml_type != kF32 || weight.size(1) == hidden_size_),
+                "pagedrs_cpu: the embedding table must be contiguous float32 [vocab, ", hidden_size_,
+                "] (type 0) or its packed uint8 rows, got ", weight.scalar_type(), " ", weight.sizes());
+    embedding_ = std::move(weight);
+    embedding_type_ = ggml_type;
+  }
+
   void set_one_region(bool enabled) override { one_region_ = enabled; }
+
+  // The embedding table's rows of token_ids (int64 [num_tokens]), float32 [num_tokens, H]; an id
+  // outside the table fails.
+  at::Tensor embed(const at::Tensor& token_ids) const {
+    TORCH_CHECK(embedding_, "pagedrs_cpu: the stack has no embedding table (set_embedding) for token ids");
+    if (embedding_type_ != kF32) return pagedrs_cpu::embedding_rows(*embedding_, token_ids, embedding_type_, hidden_size_);
+    TORCH_CHECK(token_ids.dim() == 1, "pagedrs_cpu: token ids must be int64 [num_tokens]");
+    return at::embedding(*embedding_, token_ids);
+  }
   int64_t one_region_steps() const override { return one_region_steps_; }
 
   // Runs every layer over the step's rows; `hidden` ends as the last layer's output.
@@ -655,6 +674,10 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
                      std::optional<at::Tensor> context_lens, std::vector<int64_t> chunk_bounds,
                      std::vector<at::Tensor> chunk_blocks, c10::List<std::optional<at::Tensor>> chunk_masks,
                      at::Tensor final_rows, std::optional<at::Tensor> rope_rows, bool logits) const override {
+    // NOTE: token ids looked up here, not by the model's embedding module: through Python the
+    // lookup took ~45-75 us of a ~3 ms single-stream decode step (an op and a module, run cold
+    // after the previous step's weights streamed through the caches).
+    if (hidden.scalar_type() == at::kLong) hidden = embed(hidden);  // before anything is written
     TORCH_CHECK(final_norm_, "pagedrs_cpu: the stack has no final norm (set_final_norm)");
     TORCH_CHECK(!logits || head_, "pagedrs_cpu: the stack has no head (set_head)");
     TORCH_CHECK(final_rows.device().is_cpu() && final_rows.scalar_type() == at::kLong && final_rows.dim() == 1 &&
@@ -1153,6 +1176,8 @@ class DecoderStackImpl final : public pagedrs_cpu::DecoderStack {
   int64_t lora_slots_ = 0;
   std::optional<at::Tensor> final_norm_;  // [H] float32 (set_final_norm), for forward's final_rows
   std::optional<Linear> head_;            // the language-model head (set_head), for forward's logits
+  std::optional<at::Tensor> embedding_;   // the token embedding table (set_embedding), of type:
+  int64_t embedding_type_ = 0;
   bool one_region_ = true;                // set_one_region
   mutable int64_t one_region_steps_ = 0;  // steps run in one region (forward is const; never concurrent)
   std::vector<LoRAGroup> lora_groups_;  // this step's rows of each slot in use (set_lora_rows)

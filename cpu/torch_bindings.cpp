@@ -38,6 +38,7 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
       .def("num_layers", &pagedrs_cpu::DecoderStack::num_layers)
       .def("set_final_norm", &pagedrs_cpu::DecoderStack::set_final_norm)
       .def("set_head", &pagedrs_cpu::DecoderStack::set_head)
+      .def("set_embedding", &pagedrs_cpu::DecoderStack::set_embedding)
       .def("set_one_region", &pagedrs_cpu::DecoderStack::set_one_region)
       .def("one_region_steps", &pagedrs_cpu::DecoderStack::one_region_steps)
       .def("forward", &pagedrs_cpu::DecoderStack::forward)

@@ -231,6 +231,42 @@ def test_a_final_row_outside_the_step_is_refused_before_anything_is_written(tiny
     assert all(torch.equal(k, b) for (k, _), b in zip(runner.kv_caches, before))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["float32", "gguf"])
+def test_the_stack_looks_token_ids_up_as_the_embedding_module_does(tiny_llama, tmp_path, packed):
+    """Given the step's token ids, the stack takes their rows of the embedding table itself
+    (float32, or packed GGUF rows): the same logits and caches, bit for bit, as from the model's
+    embedding module's rows; an id outside the table is refused before anything is written."""
+    path = tiny_llama
+    if packed:
+        import transformers
+
+        from tests.helpers.gguf_writer import TYPES, write_gguf
+
+        torch.manual_seed(7)
+        path = str(tmp_path / "tiny.gguf")
+        write_gguf(path, transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval(), TYPES)
+    runner = runner_for(path)
+    stack = runner.cpu_stack
+    assert stack is not None and stack.embeds
+    seqs = [(37, 1), (9, 9), (2, 1)]
+    (ids_logits, ids_caches), _ = forward_both(runner, seqs)
+    stack.embeds = False  # the model's module looks them up, the stack takes the rows
+    try:
+        (rows_logits, rows_caches), _ = forward_both(runner, seqs)
+    finally:
+        stack.embeds = True
+    assert torch.equal(ids_logits, rows_logits)
+    for by_ids, by_rows in zip(ids_caches, rows_caches):
+        assert torch.equal(by_ids[0], by_rows[0]) and torch.equal(by_ids[1], by_rows[1])
+
+    arrays = step_arrays([(5, 5)], TINY["vocab_size"], seed=0)
+    arrays.input_token_ids[-1] = runner.model.embed_tokens.weight.shape[0]  # one past the table
+    before = [k.clone() for k, _ in runner.kv_caches]
+    with pytest.raises((RuntimeError, IndexError)):
+        runner.forward(arrays)
+    assert all(torch.equal(k, b) for (k, _), b in zip(runner.kv_caches, before))
+
+
 @pytest.mark.parametrize(
     "rope_scaling",
     [

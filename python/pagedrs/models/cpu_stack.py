@@ -72,6 +72,21 @@ def _head_type(model: DecoderForCausalLM) -> int | None:
     return head.kernel_type if isinstance(head, QuantVocabEmbedding) else None
 
 
+def _embedding_type(model: DecoderForCausalLM) -> int | None:
+    """The stack's type id of the model's token embedding table (whole on one rank, float32 or
+    packed, its rows the layers' input as they are), or ``None`` where the model looks its ids
+    up itself."""
+    from pagedrs.layers.linear import VocabEmbedding
+    from pagedrs.quant.layers import QuantVocabEmbedding
+
+    table = model.embed_tokens
+    if model.embedding_scale != 1.0 or table.tp.size != 1 or table.weight.shape[0] != table.vocab_size:
+        return None
+    if type(table) is VocabEmbedding:
+        return F32 if table.weight.dtype == torch.float32 else None
+    return table.table_type if isinstance(table, QuantVocabEmbedding) and table.dtype == torch.float32 else None
+
+
 def _linears(model: DecoderForCausalLM) -> list[nn.Module]:
     """Every decoder layer's linears: attention's two, then the MLP's two (a mixture's shared
     expert's, if it has one)."""
@@ -155,6 +170,12 @@ class CpuDecoderStack:
             self._stack.set_head(head.weight, head_type)
         self.has_head = head_type is not None
         """Whether the stack's call can end with the head's logits (``logits=True``)."""
+        embedding_type = _embedding_type(model)
+        if embedding_type is not None:
+            self._stack.set_embedding(model.embed_tokens.weight, embedding_type)
+        self.embeds = embedding_type is not None
+        """Whether the stack's call takes the step's token ids for ``hidden`` (it looks up their
+        rows of the model's embedding table itself)."""
         for layer, spec, view in zip(model.decoder_layers(), model.layer_specs, layer_views):
             attn, mlp = cast("Attention", layer.self_attn), layer.mlp
             norms = [
@@ -283,11 +304,12 @@ class CpuDecoderStack:
         ``model.norm(hidden[rows])``; computed in the same call, while they are in cache).
 
         ``hidden``: ``float32 [num_tokens, hidden_size]``, the embeddings, overwritten with the
-        last layer's output; ``cos_sin``: ``float32 [num_tokens, rotary_dim]`` pairs, one per
-        rotary embedding of the model (in `model.ropes`'s order), or with ``rope_rows`` (each
-        token's position, ``int64 [num_tokens]``) `rope_tables`, token ``t`` reading their row
-        ``rope_rows[t]``; ``kv_caches``: one
-        ``[num_blocks, block_size, num_kv_heads, head_dim]`` pair per layer, this step's keys and
+        last layer's output, or where `embeds` the step's token ids (``int64 [num_tokens]``);
+        ``cos_sin``: ``float32 [num_tokens, rotary_dim]`` pairs, one per rotary embedding of the
+        model (in `model.ropes`'s order), or with ``rope_rows`` (each token's position, ``int64
+        [num_tokens]``) `rope_tables`, token ``t`` reading their row ``rope_rows[t]``;
+        ``kv_caches``: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` pair per layer,
+        this step's keys and
         values written at each view's ``slot_mapping``; ``meta``: the step's metadata, or one per
         attention view (they share their rows and chunks; their slots, block tables and masks
         differ)."""

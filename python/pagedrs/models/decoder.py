@@ -477,11 +477,15 @@ class DecoderForCausalLM(nn.Module):
         ``rows`` tokens after the final norm, in the model's dtype (what the head reads, and
         what pooling requests pool). ``head``: the head's logits of those rows instead (before
         `_finish_logits`), from the stack's call (only where `CpuDecoderStack.has_head`)."""
+        tables = decoder_stack.rope_tables(positions) if decoder_stack is not None else None
+        if decoder_stack is not None and tables is not None and decoder_stack.embeds:
+            # The stack looks the ids up in the embedding table itself (`CpuDecoderStack.embeds`).
+            return decoder_stack(input_ids, tables, kv_caches, cast("StepCpuAttention", meta), rows, positions, head)
         hidden = self.embed_tokens(input_ids)
         if self.embedding_scale != 1.0:
             # As transformers: the scale in the model's dtype (Gemma's normalizer).
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
-        if decoder_stack is not None and (tables := decoder_stack.rope_tables(positions)) is not None:
+        if decoder_stack is not None and tables is not None:
             # NOTE: the stack overwrites `hidden` in place (see below).
             return decoder_stack(hidden, tables, kv_caches, cast("StepCpuAttention", meta), rows, positions, head)
         cos_sin = {

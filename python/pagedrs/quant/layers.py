@@ -181,11 +181,15 @@ class QuantVocabEmbedding(_Packed):
         flat = token_ids
         if flat.dim() != 1 or flat.dtype != torch.int64 or not flat.is_contiguous():
             flat = token_ids.reshape(-1).to(torch.int64).contiguous()
-        table_type = int(self.ggml_type) | (INT8_PANELS if self.int8_panels else 0)  # the rows' layout
-        rows = cpu_kernels.load().embedding_rows(self.weight, flat, table_type, self.in_features)
+        rows = cpu_kernels.load().embedding_rows(self.weight, flat, self.table_type, self.in_features)
         if rows.dtype != self.dtype:
             rows = rows.to(self.dtype)
         return rows if token_ids.dim() == 1 else rows.reshape(*token_ids.shape, self.in_features)
+
+    @property
+    def table_type(self) -> int:
+        """The kernels' type id of the rows as stored, for a lookup (``embedding_rows``)."""
+        return int(self.ggml_type) | (INT8_PANELS if self.int8_panels else 0)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
