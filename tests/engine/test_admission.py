@@ -158,16 +158,28 @@ def test_tiny_top_p_and_repetition_penalty_are_raised_to_what_float32_holds(engi
     assert len(tokens) == 4 and max(tokens) < VOCAB
 
 
-def _beside_a_poisoned_request(engine, monkeypatch, sampler_of):
-    """Runs "a" and "b" (greedy) alone, then again beside "poisoned" (its own params), the
-    engine's sampler replaced by ``sampler_of(sampler, poisoned_params)``; returns the first
-    run's tokens and the second's errors and tokens by request."""
+class _PoisonedSampler:
+    """The engine's sampler (``sampler``), which a subclass's ``__call__`` spoils for the rows
+    of the ``poisoned`` params."""
+
+    def __init__(self, sampler, poisoned):
+        self.sampler, self.poisoned = sampler, poisoned
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+
+def _poisoned_request_error(engine, monkeypatch, sampler_class) -> str | None:
+    """Runs "a" and "b" (greedy) alone, then again beside "poisoned" (its own params) with the
+    engine's sampler replaced by ``sampler_class(sampler, poisoned params)``; checks that "a"
+    and "b" get the same tokens both times and that every block comes back; returns the
+    poisoned request's error."""
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     engine.add_request("a", [5, 6, 7], greedy)
     engine.add_request("b", [8, 9], greedy)
     expected = _run(engine)
     poisoned = SamplingParams(temperature=0.7, max_tokens=5, ignore_eos=True, seed=1)
-    monkeypatch.setattr(engine, "sampler", sampler_of(engine.sampler, poisoned))
+    monkeypatch.setattr(engine, "sampler", sampler_class(engine.sampler, poisoned))
     engine.add_request("a", [5, 6, 7], greedy)
     engine.add_request("poisoned", [10, 11], poisoned)
     engine.add_request("b", [8, 9], greedy)
@@ -179,30 +191,23 @@ def _beside_a_poisoned_request(engine, monkeypatch, sampler_of):
                 errors[output.request_id] = output.error
                 outputs[output.request_id] = [choice.token_ids for choice in output.outputs]
     monkeypatch.undo()
-    return expected, errors, outputs
+    assert errors["a"] is None and errors["b"] is None
+    assert outputs["a"] == expected["a"] and outputs["b"] == expected["b"]
+    assert engine.scheduler.stats().num_used_blocks == 0
+    return errors["poisoned"]
 
 
 def test_a_row_that_breaks_the_sampler_fails_its_request_alone(engine, monkeypatch):
     """The batch is sampled row by row when it fails; only the request whose row fails
     alone ends with an error, and the others get the tokens they would have got."""
 
-    class BreaksOnPoison:
-        def __init__(self, sampler, poisoned):
-            self.sampler, self.poisoned = sampler, poisoned
-
-        def __getattr__(self, name):
-            return getattr(self.sampler, name)
-
+    class BreaksOnPoison(_PoisonedSampler):
         def __call__(self, logits, rows, banned=(), allowed=None):
             if any(row.params is self.poisoned for row in rows):
                 raise RuntimeError("this row cannot be sampled")
             return self.sampler(logits, rows, banned, allowed)
 
-    expected, errors, outputs = _beside_a_poisoned_request(engine, monkeypatch, BreaksOnPoison)
-    assert errors["a"] is None and errors["b"] is None
-    assert "cannot be sampled" in errors["poisoned"]
-    assert outputs["a"] == expected["a"] and outputs["b"] == expected["b"]
-    assert engine.scheduler.stats().num_used_blocks == 0
+    assert "cannot be sampled" in _poisoned_request_error(engine, monkeypatch, BreaksOnPoison)
 
 
 @pytest.mark.parametrize("bad_token", [-1, VOCAB])
@@ -210,13 +215,7 @@ def test_a_token_outside_the_vocabulary_fails_its_request_alone(engine, monkeypa
     """A sampled id outside the vocabulary (non-finite logits drawn from on a device without
     checks) ends that request with an error; the others of the batch go on unchanged."""
 
-    class DrawsOutsideOnPoison:
-        def __init__(self, sampler, poisoned):
-            self.sampler, self.poisoned = sampler, poisoned
-
-        def __getattr__(self, name):
-            return getattr(self.sampler, name)
-
+    class DrawsOutsideOnPoison(_PoisonedSampler):
         def __call__(self, logits, rows, banned=(), allowed=None):
             sampled = self.sampler(logits, rows, banned, allowed)
             for index, row in enumerate(rows):
@@ -224,8 +223,4 @@ def test_a_token_outside_the_vocabulary_fails_its_request_alone(engine, monkeypa
                     sampled.token_ids[index] = bad_token
             return sampled
 
-    expected, errors, outputs = _beside_a_poisoned_request(engine, monkeypatch, DrawsOutsideOnPoison)
-    assert errors["a"] is None and errors["b"] is None
-    assert "not finite" in errors["poisoned"]
-    assert outputs["a"] == expected["a"] and outputs["b"] == expected["b"]
-    assert engine.scheduler.stats().num_used_blocks == 0
+    assert "not finite" in _poisoned_request_error(engine, monkeypatch, DrawsOutsideOnPoison)
