@@ -170,8 +170,9 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // Runs every layer over the step's rows; hidden [num_tokens, hidden_size] (written) ends as
   // the last layer's output, or hidden is the step's token ids (int64 [num_tokens]) and their
-  // rows of the embedding table (set_embedding) are the layers' input. Returns the final norm of the final_rows rows (int64 [R]) as
-  // float32 [R, hidden_size], or with `logits` their head's logits (set_head), float32 [R, vocab].
+  // rows of the embedding table (set_embedding) are the layers' input. Returns the final norm
+  // of the final_rows rows (int64 [R]) as float32 [R, hidden_size], or with `logits` their
+  // head's logits (set_head), float32 [R, vocab].
   // cos and sin: each rotary embedding's [num_tokens, rotary_dim] rows, or with rope_rows (int64
   // [num_tokens]) tables [P, rotary_dim] of which token t rotates by row rope_rows[t] (its position).
   virtual at::Tensor forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,

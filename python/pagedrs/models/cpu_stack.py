@@ -309,10 +309,9 @@ class CpuDecoderStack:
         model (in `model.ropes`'s order), or with ``rope_rows`` (each token's position, ``int64
         [num_tokens]``) `rope_tables`, token ``t`` reading their row ``rope_rows[t]``;
         ``kv_caches``: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` pair per layer,
-        this step's keys and
-        values written at each view's ``slot_mapping``; ``meta``: the step's metadata, or one per
-        attention view (they share their rows and chunks; their slots, block tables and masks
-        differ)."""
+        this step's keys and values written at each view's ``slot_mapping``; ``meta``: the
+        step's metadata, or one per attention view (they share their rows and chunks; their
+        slots, block tables and masks differ)."""
         metas = meta.metas if isinstance(meta, StepViews) else [meta]
         first = metas[0]
         kernel = first.kernel
