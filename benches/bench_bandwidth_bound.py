@@ -22,8 +22,8 @@ the machine's read bandwidth. Measured here, in one run:
   bandwidth of that moment), and the share reported is their median. On a VM whose bandwidth
   moves by half within a minute (the Zen 4 and Zen 5 VMs of 2026-12), the bound measured apart
   from the steps (a best pass of many, after every path ran) can belong to another moment; the
-  paired share cannot, though a single pass is slower than the best of many (the paired bound
-  is the larger, so its share is the larger: both are reported).
+  paired share cannot, though a single pass is no best of many. Either can be the larger (the
+  VM faster during the steps or after them): both are reported.
 
 Run on an idle machine:
 
