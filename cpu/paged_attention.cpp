@@ -90,11 +90,11 @@ struct WorkItem {
 };
 
 // The parts of one split item: part p's partial starts at float first + p * vectors *
-// (head_size + 2) of the plan's buffer (vectors: the item's rows times the query heads a KV head).
+// (head_size + 2) of the plan's buffer (vectors: the item's rows times the query heads of a KV
+// head, attend_item's num_vectors).
 struct Split {
   int64_t first;
   int num_parts;
-  int vectors;
 };
 
 template <typename T>
@@ -360,26 +360,26 @@ inline const float* as_float(const T* row, float* buf, int n) {
 // A part a vector sees none of left a maximum of -inf and zero sums: it adds exactly nothing.
 inline bool merge_parts(const Args& args, const WorkItem& item, int num_vectors, Scratch& scratch) {
   const Split& split = args.splits[item.split];
-  const int64_t head_size = args.head_size, vectors = split.vectors;
-  const auto partial = [&](int part) { return args.partials + split.first + part * vectors * (head_size + 2); };
+  const int64_t head_size = args.head_size;
+  const auto partial = [&](int part) { return args.partials + split.first + part * num_vectors * (head_size + 2); };
   float* mine = partial(item.part);
   std::copy(scratch.acc.begin(), scratch.acc.begin() + num_vectors * head_size, mine);
-  std::copy(scratch.max_score.begin(), scratch.max_score.begin() + num_vectors, mine + vectors * head_size);
-  std::copy(scratch.sum_exp.begin(), scratch.sum_exp.begin() + num_vectors, mine + vectors * (head_size + 1));
+  std::copy(scratch.max_score.begin(), scratch.max_score.begin() + num_vectors, mine + num_vectors * head_size);
+  std::copy(scratch.sum_exp.begin(), scratch.sum_exp.begin() + num_vectors, mine + num_vectors * (head_size + 1));
   // acq_rel: the last part sees every other part's partial.
   if (args.parts_done[item.split].fetch_add(1, std::memory_order_acq_rel) != split.num_parts - 1) return false;
   for (int v = 0; v < num_vectors; ++v) {
     float max_score = -std::numeric_limits<float>::infinity();
     for (int part = 0; part < split.num_parts; ++part) {
-      max_score = std::max(max_score, partial(part)[vectors * head_size + v]);
+      max_score = std::max(max_score, partial(part)[num_vectors * head_size + v]);
     }
     float* acc = scratch.acc.data() + v * head_size;
     std::fill(acc, acc + head_size, 0.f);
     float sum_exp = 0.f;
     for (int part = 0; part < split.num_parts; ++part) {
       const float* from = partial(part);
-      const float scale = std::exp(from[vectors * head_size + v] - max_score);  // 0 for a part it did not see
-      sum_exp += from[vectors * (head_size + 1) + v] * scale;
+      const float scale = std::exp(from[num_vectors * head_size + v] - max_score);  // 0 for a part it did not see
+      sum_exp += from[num_vectors * (head_size + 1) + v] * scale;
       const float* part_acc = from + v * head_size;
 #pragma omp simd
       for (int64_t d = 0; d < head_size; ++d) acc[d] += part_acc[d] * scale;
@@ -538,7 +538,7 @@ std::vector<WorkItem> work_items(const Args& args, int num_seqs, std::vector<Spl
           continue;
         }
         const int split = static_cast<int>(splits.size());
-        splits.push_back({partial_floats, num_parts, rows * group});
+        splits.push_back({partial_floats, num_parts});
         partial_floats += int64_t{num_parts} * rows * group * (args.head_size + 2);
         for (int part = 0; part < num_parts; ++part) {
           const int begin = std::max(keys_begin, (first_part + part) * kSplitKeys);
