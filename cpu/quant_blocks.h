@@ -34,6 +34,7 @@ namespace {
 constexpr int kBlockSize = 32;   // weights one dequant call makes: a block, or 1/8 of a k-quant superblock
 constexpr int kTokenTile = 8;    // tokens that share one dequantization of a weight block
 constexpr int kRowChunk = 64;    // weight rows walked by every token tile before the next rows
+constexpr int kSegmentWeights = 768;  // input features a tile of many tokens walks at a time
 
 using pagedrs_cpu::fp16_bits_to_float;  // kv_rows.h: the conversions shared with the KV cache's rows
 
@@ -394,7 +395,8 @@ struct HasAvx2Dequant<Format, std::void_t<decltype(&Format::dequant_avx2)>> : st
 // and one packed weight row of num_blocks blocks.
 template <class Format, int kTokens>
 inline void dot_row(const float* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ row,
-                    int64_t num_blocks, float* __restrict__ out, int64_t out_stride) {
+                    int64_t num_blocks, float* __restrict__ out, int64_t out_stride, bool accumulate = false) {
+  const auto put = [&](int t, float value) { out[t * out_stride] = accumulate ? out[t * out_stride] + value : value; };
 #ifdef PAGEDRS_QUANT_AVX512
   // Two accumulators per token (weights 0..15 and 16..31 of a block): two independent FMA chains
   // even for a single token.
@@ -411,7 +413,7 @@ inline void dot_row(const float* __restrict__ x, int64_t x_stride, const uint8_t
       }
     }
   }
-  for (int t = 0; t < kTokens; ++t) out[t * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[t], acc_hi[t]));
+  for (int t = 0; t < kTokens; ++t) put(t, _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[t], acc_hi[t])));
 #elif defined(PAGEDRS_QUANT_NEON)
   // Accumulators as AVX2's below: two per token up to 4 tokens (two independent FMA chains even
   // for one), one each beyond.
@@ -432,7 +434,7 @@ inline void dot_row(const float* __restrict__ x, int64_t x_stride, const uint8_t
     }
   }
   for (int t = 0; t < kTokens; ++t) {
-    out[t * out_stride] = vaddvq_f32(kAcc == 2 ? vaddq_f32(acc[t][0], acc[t][kAcc - 1]) : acc[t][0]);
+    put(t, vaddvq_f32(kAcc == 2 ? vaddq_f32(acc[t][0], acc[t][kAcc - 1]) : acc[t][0]));
   }
 #else
 #ifdef PAGEDRS_QUANT_AVX2
@@ -465,7 +467,7 @@ inline void dot_row(const float* __restrict__ x, int64_t x_stride, const uint8_t
       }
       const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
       const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      out[t * out_stride] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+      put(t, _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1))));
     }
     return;
   }
@@ -485,7 +487,7 @@ inline void dot_row(const float* __restrict__ x, int64_t x_stride, const uint8_t
   for (int t = 0; t < kTokens; ++t) {
     float sum = 0.f;
     for (int j = 0; j < kBlockSize; ++j) sum += acc[t][j];
-    out[t * out_stride] = sum;
+    put(t, sum);
   }
 #endif
 }
@@ -505,17 +507,17 @@ inline void prefetch_ahead(const uint8_t* begin, int64_t bytes, const uint8_t* e
 // The token count of a tile as a compile-time constant, so the accumulators live in registers.
 template <class Format>
 inline void dot_row_tokens(int num_tokens, const float* x, int64_t x_stride, const uint8_t* row, int64_t num_blocks,
-                           float* out, int64_t out_stride) {
+                           float* out, int64_t out_stride, bool accumulate = false) {
   static_assert(kTokenTile == 8);
   switch (num_tokens) {
-    case 1: return dot_row<Format, 1>(x, x_stride, row, num_blocks, out, out_stride);
-    case 2: return dot_row<Format, 2>(x, x_stride, row, num_blocks, out, out_stride);
-    case 3: return dot_row<Format, 3>(x, x_stride, row, num_blocks, out, out_stride);
-    case 4: return dot_row<Format, 4>(x, x_stride, row, num_blocks, out, out_stride);
-    case 5: return dot_row<Format, 5>(x, x_stride, row, num_blocks, out, out_stride);
-    case 6: return dot_row<Format, 6>(x, x_stride, row, num_blocks, out, out_stride);
-    case 7: return dot_row<Format, 7>(x, x_stride, row, num_blocks, out, out_stride);
-    default: return dot_row<Format, 8>(x, x_stride, row, num_blocks, out, out_stride);
+    case 1: return dot_row<Format, 1>(x, x_stride, row, num_blocks, out, out_stride, accumulate);
+    case 2: return dot_row<Format, 2>(x, x_stride, row, num_blocks, out, out_stride, accumulate);
+    case 3: return dot_row<Format, 3>(x, x_stride, row, num_blocks, out, out_stride, accumulate);
+    case 4: return dot_row<Format, 4>(x, x_stride, row, num_blocks, out, out_stride, accumulate);
+    case 5: return dot_row<Format, 5>(x, x_stride, row, num_blocks, out, out_stride, accumulate);
+    case 6: return dot_row<Format, 6>(x, x_stride, row, num_blocks, out, out_stride, accumulate);
+    case 7: return dot_row<Format, 7>(x, x_stride, row, num_blocks, out, out_stride, accumulate);
+    default: return dot_row<Format, 8>(x, x_stride, row, num_blocks, out, out_stride, accumulate);
   }
 }
 
@@ -525,14 +527,30 @@ void matmul_rows(const float* x, int64_t x_stride, const uint8_t* weight, float*
                  int64_t num_tokens, int64_t in_features, int64_t row_begin, int64_t row_end) {
   const int64_t num_blocks = in_features / Format::kWeights;
   const int64_t row_bytes = num_blocks * Format::kBytes;
+  // A tile of 8 tokens reads 8 rows of x for every weight row of a chunk; where those rows are
+  // long (the down projection's 1536 features: 48 KB of float32, more than Zen 3's 32 KB L1),
+  // they came from L2 again for each weight row, and 1536 -> 576 at 64 tokens ran 0.72-0.79x the
+  // weights a second of 576 -> 960 or 3072. So the features are walked in segments of at most
+  // kSegmentWeights (24 KB of x a tile), each row's sum carried from one to the next in its
+  // output: 1536 -> 576 took 0.71x the time at 64 tokens, 0.88x at 8 (Zen 3, one thread,
+  // alternated in one process; a segment's sum is added to the row's so far, so the additions
+  // round in another order). Not at 4 tokens or fewer, whose rows of x fit (a single stream's
+  // sums stay one chain), nor for rows of at most kSegmentWeights (576 -> 960 and 3072 split in
+  // 8- or 16-block segments took 1.04-1.23x the time: each segment ends in a horizontal sum).
+  const int64_t segment =
+      num_tokens > 4 ? std::max<int64_t>(1, kSegmentWeights / Format::kWeights) : num_blocks;
   for (int64_t chunk = row_begin; chunk < row_end; chunk += kRowChunk) {
     const int64_t chunk_end = std::min(row_end, chunk + kRowChunk);
     for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
       const int tile = static_cast<int>(std::min<int64_t>(kTokenTile, num_tokens - t0));
-      for (int64_t n = chunk; n < chunk_end; ++n) {
-        if (t0 == 0) prefetch_ahead(weight + n * row_bytes, row_bytes, weight + row_end * row_bytes);
-        dot_row_tokens<Format>(tile, x + t0 * x_stride, x_stride, weight + n * row_bytes, num_blocks,
-                               out + t0 * out_stride + n, out_stride);
+      for (int64_t b0 = 0; b0 < num_blocks; b0 += segment) {
+        const int64_t blocks = std::min(segment, num_blocks - b0);
+        for (int64_t n = chunk; n < chunk_end; ++n) {
+          if (t0 == 0 && b0 == 0) prefetch_ahead(weight + n * row_bytes, row_bytes, weight + row_end * row_bytes);
+          dot_row_tokens<Format>(tile, x + t0 * x_stride + b0 * Format::kWeights, x_stride,
+                                 weight + n * row_bytes + b0 * Format::kBytes, blocks, out + t0 * out_stride + n,
+                                 out_stride, b0 > 0);
+        }
       }
     }
   }
