@@ -537,8 +537,14 @@ void matmul_rows(const float* x, int64_t x_stride, const uint8_t* weight, float*
   // round in another order). Not at 4 tokens or fewer, whose rows of x fit (a single stream's
   // sums stay one chain), nor for rows of at most kSegmentWeights (576 -> 960 and 3072 split in
   // 8- or 16-block segments took 1.04-1.23x the time: each segment ends in a horizontal sum).
+  // AVX2 only: the AVX-512 path keeps a row's sums in the same order whatever its batch, and was
+  // not measured so.
+#ifdef PAGEDRS_QUANT_AVX2
   const int64_t segment =
       num_tokens > 4 ? std::max<int64_t>(1, kSegmentWeights / Format::kWeights) : num_blocks;
+#else
+  const int64_t segment = num_blocks;
+#endif
   for (int64_t chunk = row_begin; chunk < row_end; chunk += kRowChunk) {
     const int64_t chunk_end = std::min(row_end, chunk + kRowChunk);
     for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
