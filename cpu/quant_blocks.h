@@ -529,7 +529,7 @@ void matmul_rows(const float* x, int64_t x_stride, const uint8_t* weight, float*
   const int64_t row_bytes = num_blocks * Format::kBytes;
   // A tile of 8 tokens reads 8 rows of x for every weight row of a chunk; where those rows are
   // long (the down projection's 1536 features: 48 KB of float32, more than Zen 3's 32 KB L1),
-  // they came from L2 again for each weight row, and 1536 -> 576 at 64 tokens ran 0.72-0.79x the
+  // they came from L2 again for each weight row, and 1536 -> 576 at 64 tokens ran 0.65-0.83x the
   // weights a second of 576 -> 960 or 3072. So the features are walked in segments of at most
   // kSegmentWeights (24 KB of x a tile), each row's sum carried from one to the next in its
   // output: 1536 -> 576 took 0.71x the time at 64 tokens, 0.88x at 8 (Zen 3, one thread,
