@@ -391,12 +391,12 @@ template <class Format>
 struct HasAvx2Dequant<Format, std::void_t<decltype(&Format::dequant_avx2)>> : std::true_type {};
 #endif
 
-// out[t * out_stride] = sum_k x[t, k] * w[k] for the kTokens tokens of x (rows x_stride apart)
-// and one packed weight row of num_blocks blocks.
+// out[t * out_stride] = sum_k x[t, k] * w[k] (+= with accumulate) for the kTokens tokens of x
+// (rows x_stride apart) and one packed weight row of num_blocks blocks.
 template <class Format, int kTokens>
 inline void dot_row(const float* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ row,
                     int64_t num_blocks, float* __restrict__ out, int64_t out_stride, bool accumulate = false) {
-  const auto put = [&](int t, float value) { out[t * out_stride] = accumulate ? out[t * out_stride] + value : value; };
+  const auto put = [&](int t, float sum) { out[t * out_stride] = accumulate ? out[t * out_stride] + sum : sum; };
 #ifdef PAGEDRS_QUANT_AVX512
   // Two accumulators per token (weights 0..15 and 16..31 of a block): two independent FMA chains
   // even for a single token.

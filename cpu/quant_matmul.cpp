@@ -728,8 +728,8 @@ void stored_panel_dot(const Int8Rows& x, int64_t t0, const uint8_t* __restrict__
     // The register words' loops below, unrolled where AVX2 runs Q8_0 and Q4_1: there GCC kept
     // them rolled, each token's sums on the stack from one turn to the next (a store and a load
     // on every sum's chain), and the unrolled loops took 0.67-0.78x the time from 4 tokens on,
-    // 0.86-0.92x at 3 (Zen 3, one thread, the same outputs; Q4_0, which kept its sums in
-    // registers, 1.05-1.09x the time unrolled). VNNI builds, not measured so, are left to GCC.
+    // 0.86-0.92x at 3 (Zen 3, one thread, the same outputs). Q4_0 unrolled took 1.05-1.09x its
+    // rolled time, and stays rolled. VNNI builds, not measured so, are left to GCC.
     if constexpr (std::is_same_v<Format, Q8_0>) {
       const auto multiply = [&](int k) {
         const Weights w(V::loadu(block + 4 * k * kPanelRows));

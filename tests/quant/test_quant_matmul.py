@@ -26,6 +26,10 @@ SHAPES = [  # (num_tokens, out_features, in_features)
     (8, 64, 160),
     (13, 71, 576),
     (33, 200, 64),
+    # Over 4 tokens, rows longer than 768 features are walked in segments on the AVX2 path
+    # (matmul_rows): two of 24 blocks; then 24, 24 and 2, with a last tile of one token.
+    (13, 40, 1536),
+    (9, 30, 1600),
     # From 128 tokens on, panels of weight rows (8 MiB of float32, at least 256 rows) are
     # dequantized and multiplied by torch's sgemm:
     (128, 200, 96),  # one panel, straight into the output
@@ -33,7 +37,16 @@ SHAPES = [  # (num_tokens, out_features, in_features)
 ]
 
 
-K_SHAPES = [(1, 1, 256), (1, 97, 512), (3, 130, 768), (13, 71, 256), (33, 20, 512), (140, 300, 256), (129, 300, 8192)]
+K_SHAPES = [
+    (1, 1, 256),
+    (1, 97, 512),
+    (3, 130, 768),
+    (13, 71, 256),
+    (33, 20, 512),
+    (13, 40, 2304),  # three segments of 3 superblocks (AVX2, over 4 tokens)
+    (140, 300, 256),
+    (129, 300, 8192),
+]
 
 
 def packed_weight(qtype, out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
