@@ -461,6 +461,14 @@ class DecoderForCausalLM(nn.Module):
         hidden = self.final_hidden(input_ids, positions, kv_caches, meta, logits_indices, decoder_stack, rope_lengths)
         return self.compute_logits(hidden)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' rows of the embedding table, scaled where the family scales them."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embedding_scale != 1.0:
+            # As transformers: the scale in the model's dtype (Gemma's normalizer).
+            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        return hidden
+
     def final_hidden(
         self,
         input_ids: torch.Tensor,
@@ -477,17 +485,12 @@ class DecoderForCausalLM(nn.Module):
         ``rows`` tokens after the final norm, in the model's dtype (what the head reads, and
         what pooling requests pool). ``head``: the head's logits of those rows instead (before
         `_finish_logits`), from the stack's call (only where `CpuDecoderStack.has_head`)."""
-        tables = decoder_stack.rope_tables(positions) if decoder_stack is not None else None
-        if decoder_stack is not None and tables is not None and decoder_stack.embeds:
-            # The stack looks the ids up in the embedding table itself (`CpuDecoderStack.embeds`).
-            return decoder_stack(input_ids, tables, kv_caches, cast("StepCpuAttention", meta), rows, positions, head)
-        hidden = self.embed_tokens(input_ids)
-        if self.embedding_scale != 1.0:
-            # As transformers: the scale in the model's dtype (Gemma's normalizer).
-            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
-        if decoder_stack is not None and tables is not None:
-            # NOTE: the stack overwrites `hidden` in place (see below).
+        if decoder_stack is not None and (tables := decoder_stack.rope_tables(positions)) is not None:
+            # NOTE: the stack overwrites `hidden` in place (see below); where it `embeds`, it takes
+            # the token ids and looks them up in the embedding table itself.
+            hidden = input_ids if decoder_stack.embeds else self._embed(input_ids)
             return decoder_stack(hidden, tables, kv_caches, cast("StepCpuAttention", meta), rows, positions, head)
+        hidden = self._embed(input_ids)
         cos_sin = {
             key: cast(RotaryEmbedding, rope).cos_sin(positions, hidden.dtype, rope_lengths)
             for key, rope in self.ropes.items()
