@@ -106,6 +106,11 @@ int64_t int8_panel_rows();
 // (0: it leaves them to the hardware's prefetchers; chosen for this machine's CPU at load), or
 // -1 where the build has no stored panels.
 int64_t int8_panel_prefetch_bytes();
+// quant_matmul.cpp: a Q8_0, Q4_0 or Q4_1 weight [out_features, row_bytes] with each row's bytes
+// in the scales-first order (the same shape), for type ids with kScalesFirst, where
+// scales_first_rows() (AVX2 builds without AVX-512: the exact kernel reads them faster there).
+at::Tensor pack_scales_first(const at::Tensor& weight, int64_t ggml_type, int64_t in_features);
+bool scales_first_rows();
 
 // moe.cpp: x [num_tokens, hidden_size] through each token's top-k experts (topk_ids, topk_weights
 // [num_tokens, top_k]), experts' gate_up [E, 2 * I, ...] and down [E, H, ...] float32 or packed
@@ -207,7 +212,10 @@ constexpr int64_t kInt8Activations = 1 << 8;
 // ORed with kInt8Activations: the weight's bytes are in quant_matmul.cpp's stored int8 panels
 // (pack_int8_panels), which only the int8 path of an x86 build reads.
 constexpr int64_t kInt8Panels = 1 << 9;
-constexpr int64_t kKernelFlags = kInt8Activations | kInt8Panels;  // a type id less these is the ggml type
+// Exact activations only: each row's bytes are in quant_matmul.cpp's scales-first order
+// (pack_scales_first, quant_blocks.h), which only an AVX2 build reads.
+constexpr int64_t kScalesFirst = 1 << 10;
+constexpr int64_t kKernelFlags = kInt8Activations | kInt8Panels | kScalesFirst;  // a type id less these is the ggml type
 
 // quant_matmul.cpp: out [num_tokens, out_features] = x [num_tokens, in_features] @
 // dequant(weight)^T, all float32 and contiguous, weight packed in a GGUF block format

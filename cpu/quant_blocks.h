@@ -562,6 +562,264 @@ void matmul_rows(const float* x, int64_t x_stride, const uint8_t* weight, float*
   }
 }
 
+#ifdef PAGEDRS_QUANT_AVX2
+// ---------------------------------------------------------------------------------------------
+// Scales-first rows (AVX2 builds; type ids with kScalesFirst, cpu_kernels.h): a Q8_0, Q4_0 or
+// Q4_1 row's bytes permuted once at load so that its fp16 scales sit together at its start:
+//   [num_blocks fp16 d][num_blocks fp16 m (Q4_1 only)][num_blocks x kQuantBytes quants]
+// the quants of each block as GGUF stores them. The same bytes a row, so a tensor keeps its
+// shape and size, and a range of rows is still those rows (row-parallel shards, lookups).
+// Why: a single token's exact dot product is bound by its instructions on AVX2 (Zen 3: ~2.5
+// vector instructions a cycle over the FMA, conversion and shuffle pipes), and a GGUF block's
+// scales cost 4-5 of a Q4_1 block's ~22 (converting one fp16 pair, then broadcasting each from a
+// register, which Zen 3 issues once a cycle). Together at a row's start, 8 blocks' scales convert
+// in one instruction into a float buffer, and each block broadcasts its own from memory (a load,
+// no vector pipe). The values are the same floats, so the weights multiplied are the same.
+template <class Format>
+constexpr bool kHasMinimum = std::is_same_v<Format, Q4_1>;
+template <class Format>
+constexpr int kQuantBytes = Format::kBytes - (kHasMinimum<Format> ? 4 : 2);  // after d (and m)
+template <class Format>
+constexpr bool kScalesFirstFormat = std::is_same_v<Format, Q8_0> || std::is_same_v<Format, Q4_0> || kHasMinimum<Format>;
+
+// Where block b's fields are in a scales-first row of num_blocks blocks.
+template <class Format>
+inline const uint8_t* sf_scale(const uint8_t* row, int64_t b) { return row + 2 * b; }
+template <class Format>
+inline const uint8_t* sf_minimum(const uint8_t* row, int64_t num_blocks, int64_t b) {
+  return row + 2 * num_blocks + 2 * b;
+}
+template <class Format>
+inline const uint8_t* sf_quants(const uint8_t* row, int64_t num_blocks, int64_t b) {
+  return row + (kHasMinimum<Format> ? 4 : 2) * num_blocks + kQuantBytes<Format> * b;
+}
+
+// A GGUF row (num_blocks blocks) into its scales-first order (to), and back (scales_first_to_row).
+template <class Format>
+void row_to_scales_first(const uint8_t* row, int64_t num_blocks, uint8_t* to) {
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = row + b * Format::kBytes;
+    std::memcpy(to + 2 * b, block, 2);
+    if constexpr (kHasMinimum<Format>) std::memcpy(to + 2 * num_blocks + 2 * b, block + 2, 2);
+    std::memcpy(const_cast<uint8_t*>(sf_quants<Format>(to, num_blocks, b)), block + Format::kBytes - kQuantBytes<Format>,
+                kQuantBytes<Format>);
+  }
+}
+template <class Format>
+void scales_first_to_row(const uint8_t* from, int64_t num_blocks, uint8_t* row) {
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    uint8_t* block = row + b * Format::kBytes;
+    std::memcpy(block, sf_scale<Format>(from, b), 2);
+    if constexpr (kHasMinimum<Format>) std::memcpy(block + 2, sf_minimum<Format>(from, num_blocks, b), 2);
+    std::memcpy(block + Format::kBytes - kQuantBytes<Format>, sf_quants<Format>(from, num_blocks, b), kQuantBytes<Format>);
+  }
+}
+
+// Blocks a walk converts the scales of at a time (a row longer is walked in pieces, each
+// piece's sum added to the row's so far), and the float scales of one row's piece.
+constexpr int64_t kScalePiece = 64;
+struct PieceScales {
+  alignas(32) float d[kScalePiece];
+  alignas(32) float m[kScalePiece];
+};
+
+// The scales of blocks [b0, b0 + blocks) of a scales-first row as floats, 8 a conversion. The
+// last conversion may read up to 14 bytes past the piece's halves: still the row's (the
+// minimums or quants follow them), and the lanes it fills are never read.
+template <class Format>
+inline void convert_scales(const uint8_t* row, int64_t num_blocks, int64_t b0, int64_t blocks, PieceScales& s) {
+  for (int64_t j = 0; j < blocks; j += 8) {
+    _mm256_store_ps(s.d + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sf_scale<Format>(row, b0 + j)))));
+    if constexpr (kHasMinimum<Format>) {
+      _mm256_store_ps(s.m + j, _mm256_cvtph_ps(_mm_loadu_si128(
+                                   reinterpret_cast<const __m128i*>(sf_minimum<Format>(row, num_blocks, b0 + j)))));
+    }
+  }
+}
+
+// A block's 32 weights in four 8-lane registers from its quants and float scale (and minimum),
+// each the float Format::dequant_avx2 makes of it.
+template <class Format>
+inline void dequant_scaled(const uint8_t* quants, __m256 d, __m256 m, __m256 (&w)[4]) {
+  if constexpr (std::is_same_v<Format, Q8_0>) {
+    (void)m;
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + 8 * i));
+      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    }
+  } else {
+    // Weights 0..7 and 8..15 (the low nibbles of bytes 0..15) and 16..23, 24..31 (their high
+    // ones): bytes 0..7 and 8..15 zero-extended to int32 lanes straight from memory (each a load
+    // and one shuffle; unpack_nibbles_avx2's broadcast and two in-lane shuffles took longer here).
+    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants)));
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + 8)));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const __m256i q[4] = {_mm256_and_si256(first, mask), _mm256_and_si256(second, mask), _mm256_srli_epi32(first, 4),
+                          _mm256_srli_epi32(second, 4)};
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (kHasMinimum<Format>) {
+        w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[i]), m);  // one rounding, as Q4_1::dequant_avx2
+      } else {
+        w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(8))));
+      }
+    }
+  }
+}
+
+inline float sum_lanes(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+}
+
+// dot_row's sums (the same accumulators a token) for kRows scales-first rows at once (kRows 2
+// for a single token: its x loaded once for both; 1 otherwise): out[r][t * out_stride] for the
+// `blocks` blocks from quants[r] (a piece of row r's quants), whose scales are in scales[r].
+template <class Format, int kTokens, int kRows>
+inline void dot_rows_sf(const float* __restrict__ x, int64_t x_stride, const uint8_t* const (&quants)[kRows],
+                        const PieceScales* scales, int64_t blocks, float* const (&out)[kRows], int64_t out_stride,
+                        bool accumulate) {
+  // Accumulators as dot_row's, split between the rows where two share a token.
+  constexpr int kAcc = kTokens == 1 ? 4 / kRows : kTokens <= 4 ? 2 : 1;
+  __m256 acc[kRows][kTokens][kAcc];
+  for (int r = 0; r < kRows; ++r)
+    for (int t = 0; t < kTokens; ++t)
+      for (int a = 0; a < kAcc; ++a) acc[r][t][a] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < blocks; ++j) {
+    __m256 w[kRows][4];
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 d = _mm256_broadcast_ss(scales[r].d + j);
+      const __m256 m = kHasMinimum<Format> ? _mm256_broadcast_ss(scales[r].m + j) : d;
+      dequant_scaled<Format>(quants[r] + j * kQuantBytes<Format>, d, m, w[r]);
+    }
+    const float* xb = x + j * kBlockSize;
+    for (int t = 0; t < kTokens; ++t) {
+      for (int i = 0; i < 4; ++i) {
+        const __m256 xv = _mm256_loadu_ps(xb + t * x_stride + 8 * i);
+        for (int r = 0; r < kRows; ++r) acc[r][t][i % kAcc] = _mm256_fmadd_ps(xv, w[r][i], acc[r][t][i % kAcc]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int t = 0; t < kTokens; ++t) {
+      __m256 sum = acc[r][t][0];
+      if constexpr (kAcc == 4) {
+        sum = _mm256_add_ps(_mm256_add_ps(acc[r][t][0], acc[r][t][1]), _mm256_add_ps(acc[r][t][2], acc[r][t][3]));
+      } else if constexpr (kAcc == 2) {
+        sum = _mm256_add_ps(acc[r][t][0], acc[r][t][1]);
+      }
+      float& o = out[r][t * out_stride];
+      o = accumulate ? o + sum_lanes(sum) : sum_lanes(sum);
+    }
+  }
+}
+
+// dot_row's sums for one scales-first row: kTokens tokens and the `blocks` blocks from quants
+// (a piece of the row's quants), whose scales are in `scales`.
+template <class Format, int kTokens>
+inline void dot_row_sf(const float* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ quants,
+                       const float* __restrict__ d, const float* __restrict__ m, int64_t blocks,
+                       float* __restrict__ out, int64_t out_stride, bool accumulate) {
+  constexpr int kAcc = kTokens == 1 ? 4 : kTokens <= 4 ? 2 : 1;
+  __m256 acc[kTokens][kAcc];
+  for (int t = 0; t < kTokens; ++t)
+    for (int a = 0; a < kAcc; ++a) acc[t][a] = _mm256_setzero_ps();
+  // Each token's row of x through its own pointer, advanced a block at a time: written as
+  // dot_row's `x + b * 32 + t * x_stride`, GCC kept 32 offsets (one per token and register) on
+  // the stack, reloaded every block, and 8 tokens ran 1.2x dot_row's time.
+  const float* xt[kTokens];
+  for (int t = 0; t < kTokens; ++t) xt[t] = x + t * x_stride;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 w[4];
+    const __m256 db = _mm256_broadcast_ss(d + b);
+    dequant_scaled<Format>(quants + b * kQuantBytes<Format>, db, kHasMinimum<Format> ? _mm256_broadcast_ss(m + b) : db, w);
+    for (int t = 0; t < kTokens; ++t) {
+      for (int i = 0; i < 4; ++i) {
+        acc[t][i % kAcc] = _mm256_fmadd_ps(_mm256_loadu_ps(xt[t] + 8 * i), w[i], acc[t][i % kAcc]);
+      }
+      xt[t] += kBlockSize;
+    }
+  }
+  for (int t = 0; t < kTokens; ++t) {
+    __m256 sum = acc[t][0];
+    if constexpr (kAcc == 4) {
+      sum = _mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]), _mm256_add_ps(acc[t][2], acc[t][3]));
+    } else if constexpr (kAcc == 2) {
+      sum = _mm256_add_ps(acc[t][0], acc[t][1]);
+    }
+    out[t * out_stride] = accumulate ? out[t * out_stride] + sum_lanes(sum) : sum_lanes(sum);
+  }
+}
+
+template <class Format>
+inline void dot_row_sf_tokens(int num_tokens, const float* x, int64_t x_stride, const uint8_t* quants,
+                              const PieceScales& scales, int64_t blocks, float* out, int64_t out_stride, bool accumulate) {
+  static_assert(kTokenTile == 8);
+  const auto run = [&](auto tokens) {
+    dot_row_sf<Format, decltype(tokens)::value>(x, x_stride, quants, scales.d, scales.m, blocks, out, out_stride,
+                                                accumulate);
+  };
+  switch (num_tokens) {
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 5: return run(std::integral_constant<int, 5>{});
+    case 6: return run(std::integral_constant<int, 6>{});
+    case 7: return run(std::integral_constant<int, 7>{});
+    default: return run(std::integral_constant<int, 8>{});
+  }
+}
+
+// matmul_rows over scales-first rows: the same walk (chunks of rows, tiles of tokens, segments
+// of features), each row's piece of scales converted before its blocks, at most kScalePiece
+// blocks at a time; a single token takes its rows two at a time (dot_rows_sf).
+template <class Format>
+void matmul_rows_sf(const float* x, int64_t x_stride, const uint8_t* weight, float* out, int64_t out_stride,
+                    int64_t num_tokens, int64_t in_features, int64_t row_begin, int64_t row_end) {
+  const int64_t num_blocks = in_features / Format::kWeights;
+  const int64_t row_bytes = num_blocks * Format::kBytes;
+  const uint8_t* weight_end = weight + row_end * row_bytes;
+  static_assert(kSegmentWeights / kBlockSize % 8 == 0 && kSegmentWeights / kBlockSize <= kScalePiece);
+  const int64_t segment = num_tokens > 4 ? kSegmentWeights / kBlockSize : kScalePiece;
+  PieceScales scales[2];
+  if (num_tokens == 1) {
+    int64_t n = row_begin;
+    for (; n + 1 < row_end; n += 2) {
+      const uint8_t* const rows[2] = {weight + n * row_bytes, weight + (n + 1) * row_bytes};
+      prefetch_ahead(rows[0], 2 * row_bytes, weight_end);
+      float* const outs[2] = {out + n, out + n + 1};
+      for (int64_t b0 = 0; b0 < num_blocks; b0 += segment) {
+        const int64_t blocks = std::min(segment, num_blocks - b0);
+        convert_scales<Format>(rows[0], num_blocks, b0, blocks, scales[0]);
+        convert_scales<Format>(rows[1], num_blocks, b0, blocks, scales[1]);
+        const uint8_t* const quants[2] = {sf_quants<Format>(rows[0], num_blocks, b0),
+                                          sf_quants<Format>(rows[1], num_blocks, b0)};
+        dot_rows_sf<Format, 1, 2>(x + b0 * Format::kWeights, x_stride, quants, scales, blocks, outs, out_stride, b0 > 0);
+      }
+    }
+    row_begin = n;  // an odd last row: below
+  }
+  for (int64_t chunk = row_begin; chunk < row_end; chunk += kRowChunk) {
+    const int64_t chunk_end = std::min(row_end, chunk + kRowChunk);
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
+      const int tile = static_cast<int>(std::min<int64_t>(kTokenTile, num_tokens - t0));
+      for (int64_t b0 = 0; b0 < num_blocks; b0 += segment) {
+        const int64_t blocks = std::min(segment, num_blocks - b0);
+        for (int64_t n = chunk; n < chunk_end; ++n) {
+          const uint8_t* row = weight + n * row_bytes;
+          if (t0 == 0 && b0 == 0) prefetch_ahead(row, row_bytes, weight_end);
+          convert_scales<Format>(row, num_blocks, b0, blocks, scales[0]);
+          dot_row_sf_tokens<Format>(tile, x + t0 * x_stride + b0 * Format::kWeights, x_stride,
+                                    sf_quants<Format>(row, num_blocks, b0), scales[0], blocks,
+                                    out + t0 * out_stride + n, out_stride, b0 > 0);
+        }
+      }
+    }
+  }
+}
+#endif  // PAGEDRS_QUANT_AVX2
+
 // ---------------------------------------------------------------------------------------------
 // int8 activations (opt-in; quant_matmul.cpp's header comment has the scheme). The quantized
 // rows are shared by every instruction set; x86's kernels are in quant_matmul.cpp, the NEON ones

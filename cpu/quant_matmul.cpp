@@ -80,16 +80,18 @@ constexpr int64_t kQ8_0 = 8;
 constexpr int64_t kQ4_K = 12;
 constexpr int64_t kQ6_K = 14;
 
-// run(Format{}) for one of the formats int8 activations take (Q8_0, Q4_0, Q4_1): the caller has
-// checked that ggml_type is one of them.
+// run(Format{}) for one of ggml's legacy 32-weight formats (Q8_0, Q4_0, Q4_1), those int8
+// activations, stored panels and scales-first rows take: the caller has checked that ggml_type is
+// one of them.
 template <class Run>
-void with_int8_format(int64_t ggml_type, Run&& run) {
+void with_legacy_format(int64_t ggml_type, Run&& run) {
   switch (ggml_type) {
     case kQ8_0: run(Q8_0{}); break;
     case kQ4_0: run(Q4_0{}); break;
     default: run(Q4_1{}); break;
   }
 }
+
 
 // Steps of many tokens (a prompt's prefill, an embedding batch) are compute-bound, and there the
 // per-row kernel (quant_blocks.h), which dequantizes each block once per tile of 8 tokens, loses to torch's
@@ -117,9 +119,30 @@ void dequant_rows(const uint8_t* weight, int64_t in_features, int64_t row_begin,
   }
 }
 
+// dequant_rows of rows in GGUF's order, or in the scales-first one (put back in GGUF's first).
 template <class Format>
-void matmul_dequant_gemm(const float* x, const uint8_t* weight, float* out, int64_t num_tokens, int64_t in_features,
-                         int64_t out_features) {
+void dequant_rows_of(const uint8_t* weight, bool scales_first, int64_t in_features, int64_t row_begin,
+                     int64_t row_end, float* out) {
+#ifdef PAGEDRS_QUANT_AVX2
+  if constexpr (kScalesFirstFormat<Format>) {
+    if (scales_first) {
+      const int64_t num_blocks = in_features / Format::kWeights, row_bytes = num_blocks * Format::kBytes;
+      std::vector<uint8_t> row(row_bytes);
+      for (int64_t n = row_begin; n < row_end; ++n) {
+        scales_first_to_row<Format>(weight + n * row_bytes, num_blocks, row.data());
+        dequant_rows<Format>(row.data(), in_features, 0, 1, out + (n - row_begin) * in_features);
+      }
+      return;
+    }
+  }
+#endif
+  (void)scales_first;  // checked by the caller: only the formats and builds above have it
+  dequant_rows<Format>(weight, in_features, row_begin, row_end, out);
+}
+
+template <class Format>
+void matmul_dequant_gemm(const float* x, const uint8_t* weight, bool scales_first, float* out, int64_t num_tokens,
+                         int64_t in_features, int64_t out_features) {
   const auto options = at::TensorOptions().dtype(at::kFloat);
   const at::Tensor xs = at::from_blob(const_cast<float*>(x), {num_tokens, in_features}, options);
   at::Tensor outs = at::from_blob(out, {num_tokens, out_features}, options);
@@ -129,7 +152,7 @@ void matmul_dequant_gemm(const float* x, const uint8_t* weight, float* out, int6
     const int64_t rows = std::min(panel_rows, out_features - n0);
     float* panel_data = panel.data_ptr<float>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      dequant_rows<Format>(weight, in_features, n0 + begin, n0 + end, panel_data + begin * in_features);
+      dequant_rows_of<Format>(weight, scales_first, in_features, n0 + begin, n0 + end, panel_data + begin * in_features);
     });
     if (rows == out_features) {
       at::mm_out(outs, xs, panel.t());  // one panel: straight into out
@@ -897,7 +920,7 @@ std::pair<int64_t, int64_t> matmul_int8_units(const Int8Rows& rows, const uint8_
                                               bool stored_panels, int64_t begin, int64_t end) {
 #ifdef PAGEDRS_INT8_PANELS
   if (stored_panels) {
-    with_int8_format(ggml_type, [&](auto format) {
+    with_legacy_format(ggml_type, [&](auto format) {
       matmul_stored_panels<decltype(format)>(rows, weight, out, out_features, num_tokens, begin, end);
     });
     return {begin * kPanelRows, end * kPanelRows};
@@ -907,7 +930,7 @@ std::pair<int64_t, int64_t> matmul_int8_units(const Int8Rows& rows, const uint8_
 #endif
   const int64_t unit_rows = int8_units(out_features, false).rows;
   const int64_t row_begin = begin * unit_rows, row_end = std::min(out_features, end * unit_rows);
-  with_int8_format(ggml_type, [&](auto format) {
+  with_legacy_format(ggml_type, [&](auto format) {
     matmul_rows_int8<decltype(format)>(rows, weight, out, out_features, num_tokens, row_begin, row_end);
   });
   return {row_begin, row_end};
@@ -938,6 +961,23 @@ bool matmul_int8(const float* x, const uint8_t* weight, float* out, int64_t num_
 }  // namespace
 
 namespace pagedrs_cpu {
+
+// Whether a type id's format has scales-first rows (quant_blocks.h), its flags aside.
+static bool scales_first_takes(int64_t ggml_type) {
+  const int64_t format = ggml_type & ~kKernelFlags;
+  return format == kQ8_0 || format == kQ4_0 || format == kQ4_1;
+}
+
+// Fails for a type id with kScalesFirst this build does not read: not an AVX2 build, another
+// format, or with int8 activations (whose own layout is the stored panels).
+static void check_scales_first(int64_t ggml_type) {
+  if (!(ggml_type & kScalesFirst)) return;
+  TORCH_CHECK(scales_first_rows(), "pagedrs_cpu: this build has no scales-first rows (type ", ggml_type,
+              ")");
+  TORCH_CHECK(scales_first_takes(ggml_type) && !(ggml_type & (kInt8Activations | kInt8Panels)),
+              "pagedrs_cpu: scales-first rows hold Q8_0, Q4_0 or Q4_1 blocks for exact activations, got type ",
+              ggml_type);
+}
 
 std::string int8_activation_path() {
 #ifdef PAGEDRS_INT8_ACTIVATIONS
@@ -983,9 +1023,46 @@ at::Tensor pack_int8_panels(const at::Tensor& weight, int64_t ggml_type, int64_t
               int8_panel_rows(), " rows, got ", weight.size(0));
   at::Tensor packed = at::empty_like(weight);
 #ifdef PAGEDRS_INT8_PANELS
-  with_int8_format(format, [&](auto block) {
+  with_legacy_format(format, [&](auto block) {
     pack_panels<decltype(block)>(weight.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(), weight.size(0),
                                  in_features / kBlockSize);
+  });
+#endif
+  return packed;
+}
+
+bool scales_first_rows() {
+#ifdef PAGEDRS_QUANT_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The weight's rows in the scales-first order (quant_blocks.h), a new tensor of the same shape,
+// for type ids with kScalesFirst.
+//   weight: uint8 [out_features, in_features / 32 * block_bytes] of ggml_type (Q8_0, Q4_0, Q4_1)
+at::Tensor pack_scales_first(const at::Tensor& weight, int64_t ggml_type, int64_t in_features) {
+  TORCH_CHECK(scales_first_rows(), "pagedrs_cpu: this build has no scales-first rows (AVX2 builds only)");
+  TORCH_CHECK(scales_first_takes(ggml_type) && !(ggml_type & kKernelFlags),
+              "pagedrs_cpu: scales-first rows hold Q8_0 (8), Q4_0 (2) or Q4_1 (3) blocks, got type ", ggml_type);
+  const int64_t bytes = quant_block_bytes(ggml_type);
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                  weight.dim() == 2 && in_features > 0 && in_features % kBlockSize == 0 &&
+                  weight.size(1) == in_features / kBlockSize * bytes,
+              "pagedrs_cpu: weight must be contiguous uint8 [out_features, ", in_features / kBlockSize * bytes,
+              "] for type ", ggml_type, " and ", in_features, " input features, got ", weight.sizes());
+  at::Tensor packed = at::empty_like(weight);
+#ifdef PAGEDRS_QUANT_AVX2
+  const int64_t num_blocks = in_features / kBlockSize, row_bytes = weight.size(1);
+  const uint8_t* from = weight.data_ptr<uint8_t>();
+  uint8_t* to = packed.data_ptr<uint8_t>();
+  with_legacy_format(ggml_type, [&](auto format) {
+    at::parallel_for(0, weight.size(0), 256, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        row_to_scales_first<decltype(format)>(from + n * row_bytes, num_blocks, to + n * row_bytes);
+      }
+    });
   });
 #endif
   return packed;
@@ -1023,6 +1100,14 @@ void quant_matmul_rows_f32(const float* x, int64_t x_stride, const uint8_t* weig
   TORCH_CHECK(!(ggml_type & kInt8Panels), "pagedrs_cpu: stored int8 panels are read by quant_matmul only");
   if (num_tokens == 0 || row_begin >= row_end) return;
   const auto args = [&](auto run) { run(x, x_stride, weight, out, out_stride, num_tokens, in_features, row_begin, row_end); };
+  if (ggml_type & kScalesFirst) {
+#ifdef PAGEDRS_QUANT_AVX2
+    with_legacy_format(ggml_type & ~kKernelFlags, [&](auto format) { args(matmul_rows_sf<decltype(format)>); });
+    return;
+#else
+    TORCH_CHECK(false, "pagedrs_cpu: this build has no scales-first rows");
+#endif
+  }
   switch (ggml_type & ~kKernelFlags) {  // always exact (the experts' kernel calls it)
     case kQ8_0: args(matmul_rows<Q8_0>); break;
     case kQ4_0: args(matmul_rows<Q4_0>); break;
@@ -1041,6 +1126,8 @@ void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t
                                  out_features % int8_panel_rows() == 0),
               "pagedrs_cpu: stored int8 panels (type ", ggml_type, ") need int8 activations, a VNNI build and ",
               "whole panels of ", int8_panel_rows(), " rows; got ", out_features, " rows");
+  const bool scales_first = ggml_type & kScalesFirst;
+  check_scales_first(ggml_type);
 #ifdef PAGEDRS_INT8_ACTIVATIONS
   if ((ggml_type & kInt8Activations) &&
       matmul_int8(x, weight, out, num_tokens, in_features, out_features, ggml_type & ~kKernelFlags, stored_panels)) {
@@ -1050,11 +1137,11 @@ void quant_matmul_f32(const float* x, const uint8_t* weight, float* out, int64_t
   TORCH_CHECK(!stored_panels, "pagedrs_cpu: stored int8 panels hold Q8_0, Q4_0 or Q4_1 blocks only");
   if (num_tokens >= kGemmTokens) {
     switch (ggml_type & ~kKernelFlags) {
-      case kQ8_0: return matmul_dequant_gemm<Q8_0>(x, weight, out, num_tokens, in_features, out_features);
-      case kQ4_0: return matmul_dequant_gemm<Q4_0>(x, weight, out, num_tokens, in_features, out_features);
-      case kQ4_1: return matmul_dequant_gemm<Q4_1>(x, weight, out, num_tokens, in_features, out_features);
-      case kQ4_K: return matmul_dequant_gemm<Q4_K>(x, weight, out, num_tokens, in_features, out_features);
-      default: return matmul_dequant_gemm<Q6_K>(x, weight, out, num_tokens, in_features, out_features);
+      case kQ8_0: return matmul_dequant_gemm<Q8_0>(x, weight, scales_first, out, num_tokens, in_features, out_features);
+      case kQ4_0: return matmul_dequant_gemm<Q4_0>(x, weight, scales_first, out, num_tokens, in_features, out_features);
+      case kQ4_1: return matmul_dequant_gemm<Q4_1>(x, weight, scales_first, out, num_tokens, in_features, out_features);
+      case kQ4_K: return matmul_dequant_gemm<Q4_K>(x, weight, scales_first, out, num_tokens, in_features, out_features);
+      default: return matmul_dequant_gemm<Q6_K>(x, weight, scales_first, out, num_tokens, in_features, out_features);
     }
   }
   // A range of at least 16 rows per thread: smaller ones cost more in scheduling than they save.
@@ -1086,6 +1173,7 @@ std::pair<int64_t, int64_t> quant_matmul_part_f32(const float* x, const uint8_t*
 
 bool quant_matmul_splits(int64_t num_tokens, int64_t out_features, int64_t ggml_type) {
   if (ggml_type == 0 || num_tokens >= kGemmTokens || packed_block_bytes(ggml_type) == 0) return false;
+  if (ggml_type & kScalesFirst) return scales_first_rows() && scales_first_takes(ggml_type);
   if (!(ggml_type & kInt8Panels)) return true;
 #ifdef PAGEDRS_INT8_ACTIVATIONS
   return (ggml_type & kInt8Activations) && int8_takes(ggml_type & ~kKernelFlags) &&
@@ -1136,6 +1224,8 @@ at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids,
   const int64_t block_weights = pagedrs_cpu::quant_block_weights(ggml_type);
   const int64_t format = ggml_type & ~kKernelFlags;
   const bool stored_panels = ggml_type & kInt8Panels;
+  const bool scales_first = ggml_type & kScalesFirst;
+  check_scales_first(ggml_type);
   TORCH_CHECK(!stored_panels || (int8_panel_rows() > 0 && (format == kQ8_0 || format == kQ4_0 || format == kQ4_1) &&
                                  weight.size(0) % int8_panel_rows() == 0),
               "pagedrs_cpu: stored int8 panels (type ", ggml_type, ") hold whole panels of ", int8_panel_rows(),
@@ -1160,14 +1250,22 @@ at::Tensor embedding_rows(const at::Tensor& weight, const at::Tensor& token_ids,
   float* rows = out.data_ptr<float>();
   const int64_t row_bytes = weight.size(1);
   at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> unpacked(stored_panels ? row_bytes : 0);  // a row of stored panels, as GGUF's
+    std::vector<uint8_t> unpacked(stored_panels || scales_first ? row_bytes : 0);  // a row, as GGUF's
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = table + ids[i] * row_bytes;
       float* dst = rows + i * in_features;
 #ifdef PAGEDRS_INT8_PANELS
       if (stored_panels) {
-        with_int8_format(format, [&](auto block) {
+        with_legacy_format(format, [&](auto block) {
           unpack_panel_row<decltype(block)>(table, ids[i], in_features / kBlockSize, unpacked.data());
+        });
+        row = unpacked.data();
+      }
+#endif
+#ifdef PAGEDRS_QUANT_AVX2
+      if (scales_first) {
+        with_legacy_format(format, [&](auto block) {
+          scales_first_to_row<decltype(block)>(row, in_features / kBlockSize, unpacked.data());
         });
         row = unpacked.data();
       }

@@ -26,6 +26,8 @@ TORCH_LIBRARY(pagedrs_cpu, m) {
   m.def("int8_panel_prefetch_bytes() -> int", &pagedrs_cpu::int8_panel_prefetch_bytes);
   m.def("pack_int8_panels(Tensor weight, int ggml_type, int in_features) -> Tensor");
   m.def("int8_panel_rows() -> int", &pagedrs_cpu::int8_panel_rows);
+  m.def("pack_scales_first(Tensor weight, int ggml_type, int in_features) -> Tensor");
+  m.def("scales_first_rows() -> bool", &pagedrs_cpu::scales_first_rows);
   // moe.cpp
   m.def("fused_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, int gate_up_type, "
         "Tensor down, int down_type, int intermediate_size, int activation, Tensor? gate_up_bias=None, "
@@ -56,5 +58,6 @@ TORCH_LIBRARY_IMPL(pagedrs_cpu, CPU, m) {
   m.impl("quant_matmul", &pagedrs_cpu::quant_matmul);
   m.impl("embedding_rows", &pagedrs_cpu::embedding_rows);
   m.impl("pack_int8_panels", &pagedrs_cpu::pack_int8_panels);
+  m.impl("pack_scales_first", &pagedrs_cpu::pack_scales_first);
   m.impl("fused_experts", &pagedrs_cpu::fused_experts);
 }
