@@ -1,6 +1,7 @@
 // quant_blocks.h without torch, on whichever vector path the compiler targets (NEON, AVX2,
 // AVX-512 or none): for each format, matmul_rows on random blocks against a double-precision sum
-// over the scalar dequant (within 1e-5 of sum |x * w|: float32 sums in another order), the vector
+// over the scalar dequant (within 1e-5 of sum |x * w|: float32 sums in another order; on AVX2
+// also matmul_rows_sf on the same rows in the scales-first order), the vector
 // dequant against the scalar one bit for bit, fp16_to_float against the bit-level conversion
 // for all 65536 halves, kv_rows.h's row conversions (a float16 or fp8 KV cache's) against e4m3's
 // definition for every byte, and on aarch64 the int8-activation kernels (quantization and
@@ -149,36 +150,53 @@ void check_matmul(const char* name, std::initializer_list<int> halves, std::mt19
         std::vector<float> x(num_tokens * x_stride);
         for (float& value : x) value = uniform(rng);
         const int64_t out_stride = num_rows + 3;
+        const int64_t split = num_rows / 3;  // two ranges of rows, as two threads would take them
+        const auto verify = [&](const std::vector<float>& out, const char* layout) {
+          ++counts.matmuls;
+          for (int t = 0; t < num_tokens; ++t) {
+            for (int64_t n = 0; n < out_stride; ++n) {
+              const float got = out[t * out_stride + n];
+              if (n >= num_rows) {
+                if (!std::isnan(got)) fail("%s%s wrote past its rows: token %d, column %lld", name, layout, t, (long long)n);
+                continue;
+              }
+              double sum = 0, magnitude = 0;
+              for (int64_t k = 0; k < in_features; ++k) {
+                const double product = static_cast<double>(x[t * x_stride + k]) * w[n * in_features + k];
+                sum += product;
+                magnitude += std::fabs(product);
+              }
+              if (!(std::fabs(got - sum) <= 1e-5 * magnitude)) {
+                fail("%s%s, %lld input features, %lld rows, %d tokens: out[%d, %lld] = %.9g, reference %.9g (sum "
+                     "|x*w| %.6g)",
+                     name, layout, (long long)in_features, (long long)num_rows, num_tokens, t, (long long)n, got, sum,
+                     magnitude);
+              }
+              ++counts.outputs;
+            }
+          }
+        };
         std::vector<float> out(num_tokens * out_stride, std::numeric_limits<float>::quiet_NaN());
-        // Two ranges of rows, as two threads would take them.
-        const int64_t split = num_rows / 3;
         matmul_rows<Format>(x.data(), x_stride, weight.data(), out.data(), out_stride, num_tokens, in_features, 0,
                             split);
         matmul_rows<Format>(x.data(), x_stride, weight.data(), out.data(), out_stride, num_tokens, in_features, split,
                             num_rows);
-        ++counts.matmuls;
-        for (int t = 0; t < num_tokens; ++t) {
-          for (int64_t n = 0; n < out_stride; ++n) {
-            const float got = out[t * out_stride + n];
-            if (n >= num_rows) {
-              if (!std::isnan(got)) fail("%s wrote past its rows: token %d, column %lld", name, t, (long long)n);
-              continue;
-            }
-            double sum = 0, magnitude = 0;
-            for (int64_t k = 0; k < in_features; ++k) {
-              const double product = static_cast<double>(x[t * x_stride + k]) * w[n * in_features + k];
-              sum += product;
-              magnitude += std::fabs(product);
-            }
-            if (!(std::fabs(got - sum) <= 1e-5 * magnitude)) {
-              fail("%s, %lld input features, %lld rows, %d tokens: out[%d, %lld] = %.9g, reference %.9g (sum |x*w| "
-                   "%.6g)",
-                   name, (long long)in_features, (long long)num_rows, num_tokens, t, (long long)n, got, sum,
-                   magnitude);
-            }
-            ++counts.outputs;
+        verify(out, "");
+#ifdef PAGEDRS_QUANT_AVX2
+        if constexpr (kScalesFirstFormat<Format>) {  // the same rows in the scales-first order
+          const int64_t row_bytes = num_blocks * Format::kBytes;
+          std::vector<uint8_t> stored(weight.size());
+          for (int64_t n = 0; n < num_rows; ++n) {
+            row_to_scales_first<Format>(weight.data() + n * row_bytes, num_blocks, stored.data() + n * row_bytes);
           }
+          std::vector<float> sf_out(num_tokens * out_stride, std::numeric_limits<float>::quiet_NaN());
+          matmul_rows_sf<Format>(x.data(), x_stride, stored.data(), sf_out.data(), out_stride, num_tokens, in_features,
+                                 0, split);
+          matmul_rows_sf<Format>(x.data(), x_stride, stored.data(), sf_out.data(), out_stride, num_tokens, in_features,
+                                 split, num_rows);
+          verify(sf_out, " (scales-first rows)");
         }
+#endif
       }
     }
   }

@@ -2,7 +2,10 @@
 with ``gguf.quants``, then ``F.linear``" up to the order of the additions, for every format
 (the k-quants Q4_K and Q6_K on random blocks: gguf.quants cannot make them),
 odd token counts, output counts that are not a multiple of any tile, and float32, bfloat16 or
-float16 activations; the torch dequantizer and Q8_0 quantizer equal ``gguf.quants`` bit for bit."""
+float16 activations; the torch dequantizer and Q8_0 quantizer equal ``gguf.quants`` bit for bit.
+On AVX2 builds the same holds for rows in the scales-first order (``pack_scales_first``,
+``SCALES_FIRST``), whose lookups give the GGUF rows' values bit for bit; elsewhere they are
+refused."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from gguf import GGMLQuantizationType, quants
 
 from pagedrs.checkpoint import ggml_blocks
 from pagedrs.kernels import cpu as cpu_kernels
-from pagedrs.quant.layers import INT8_ACTIVATIONS
+from pagedrs.quant.layers import INT8_ACTIVATIONS, SCALES_FIRST
 from tests.helpers.k_quants import K_QUANTS, random_k_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels do not build here")
@@ -71,12 +74,88 @@ def test_matches_dequantize_then_linear_in_float32(qtype, shape):
     packed, weight = packed_weight(qtype, out_features, in_features, seed=num_tokens * 1000 + out_features)
     x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(1))
     out = cpu_kernels.load().quant_matmul(x, packed, int(qtype), in_features)
+    assert_dequantize_then_linear(out, x, weight)
+
+
+def assert_dequantize_then_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
     expected = F.linear(x.double(), weight.double())
-    assert out.dtype == torch.float32 and out.shape == (num_tokens, out_features)
+    assert out.dtype == torch.float32 and out.shape == expected.shape
     # Float32 sums of in_features products in another order: errors of a few ulps of the
     # sum of |terms|.
-    bound = 8 * in_features * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
+    bound = 8 * x.shape[1] * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
     assert ((out.double() - expected).abs() <= bound + 1e-30).all()
+
+
+needs_scales_first = pytest.mark.skipif(
+    not cpu_kernels.available() or not cpu_kernels.load().scales_first_rows(),
+    reason="this build reads no scales-first rows (AVX2 builds only)",
+)
+SCALES_FIRST_SHAPES = SHAPES + [
+    # One token takes rows two at a time (an odd last row alone); up to 4 tokens a row's
+    # scales are converted 64 blocks at a time: 4096 features are two pieces, 2080 a piece of
+    # 64 blocks and one of 1.
+    (1, 2, 32),
+    (1, 9, 4096),
+    (1, 5, 2080),
+    (4, 6, 2080),
+]
+
+
+@needs_scales_first
+@pytest.mark.parametrize(
+    ("qtype", "shape"),
+    [(qtype, shape) for qtype in FORMATS for shape in SCALES_FIRST_SHAPES],
+    ids=lambda value: value.name if isinstance(value, GGMLQuantizationType) else "x".join(map(str, value)),
+)
+def test_scales_first_rows_match_dequantize_then_linear(qtype, shape):
+    num_tokens, out_features, in_features = shape
+    packed, weight = packed_weight(qtype, out_features, in_features, seed=num_tokens * 1000 + out_features)
+    ops = cpu_kernels.load()
+    stored = ops.pack_scales_first(packed, int(qtype), in_features)
+    assert stored.shape == packed.shape and stored.dtype == torch.uint8
+    x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(1))
+    assert_dequantize_then_linear(ops.quant_matmul(x, stored, int(qtype) | SCALES_FIRST, in_features), x, weight)
+
+
+@needs_scales_first
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_scales_first_rows_hold_the_layout_and_look_up_as_gguf_rows(qtype):
+    packed, weight = packed_weight(qtype, 5, 96, seed=4)
+    stored = cpu_kernels.load().pack_scales_first(packed, int(qtype), 96)
+    # Each row: its 3 blocks' fp16 d, then (Q4_1) their fp16 m, then their quants in order.
+    blocks = packed.view(5, 3, -1)
+    halves = 2 if qtype == GGMLQuantizationType.Q4_1 else 1
+    expected = torch.cat(
+        [blocks[:, :, 2 * h : 2 * h + 2].reshape(5, -1) for h in range(halves)]
+        + [blocks[:, :, 2 * halves :].reshape(5, -1)],
+        dim=1,
+    )
+    assert torch.equal(stored, expected)
+    ids = torch.tensor([4, 0, 2, 4])
+    assert torch.equal(cpu_kernels.load().embedding_rows(stored, ids, int(qtype) | SCALES_FIRST, 96), weight[ids])
+
+
+def test_scales_first_rows_are_refused_where_they_cannot_be_read():
+    ops = cpu_kernels.load()
+    q4_1 = GGMLQuantizationType.Q4_1
+    packed, _ = packed_weight(q4_1, 8, 64, seed=2)
+    x = torch.randn(2, 64)
+    if not ops.scales_first_rows():
+        with pytest.raises(RuntimeError, match="no scales-first rows"):
+            ops.pack_scales_first(packed, int(q4_1), 64)
+        with pytest.raises(RuntimeError, match="no scales-first rows"):
+            ops.quant_matmul(x, packed, int(q4_1) | SCALES_FIRST, 64)
+        return
+    with pytest.raises(RuntimeError, match="Q8_0 .8., Q4_0 .2. or Q4_1 .3."):
+        ops.pack_scales_first(torch.zeros(2, 144, dtype=torch.uint8), int(GGMLQuantizationType.Q4_K), 256)
+    with pytest.raises(RuntimeError, match="must be contiguous uint8"):
+        ops.pack_scales_first(packed, int(q4_1), 96)
+    stored = ops.pack_scales_first(packed, int(q4_1), 64)
+    with pytest.raises(RuntimeError, match="for exact activations"):  # int8's own layout is the panels
+        ops.quant_matmul(x, stored, int(q4_1) | SCALES_FIRST | INT8_ACTIVATIONS, 64)
+    k_blocks, _ = packed_weight(GGMLQuantizationType.Q4_K, 2, 256, seed=3)
+    with pytest.raises(RuntimeError, match="hold Q8_0, Q4_0 or Q4_1"):
+        ops.quant_matmul(torch.randn(1, 256), k_blocks, int(GGMLQuantizationType.Q4_K) | SCALES_FIRST, 256)
 
 
 @pytest.mark.parametrize("qtype", FORMATS + K_QUANTS, ids=lambda t: t.name)

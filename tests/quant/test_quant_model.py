@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedrs import LLM, SamplingParams
+from pagedrs.engine import model_runner
 from pagedrs.kernels import cpu as cpu_kernels
 from pagedrs.models.loader import resolve_model
 from pagedrs.quant.layers import QuantColumnParallelLinear, QuantRowParallelLinear, QuantVocabEmbedding
@@ -45,6 +46,10 @@ def test_default_model_packed_decodes_as_dequantized():
     # Every linear holds uint8 blocks: only the norms are float.
     float_params = [name for name, p in packed.engine.model.named_parameters() if p.dtype != torch.uint8]
     assert all("norm" in name for name in float_params), float_params
+    # On AVX2 builds the exact path reads Q8_0/Q4_0/Q4_1 rows with their scales first.
+    packed_types = (QuantColumnParallelLinear, QuantRowParallelLinear, QuantVocabEmbedding)
+    stored = [m for m in packed.engine.model.modules() if isinstance(m, packed_types)]
+    assert len(stored) == 30 * 4 + 1 and all(m.scales_first == cpu_kernels.load().scales_first_rows() for m in stored)
     ours = greedy(packed, 24)
     packed_bytes = weight_bytes(packed)
     assert packed_bytes == predicted(None, "auto")  # what `pagedrs memory` reports
@@ -58,6 +63,26 @@ def test_default_model_packed_decodes_as_dequantized():
         at = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
         top2 = sorted((lp.logprob for lp in b.logprobs[at].values()), reverse=True)[:2]
         assert top2[0] - top2[1] < 1e-3, f"{prompt!r} diverged at token {at} with a logit gap {top2[0] - top2[1]}"
+
+
+@pytest.mark.skipif(
+    not cpu_kernels.available() or not cpu_kernels.load().scales_first_rows(),
+    reason="this build reads no scales-first rows (AVX2 builds only)",
+)
+def test_scales_first_rows_decode_as_gguf_rows(monkeypatch):
+    """The default model with its rows in the scales-first order (AVX2's default) against the
+    same model on GGUF's rows: the same weights, sums in another order, so the same greedy
+    tokens and logprobs equal to float32 rounding."""
+    ours = greedy(LLM(kv_cache_memory="64MiB"), 16, logprobs=3)
+    monkeypatch.setattr(model_runner, "use_scales_first", lambda model: 0)
+    gguf_rows = LLM(kv_cache_memory="64MiB")
+    assert not gguf_rows.engine.model.embed_tokens.scales_first
+    theirs = greedy(gguf_rows, 16, logprobs=3)
+    for a, b in zip(ours, theirs):
+        assert a.token_ids == b.token_ids
+        for mine, other in zip(a.logprobs, b.logprobs):
+            assert mine.keys() == other.keys()
+            assert all(abs(mine[t].logprob - other[t].logprob) < 1e-4 for t in mine)
 
 
 def test_int8_packs_a_float_checkpoint_and_stays_close(tiny_llama):

@@ -24,7 +24,7 @@ from pagedrs.models import build_model
 from pagedrs.models.cpu_stack import CpuDecoderStack, why_unsupported
 from pagedrs.models.decoder import DecoderForCausalLM
 from pagedrs.models.loader import load_config, resolve_model
-from pagedrs.quant.layers import use_int8_activations
+from pagedrs.quant.layers import use_int8_activations, use_scales_first
 from pagedrs.quant.loading import load_weights
 
 if TYPE_CHECKING:
@@ -65,6 +65,8 @@ def load_model_runner(
             "cpu_activation_quantization='int8' needs packed Q8_0, Q4_0 or Q4_1 linears on the CPU "
             "(a GGUF file of those, or quantization='int8'); this model has none"
         )
+    if device.type == "cpu":
+        use_scales_first(model)  # the exact path's row order where this build reads it faster (AVX2)
     model = model.to(device).eval()
     layout = KVLayout.plan(model.layer_windows, release_windows)
     cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)

@@ -123,6 +123,8 @@ def describe() -> str:
         else "blocks dequantized by scalar code",
     )
     ops = load()
+    if ops.scales_first_rows():
+        matmul += " (Q8_0, Q4_0 and Q4_1 rows stored scales first)"
     int8_path = ops.int8_activation_path()
     vnni = f", {int8_path}" if "vnni" in int8_path else ""
     prefetch = ops.int8_panel_prefetch_bytes()
