@@ -64,6 +64,9 @@
 #include "quant_blocks.h"
 
 #include <algorithm>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -698,22 +701,38 @@ void unpack_panel_row(const uint8_t* panels, int64_t n, int64_t num_blocks, uint
 
 // Stored panels are one sequential stream, but the hardware prefetchers do not keep a core's
 // reads ahead of it on every CPU (see kPrefetchAhead): there the first tile's walk asks for the
-// bytes this far ahead as it reaches each block (0: it asks for nothing). On the Sapphire Rapids
-// VM, whose L3 holds the default model, a single-stream int8 decode step took 4.19 ms without,
-// 3.60 with 2 KB, 3.26-3.30 with 6-16 KB (one process, alternated, medians of 20 rounds). On an
-// AMD EPYC Zen 4 VM, whose weights come from memory, the same prefetches made the stack's call
-// slower at every distance: 4.21 ms without against 4.44 with 8 KB (x1.056; steps alternated
-// one by one, 1,260 each), 2 to 32 KB all slower, and prefetching the block being read (1 byte
-// ahead: the same instructions, nothing fetched early) as fast as none. AMD's prefetchers keep
-// up with the stream; software prefetches there only compete with them. The exact kernel,
-// bound by its instructions, gained nothing from a longer distance than its 1 KB on either.
-const int64_t kStoredPrefetchAhead = [] {
+// bytes this far ahead as it reaches each block (0: it asks for nothing). Each choice below was
+// measured on the default model's single-stream int8 decode, the variants alternated in one
+// process:
+// - Sapphire Rapids VM, whose L3 holds the default model: a step took 4.19 ms without, 3.60 with
+//   2 KB, 3.26-3.30 with 6-16 KB (medians of 20 rounds): 8 KB;
+// - AMD EPYC Zen 4 VM, whose weights come from memory: slower at every distance, 4.21 ms without
+//   against 4.44 with 8 KB (x1.056; steps alternated one by one, 1,260 each), 2 to 32 KB all
+//   slower, and prefetching the block being read (1 byte ahead: the same instructions, nothing
+//   fetched early) as fast as none: its prefetchers keep up with the stream, software
+//   prefetches only compete with them. None there, nor on other AMD CPUs not measured (Zen 5
+//   and Zen 2 and older);
+// - AMD EPYC Zen 3 VM: requests of 128 tokens 1.09-1.11x as fast with 1-4 KB as without (1.07-
+//   1.12x with 8 KB, 1.03x with 16): 2 KB.
+// The exact kernel, bound by its instructions, gained nothing from a longer distance than its
+// 1 KB on any of them.
+int64_t stored_prefetch_distance() {
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();  // (a static initializer: __builtin_cpu_is may not be set up yet)
-  if (__builtin_cpu_is("amd")) return int64_t{0};
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x68747541 /* "Auth" of AuthenticAMD */) {
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+    const unsigned family = ((eax >> 8) & 0x0F) + ((eax >> 20) & 0xFF);
+    const unsigned model = ((eax >> 4) & 0x0F) | ((eax >> 12) & 0xF0);
+    // Zen 3: family 0x19, models 0x00-0x0F (EPYC Milan), 0x20-0x2F and 0x40-0x5F (Ryzen);
+    // Zen 4 is the same family's 0x10-0x1F, 0x60-0x7F and 0xA0-0xAF
+    const bool zen3 =
+        family == 0x19 && (model < 0x10 || (model >= 0x20 && model < 0x30) || (model >= 0x40 && model < 0x60));
+    return zen3 ? int64_t{2} << 10 : 0;
+  }
 #endif
   return int64_t{8} << 10;
-}();
+}
+const int64_t kStoredPrefetchAhead = stored_prefetch_distance();
 
 // out[t * out_stride + r] for the kPanelRows rows of one stored panel and kTokens quantized
 // tokens from t0: panel_dot's sums (the same integers, scaled and added in the same order, so
