@@ -103,7 +103,8 @@ cpu-isa-check: cpu-kernels
 # The packed matmul's formats and per-row kernel (cpu/quant_blocks.h) against their scalar
 # dequant, the fp8 KV cache's conversion and NEON's int8-activation kernels, cross-compiled for
 # aarch64 (with and without the dot product, sdot) and run under qemu-user, then natively
-# (this machine's x86 path, and the scalar code of plain x86-64), with the extension's
+# (this machine's x86 path, the scalar code of plain x86-64, and on an AVX-512 machine the AVX2
+# path with its scales-first rows, x86-64-v3), with the extension's
 # floating-point flags: cpu/tests/quant_blocks_check.cpp, no torch needed; then
 # quant_matmul.cpp and paged_attention.cpp compiled for aarch64 (object code only: there is no
 # aarch64 torch to run them). Installs the cross compiler and qemu (Debian packages) once if they
@@ -123,14 +124,16 @@ neon-check:
 	fi
 	@dir=$$(mktemp -d) || exit 1; trap 'rm -rf "$$dir"' EXIT; \
 	flags="-O3 -ffp-contract=fast -fno-trapping-math -std=c++17"; \
+	avx2=true; if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then avx2=$$dir/avx2; fi; \
 	aarch64-linux-gnu-g++ $$flags -march=armv8.2-a -static -Wall -Wextra \
 		-o $$dir/aarch64 cpu/tests/quant_blocks_check.cpp & cross=$$!; \
 	aarch64-linux-gnu-g++ $$flags -march=armv8.2-a+dotprod -static -Wall -Wextra \
 		-o $$dir/aarch64-dotprod cpu/tests/quant_blocks_check.cpp & dotprod=$$!; \
 	g++ $$flags -march=native -o $$dir/native cpu/tests/quant_blocks_check.cpp && \
-		g++ $$flags -march=x86-64 -o $$dir/scalar cpu/tests/quant_blocks_check.cpp; native=$$?; \
+		g++ $$flags -march=x86-64 -o $$dir/scalar cpu/tests/quant_blocks_check.cpp && \
+		{ [ $$avx2 = true ] || g++ $$flags -march=x86-64-v3 -o $$avx2 cpu/tests/quant_blocks_check.cpp; }; native=$$?; \
 	wait $$cross && wait $$dotprod && [ $$native = 0 ] && qemu-aarch64 $$dir/aarch64 && \
-		qemu-aarch64 $$dir/aarch64-dotprod && $$dir/native && $$dir/scalar
+		qemu-aarch64 $$dir/aarch64-dotprod && $$dir/native && $$dir/scalar && $$avx2
 	@echo "neon-check: cpu/quant_matmul.cpp (with and without sdot) and cpu/paged_attention.cpp for aarch64, against torch's headers"
 	@includes="$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))") \
 		-I$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])")"; \
