@@ -84,10 +84,11 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def step_ms(llm: LLM, params: SamplingParams, steps: int, probe: torch.Tensor) -> dict[str, float]:
+def step_ms(llm: LLM, params: SamplingParams, steps: int, probe: torch.Tensor | None = None) -> dict[str, float]:
     """The median decode step of one sequence and the medians of its parts (the stack's call,
-    the model's own head, the rest), in ms; and the median over the steps of one pass over
-    ``probe`` (weights-sized), timed right after the step, over the step ("paired_share")."""
+    the model's own head, the rest), in ms; and, given a ``probe`` (weights-sized), the median
+    over the steps of one pass over it, timed right after the step, over the step
+    ("paired_share")."""
     engine = llm.engine
     decode = dataclasses.replace(params, max_tokens=steps + 8)
     engine.add_request("bound", PROMPT_TOKENS, decode)
@@ -99,16 +100,19 @@ def step_ms(llm: LLM, params: SamplingParams, steps: int, probe: torch.Tensor) -
     originals = {part: getattr(cls, name) for part, (cls, name) in timed.items()}
     for part, (cls, name) in timed.items():
         setattr(cls, name, clock.wrap(part, originals[part]))
-    parts: dict[str, list[float]] = {"step": [], "stack": [], "head": [], "rest": [], "paired_share": []}
+    parts: dict[str, list[float]] = {"step": [], "stack": [], "head": [], "rest": []}
+    if probe is not None:
+        parts["paired_share"] = []
     try:
         for _ in range(steps):
             clock.seconds = {"stack": 0.0, "head": 0.0}
             start = time.perf_counter()
             engine.step()
             step = time.perf_counter() - start
-            start = time.perf_counter()
-            probe.sum()
-            parts["paired_share"].append((time.perf_counter() - start) / step)
+            if probe is not None:
+                start = time.perf_counter()
+                probe.sum()
+                parts["paired_share"].append((time.perf_counter() - start) / step)
             parts["step"].append(step)
             parts["stack"].append(clock.seconds["stack"])
             parts["head"].append(clock.seconds["head"])

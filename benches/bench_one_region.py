@@ -25,9 +25,6 @@ from pagedrs import LLM, SamplingParams
 from pagedrs.envinfo import environment
 from pagedrs.kernels import cpu as cpu_kernels
 
-NO_PROBE = torch.zeros(1)
-"""`step_ms`'s read pass after each step, made negligible: its paired share is not wanted here."""
-
 
 def batch_step_ms(llm: LLM, params: SamplingParams, batch: int, steps: int) -> dict[str, float]:
     """The median step of ``batch`` sequences decoding together (prompts of 18 tokens, each a
@@ -67,7 +64,7 @@ def main() -> None:
                         stack.set_one_region(one_region)
                         before = stack.one_region_steps
                         if batch == 1:
-                            runs[one_region].append(step_ms(llm, params, args.steps, NO_PROBE))
+                            runs[one_region].append(step_ms(llm, params, args.steps))
                         else:
                             runs[one_region].append(batch_step_ms(llm, params, batch, args.steps))
                         assert (stack.one_region_steps > before) == one_region
